@@ -1,0 +1,156 @@
+// Package metrics holds kvroute's Prometheus collectors: one Metrics struct
+// built from a prometheus.Registerer, with no package-global state. Hot-path
+// label children are resolved once at construction so recording a request
+// costs a few atomic adds.
+package metrics
+
+import (
+	"strconv"
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Namespace prefixes every kvroute metric.
+const Namespace = "kvroute"
+
+// latencyBuckets span 100 µs (a router hop on loopback) to 10 min (a long
+// generation), roughly ×2.5 apart.
+var latencyBuckets = []float64{
+	0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+	0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600,
+}
+
+// EndpointSample is one endpoint's live state, read at scrape time.
+type EndpointSample struct {
+	URL, Role          string
+	InFlight           int64
+	Requests, Failures uint64
+}
+
+// Metrics is the set of kvroute's collectors. Safe for concurrent use.
+type Metrics struct {
+	classes []string
+
+	requests      *prometheus.CounterVec
+	duration      *prometheus.HistogramVec
+	ttfb          *prometheus.HistogramVec
+	inFlight      prometheus.Gauge
+	upstreamErrs  *prometheus.CounterVec
+	retries       prometheus.Counter
+	durationByCls []prometheus.Observer
+	ttfbByCls     []prometheus.Observer
+
+	mu       sync.RWMutex
+	reqCache map[reqKey]prometheus.Counter
+}
+
+type reqKey struct {
+	class int
+	code  int
+}
+
+// New registers kvroute's collectors on reg. classes are the path classes
+// (label "class"), addressed by index in the recording methods. endpoints,
+// when non-nil, is called at each scrape to report per-endpoint state; it
+// must call yield once per endpoint.
+func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(EndpointSample))) *Metrics {
+	m := &Metrics{
+		classes: classes,
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "requests_total",
+			Help: "Requests answered, by path class and HTTP status (499: the client went away).",
+		}, []string{"class", "code"}),
+		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: Namespace, Name: "request_duration_seconds",
+			Help:    "Time from reading the request to the end of the response body, by path class.",
+			Buckets: latencyBuckets,
+		}, []string{"class"}),
+		ttfb: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: Namespace, Name: "time_to_first_byte_seconds",
+			Help:    "Time from reading the request to the first response body byte from the endpoint, by path class.",
+			Buckets: latencyBuckets,
+		}, []string{"class"}),
+		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: Namespace, Name: "in_flight_requests",
+			Help: "Requests being proxied now.",
+		}),
+		upstreamErrs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "upstream_errors_total",
+			Help: "Failed upstream attempts, by kind (connect, timeout, status, body).",
+		}, []string{"kind"}),
+		retries: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "retries_total",
+			Help: "Requests re-sent to another endpoint before the first response byte.",
+		}),
+		reqCache: make(map[reqKey]prometheus.Counter),
+	}
+	for _, c := range classes {
+		m.durationByCls = append(m.durationByCls, m.duration.WithLabelValues(c))
+		m.ttfbByCls = append(m.ttfbByCls, m.ttfb.WithLabelValues(c))
+	}
+	reg.MustRegister(m.requests, m.duration, m.ttfb, m.inFlight, m.upstreamErrs, m.retries)
+	if endpoints != nil {
+		reg.MustRegister(&endpointCollector{each: endpoints})
+	}
+	return m
+}
+
+// Request records one answered request of class index class.
+func (m *Metrics) Request(class, code int, seconds float64) {
+	k := reqKey{class, code}
+	m.mu.RLock()
+	c, ok := m.reqCache[k]
+	m.mu.RUnlock()
+	if !ok {
+		c = m.requests.WithLabelValues(m.classes[class], strconv.Itoa(code))
+		m.mu.Lock()
+		m.reqCache[k] = c
+		m.mu.Unlock()
+	}
+	c.Inc()
+	m.durationByCls[class].Observe(seconds)
+}
+
+// FirstByte records the time to the first response byte for class index class.
+func (m *Metrics) FirstByte(class int, seconds float64) {
+	m.ttfbByCls[class].Observe(seconds)
+}
+
+// InFlight adds d to the number of requests being proxied.
+func (m *Metrics) InFlight(d float64) { m.inFlight.Add(d) }
+
+// UpstreamError counts one failed upstream attempt of the given kind.
+func (m *Metrics) UpstreamError(kind string) { m.upstreamErrs.WithLabelValues(kind).Inc() }
+
+// Retry counts one retry.
+func (m *Metrics) Retry() { m.retries.Inc() }
+
+// endpointCollector reports per-endpoint atomics at scrape time, so the
+// request path pays nothing for per-endpoint series.
+type endpointCollector struct {
+	each func(yield func(EndpointSample))
+}
+
+var (
+	descEndpointInFlight = prometheus.NewDesc(Namespace+"_endpoint_in_flight_requests",
+		"Requests in flight to the endpoint from this router.", []string{"endpoint", "role"}, nil)
+	descEndpointRequests = prometheus.NewDesc(Namespace+"_endpoint_requests_total",
+		"Requests dispatched to the endpoint (attempts, retries included).", []string{"endpoint", "role"}, nil)
+	descEndpointFailures = prometheus.NewDesc(Namespace+"_endpoint_failures_total",
+		"Failed attempts on the endpoint (connection errors, timeouts, 5xx).", []string{"endpoint", "role"}, nil)
+)
+
+func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- descEndpointInFlight
+	ch <- descEndpointRequests
+	ch <- descEndpointFailures
+}
+
+func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
+	c.each(func(s EndpointSample) {
+		ch <- prometheus.MustNewConstMetric(descEndpointInFlight, prometheus.GaugeValue, float64(s.InFlight), s.URL, s.Role)
+		ch <- prometheus.MustNewConstMetric(descEndpointRequests, prometheus.CounterValue, float64(s.Requests), s.URL, s.Role)
+		ch <- prometheus.MustNewConstMetric(descEndpointFailures, prometheus.CounterValue, float64(s.Failures), s.URL, s.Role)
+	})
+}

@@ -1,0 +1,106 @@
+package proxy
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+
+	"github.com/valyala/fasthttp"
+)
+
+// Sentinel errors of the proxy, wrapped with %w where they carry detail.
+var (
+	// ErrNoEndpoint: no usable endpoint for the request (503).
+	ErrNoEndpoint = errors.New("proxy: no endpoint available")
+	// ErrUpstream: the endpoint failed: connection refused or reset, a
+	// malformed response, or a retryable status after the last attempt (502).
+	ErrUpstream = errors.New("proxy: upstream failure")
+	// ErrUpstreamTimeout: connect or response-header timeout (504).
+	ErrUpstreamTimeout = errors.New("proxy: upstream timeout")
+	// ErrClientGone: the client went away before the response ended (499).
+	ErrClientGone = errors.New("proxy: client closed the connection")
+	// ErrInternal: a bug in kvroute (500).
+	ErrInternal = errors.New("proxy: internal error")
+	// ErrBodyTooLarge: the request body exceeds --max-body-bytes (413).
+	ErrBodyTooLarge = errors.New("proxy: request body too large")
+)
+
+// StatusClientClosedRequest is nginx's non-standard status for a request the
+// client abandoned; it is logged and counted, never sent.
+const StatusClientClosedRequest = 499
+
+// badRequestError is a client mistake in an inference body (400).
+type badRequestError struct {
+	msg   string
+	param string
+}
+
+func (e *badRequestError) Error() string { return e.msg }
+
+// statusOf maps a failure to the HTTP status kvroute answers with, the
+// OpenAI error type and a short code. It is the one place that decides.
+func statusOf(err error) (status int, typ, code string) {
+	var bad *badRequestError
+	switch {
+	case errors.As(err, &bad):
+		return fasthttp.StatusBadRequest, "BadRequestError", "invalid_request"
+	case errors.Is(err, ErrBodyTooLarge):
+		return fasthttp.StatusRequestEntityTooLarge, "BadRequestError", "request_too_large"
+	case errors.Is(err, ErrInternal):
+		return fasthttp.StatusInternalServerError, "InternalServerError", "internal_error"
+	case errors.Is(err, ErrNoEndpoint):
+		return fasthttp.StatusServiceUnavailable, "ServiceUnavailableError", "no_endpoint"
+	case errors.Is(err, ErrUpstreamTimeout):
+		return fasthttp.StatusGatewayTimeout, "GatewayTimeoutError", "upstream_timeout"
+	case errors.Is(err, ErrClientGone):
+		return StatusClientClosedRequest, "ClientClosedRequest", "client_closed_request"
+	default:
+		return fasthttp.StatusBadGateway, "BadGatewayError", "upstream_error"
+	}
+}
+
+// classifyUpstream wraps a client error from fasthttp as ErrUpstreamTimeout
+// or ErrUpstream and returns the metric kind.
+func classifyUpstream(err error) (error, string) {
+	var ne net.Error
+	if errors.Is(err, fasthttp.ErrTimeout) || errors.Is(err, fasthttp.ErrDialTimeout) ||
+		(errors.As(err, &ne) && ne.Timeout()) {
+		return fmt.Errorf("%w: %v", ErrUpstreamTimeout, err), "timeout"
+	}
+	return fmt.Errorf("%w: %v", ErrUpstream, err), "connect"
+}
+
+// errorBody is vLLM's nested error envelope (REFERENCE §1, vllm-wire
+// error-400.json); code is a string here, as in OpenAI's API.
+type errorBody struct {
+	Error struct {
+		Message string  `json:"message"`
+		Type    string  `json:"type"`
+		Param   *string `json:"param"`
+		Code    string  `json:"code"`
+	} `json:"error"`
+}
+
+// writeError answers ctx with an OpenAI-style JSON error body for err and
+// returns the status. For 499 (client gone) nothing is written.
+func writeError(ctx *fasthttp.RequestCtx, err error) int {
+	status, typ, code := statusOf(err)
+	if status == StatusClientClosedRequest {
+		return status
+	}
+	var body errorBody
+	body.Error.Message = err.Error()
+	body.Error.Type = typ
+	body.Error.Code = code
+	var bad *badRequestError
+	if errors.As(err, &bad) && bad.param != "" {
+		body.Error.Param = &bad.param
+	}
+	b, _ := json.Marshal(&body) // cannot fail: strings only
+	ctx.Response.Reset()
+	ctx.SetStatusCode(status)
+	ctx.SetContentType("application/json")
+	ctx.SetBody(b)
+	return status
+}

@@ -1,0 +1,604 @@
+// Package proxy is kvroute's data plane: a fasthttp server that reads each
+// request once, parses inference bodies into a routing.Request, asks a
+// Picker for an endpoint, forwards the request, and streams the response
+// back with a flush per chunk. It owns retries, the mapping of failures to
+// statuses, header hygiene, the access log and the admin listener.
+package proxy
+
+import (
+	"context"
+	"errors"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/valyala/fasthttp"
+	"go.uber.org/zap"
+
+	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/metrics"
+	"github.com/kvroute/kvroute/routing"
+)
+
+// Picker chooses the endpoint for a request from a Set. Implementations must
+// be safe for concurrent use and must not retain r.
+type Picker interface {
+	Pick(r *routing.Request, set *discovery.Set) routing.Decision
+}
+
+// Classes are the path-class labels of the metrics, indexed by routing.Kind.
+var Classes = []string{
+	routing.KindOther:       routing.KindOther.String(),
+	routing.KindCompletions: routing.KindCompletions.String(),
+	routing.KindChat:        routing.KindChat.String(),
+	routing.KindResponses:   routing.KindResponses.String(),
+	routing.KindEmbeddings:  routing.KindEmbeddings.String(),
+}
+
+// Options configure a Server. Zero durations mean "no limit".
+type Options struct {
+	Picker  Picker
+	Pool    *discovery.Pool
+	Metrics *metrics.Metrics
+	Logger  *zap.Logger
+	// AccessLog writes one Info line per request to Logger.
+	AccessLog bool
+	// MaxBodyBytes caps request bodies (413 beyond).
+	MaxBodyBytes int
+	// Retries is how many times a request may be re-sent to another
+	// endpoint before its first response byte.
+	Retries int
+	// ConnectTimeout bounds dialing an endpoint.
+	ConnectTimeout time.Duration
+	// ResponseHeaderTimeout bounds the wait from sending a request to the
+	// first response byte.
+	ResponseHeaderTimeout time.Duration
+	// StreamIdleTimeout bounds the gap between two reads of a response body.
+	StreamIdleTimeout time.Duration
+	// UpstreamIdleTimeout closes idle upstream keep-alive connections; keep
+	// it below the engine's own keep-alive (uvicorn, hence vLLM: 5 s).
+	UpstreamIdleTimeout time.Duration
+	// ClientIdleTimeout closes idle client keep-alive connections.
+	ClientIdleTimeout time.Duration
+	// MaxConnsPerEndpoint caps upstream connections per endpoint; every
+	// streaming request holds one for its whole life.
+	MaxConnsPerEndpoint int
+	// BlockSize and MaxBlocks shape prefix hashing (bytes per block, cap).
+	BlockSize, MaxBlocks int
+}
+
+// Server is the proxy. Create it with New; it is safe for concurrent use.
+type Server struct {
+	opt     Options
+	srv     *fasthttp.Server
+	clients sync.Map // *discovery.Endpoint → *fasthttp.HostClient
+	pruned  atomic.Uint64
+	states  sync.Pool // *reqState
+	bodies  sync.Pool // *upstreamBody
+	// idPrefix makes generated request ids unique across router replicas.
+	idPrefix [8]byte
+	idSeq    atomic.Uint64
+	draining atomic.Bool
+}
+
+// New returns a Server. It starts nothing; call Serve.
+func New(opt Options) *Server {
+	if opt.Logger == nil {
+		opt.Logger = zap.NewNop()
+	}
+	if opt.Metrics == nil {
+		opt.Metrics = metrics.New(prometheus.NewRegistry(), Classes, nil)
+	}
+	if opt.BlockSize <= 0 {
+		opt.BlockSize = 256
+	}
+	if opt.MaxBlocks <= 0 {
+		opt.MaxBlocks = 1024
+	}
+	s := &Server{opt: opt}
+	s.states.New = func() any { return new(reqState) }
+	s.bodies.New = func() any { return new(upstreamBody) }
+	const hex = "0123456789abcdef"
+	r := rand.Uint64()
+	for i := range s.idPrefix {
+		s.idPrefix[i] = hex[(r>>(4*i))&15]
+	}
+	s.srv = &fasthttp.Server{
+		Handler:                            s.handle,
+		ErrorHandler:                       s.handleServerError,
+		Name:                               "kvroute",
+		NoDefaultServerHeader:              true,
+		NoDefaultContentType:               true,
+		NoDefaultDate:                      true,
+		MaxRequestBodySize:                 opt.MaxBodyBytes,
+		IdleTimeout:                        opt.ClientIdleTimeout,
+		ReadTimeout:                        0, // a request body may trickle in; IdleTimeout covers idle conns
+		WriteTimeout:                       0, // a stream may last many minutes
+		ReduceMemoryUsage:                  false,
+		DisablePreParseMultipartForm:       true,
+		StreamRequestBody:                  false,
+		CloseOnShutdown:                    true,
+		SleepWhenConcurrencyLimitsExceeded: 0,
+	}
+	return s
+}
+
+// Serve accepts client connections on ln until Shutdown.
+func (s *Server) Serve(ln net.Listener) error { return s.srv.Serve(ln) }
+
+// Drain marks the server as draining: /readyz answers 503 from now on.
+func (s *Server) Drain() { s.draining.Store(true) }
+
+// Shutdown stops accepting connections and waits for in-flight requests,
+// streams included, until ctx is done.
+func (s *Server) Shutdown(ctx context.Context) error {
+	s.Drain()
+	return s.srv.ShutdownWithContext(ctx)
+}
+
+// handleServerError answers errors fasthttp detects before the handler runs
+// (oversized or malformed requests) with an OpenAI-style error.
+func (s *Server) handleServerError(ctx *fasthttp.RequestCtx, err error) {
+	var status int
+	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
+		status = writeError(ctx, ErrBodyTooLarge)
+	} else {
+		status = writeError(ctx, &badRequestError{msg: "malformed HTTP request: " + err.Error()})
+	}
+	s.opt.Metrics.Request(int(routing.KindOther), status, 0)
+}
+
+// handle serves one client request.
+func (s *Server) handle(ctx *fasthttp.RequestCtx) {
+	start := time.Now()
+	st := s.states.Get().(*reqState)
+	st.req.Reset()
+	defer s.states.Put(st)
+	s.opt.Metrics.InFlight(1)
+
+	// held is the endpoint whose in-flight count this handler owns; it is
+	// released here on every exit, panics included, unless the response body
+	// took it over.
+	var held *discovery.Endpoint
+	defer func() {
+		if held != nil {
+			held.InFlight.Add(-1)
+		}
+		if p := recover(); p != nil {
+			s.opt.Logger.Error("panic serving request", zap.Any("panic", p), zap.Stack("stack"))
+			s.finish(ctx, st, writeError(ctx, ErrInternal), start, nil)
+		}
+	}()
+
+	kind := kindOf(ctx.Method(), ctx.Path())
+	st.req.Kind = kind
+	if kind != routing.KindOther && len(ctx.Request.Header.ContentEncoding()) == 0 {
+		if err := st.parse(kind, ctx.PostBody(), s.opt.BlockSize, s.opt.MaxBlocks); err != nil {
+			s.finish(ctx, st, writeError(ctx, err), start, err)
+			return
+		}
+	}
+	reqID := s.prepareRequest(ctx)
+	st.uri = append(st.uri[:0], ctx.Request.RequestURI()...)
+
+	set := s.opt.Pool.Load()
+	if v := set.Version; s.pruned.Load() != v {
+		s.prune(set)
+	}
+	var lastErr error
+	for attempt := 0; attempt <= s.opt.Retries; attempt++ {
+		d := s.opt.Picker.Pick(&st.req, set)
+		ep := d.Endpoint
+		if ep == nil {
+			if lastErr == nil {
+				lastErr = ErrNoEndpoint
+			}
+			break
+		}
+		if attempt > 0 {
+			s.opt.Metrics.Retry()
+		}
+		st.req.Tried = append(st.req.Tried, ep)
+		ep.InFlight.Add(1)
+		ep.Requests.Add(1)
+		held = ep
+		if ep.BasePath != "" || attempt > 0 {
+			s.setURI(ctx, st, ep)
+		}
+		resp := fasthttp.AcquireResponse()
+		resp.StreamBody = true
+		err := s.client(ep).Do(&ctx.Request, resp)
+		if err != nil {
+			fasthttp.ReleaseResponse(resp)
+			held = nil
+			ep.InFlight.Add(-1)
+			ep.Failures.Add(1)
+			var kindLabel string
+			lastErr, kindLabel = classifyUpstream(err)
+			s.opt.Metrics.UpstreamError(kindLabel)
+			s.opt.Logger.Debug("upstream attempt failed", zap.String("endpoint", ep.URL), zap.Error(err))
+			continue
+		}
+		code := resp.StatusCode()
+		if attempt < s.opt.Retries && retryable(code) {
+			_ = resp.Body() // drain the small error body so the connection is reused
+			fasthttp.ReleaseResponse(resp)
+			held = nil
+			ep.InFlight.Add(-1)
+			if code >= 500 {
+				ep.Failures.Add(1)
+			}
+			s.opt.Metrics.UpstreamError("status")
+			lastErr = &statusError{endpoint: ep.URL, code: code}
+			continue
+		}
+		held = nil // the response body owns the in-flight count from here
+		s.commit(ctx, st, ep, resp, reqID, start)
+		return
+	}
+	if lastErr == nil {
+		lastErr = ErrNoEndpoint
+	}
+	status := writeError(ctx, lastErr)
+	ctx.Response.Header.SetBytesKV(headerRequestID, reqID)
+	s.finish(ctx, st, status, start, lastErr)
+}
+
+// statusError is a retryable status on the last endpoint tried.
+type statusError struct {
+	endpoint string
+	code     int
+}
+
+func (e *statusError) Error() string {
+	return ErrUpstream.Error() + ": " + e.endpoint + " answered " + fasthttp.StatusMessage(e.code)
+}
+
+func (e *statusError) Unwrap() error { return ErrUpstream }
+
+// retryable reports whether an endpoint's status means "try another one":
+// it is overloaded or its own upstream failed, and nothing was generated.
+func retryable(code int) bool {
+	switch code {
+	case fasthttp.StatusTooManyRequests, fasthttp.StatusBadGateway,
+		fasthttp.StatusServiceUnavailable, fasthttp.StatusGatewayTimeout:
+		return true
+	}
+	return false
+}
+
+// finish records a request answered by kvroute itself (no upstream body).
+func (s *Server) finish(ctx *fasthttp.RequestCtx, st *reqState, status int, start time.Time, err error) {
+	d := time.Since(start)
+	s.opt.Metrics.Request(int(st.req.Kind), status, d.Seconds())
+	s.opt.Metrics.InFlight(-1)
+	if status >= 500 && err != nil {
+		s.opt.Logger.Warn("request failed", zap.ByteString("request_id", ctx.Request.Header.PeekBytes(headerRequestID)),
+			zap.ByteString("path", ctx.Path()), zap.Int("status", status), zap.Error(err))
+	}
+	if s.opt.AccessLog {
+		s.opt.Logger.Info("request",
+			zap.ByteString("request_id", ctx.Request.Header.PeekBytes(headerRequestID)),
+			zap.ByteString("method", ctx.Method()), zap.ByteString("path", ctx.Path()),
+			zap.Int("status", status), zap.Int("attempts", len(st.req.Tried)),
+			zap.Duration("duration", d))
+	}
+}
+
+// commit hands the endpoint's response to the client: headers now, the body
+// as a stream that fasthttp writes and flushes chunk by chunk.
+func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, ep *discovery.Endpoint, resp *fasthttp.Response, reqID []byte, start time.Time) {
+	clientClose := ctx.Request.Header.ConnectionClose()
+	resp.Header.CopyTo(&ctx.Response.Header)
+	h := &ctx.Response.Header
+	removeHopHeaders(h)
+	h.ResetConnectionClose()
+	if clientClose {
+		h.SetConnectionClose()
+	}
+	h.SetBytesKV(headerRequestID, reqID)
+
+	b := s.bodies.Get().(*upstreamBody)
+	b.s, b.resp, b.ep, b.start = s, resp, ep, start
+	b.class = int(st.req.Kind)
+	b.status = resp.StatusCode()
+	b.attempts = len(st.req.Tried)
+	b.firstByte, b.bytes, b.readErr = false, 0, nil
+	b.reqID = append(b.reqID[:0], reqID...)
+	b.method = append(b.method[:0], ctx.Method()...)
+	b.path = append(b.path[:0], ctx.Path()...)
+
+	rd := resp.BodyStream()
+	if rd == nil { // HEAD, 204, 304: no body
+		b.firstByte = true
+		s.opt.Metrics.FirstByte(b.class, time.Since(start).Seconds())
+		b.rd = eofReader{}
+		ctx.Response.SetBodyStream(b, 0)
+		return
+	}
+	b.rd = rd
+	size := resp.Header.ContentLength()
+	if size < 0 || isEventStream(resp) {
+		// Unknown length or SSE: chunked to the client, headers flushed at
+		// once and every chunk flushed as it arrives.
+		size = -1
+		ctx.Response.ImmediateHeaderFlush = true
+	}
+	ctx.Response.SetBodyStream(b, size)
+}
+
+func isEventStream(resp *fasthttp.Response) bool {
+	ct := resp.Header.ContentType()
+	return len(ct) >= 17 && string(ct[:17]) == "text/event-stream"
+}
+
+// upstreamBody is the response body handed to fasthttp: it reads the
+// endpoint's stream, notes the first byte, and on close releases the
+// endpoint's connection and in-flight count and records the request. It
+// never touches the RequestCtx, which fasthttp may have reset by then.
+type upstreamBody struct {
+	s         *Server
+	resp      *fasthttp.Response
+	rd        io.Reader
+	ep        *discovery.Endpoint
+	start     time.Time
+	class     int
+	status    int
+	attempts  int
+	firstByte bool
+	bytes     int64
+	readErr   error
+	reqID     []byte
+	method    []byte
+	path      []byte
+}
+
+// Read implements io.Reader.
+func (b *upstreamBody) Read(p []byte) (int, error) {
+	n, err := b.rd.Read(p)
+	if n > 0 {
+		if !b.firstByte {
+			b.firstByte = true
+			b.s.opt.Metrics.FirstByte(b.class, time.Since(b.start).Seconds())
+		}
+		b.bytes += int64(n)
+	}
+	if err != nil && err != io.EOF {
+		b.readErr = err
+	}
+	return n, err
+}
+
+// CloseWithError is called by fasthttp exactly once when the body is done:
+// err is nil after a complete write, or the write error when the client went
+// away. An unfinished upstream stream is closed, so the engine sees the
+// disconnect and stops generating.
+func (b *upstreamBody) CloseWithError(err error) error {
+	s := b.s
+	_ = b.resp.CloseBodyStream()
+	fasthttp.ReleaseResponse(b.resp)
+	b.ep.InFlight.Add(-1)
+	status := b.status
+	switch {
+	case b.readErr != nil:
+		b.ep.Failures.Add(1)
+		s.opt.Metrics.UpstreamError("body")
+		s.opt.Logger.Warn("upstream body failed", zap.ByteString("request_id", b.reqID),
+			zap.String("endpoint", b.ep.URL), zap.Error(b.readErr))
+	case err != nil:
+		status = StatusClientClosedRequest
+		s.opt.Logger.Info("client closed the connection", zap.ByteString("request_id", b.reqID),
+			zap.String("endpoint", b.ep.URL), zap.Int64("bytes", b.bytes), zap.NamedError("cause", err))
+	}
+	d := time.Since(b.start)
+	s.opt.Metrics.Request(b.class, status, d.Seconds())
+	s.opt.Metrics.InFlight(-1)
+	if s.opt.AccessLog {
+		s.opt.Logger.Info("request",
+			zap.ByteString("request_id", b.reqID), zap.ByteString("method", b.method),
+			zap.ByteString("path", b.path), zap.Int("status", status),
+			zap.String("endpoint", b.ep.URL), zap.Int("attempts", b.attempts),
+			zap.Int64("bytes", b.bytes), zap.Duration("duration", d))
+	}
+	b.resp, b.rd, b.ep, b.readErr = nil, nil, nil, nil
+	s.bodies.Put(b)
+	return nil
+}
+
+type eofReader struct{}
+
+func (eofReader) Read([]byte) (int, error) { return 0, io.EOF }
+
+var (
+	headerRequestID      = []byte("X-Request-Id")
+	headerForwardedFor   = []byte("X-Forwarded-For")
+	headerForwardedProto = []byte("X-Forwarded-Proto")
+)
+
+// hopHeaders are RFC 9110 §7.6.1's connection-specific fields (plus the
+// legacy Keep-Alive and Proxy-Connection). fasthttp manages Connection,
+// Transfer-Encoding and Content-Length itself.
+var hopHeaders = [...]string{
+	"Keep-Alive", "Proxy-Connection", "Proxy-Authenticate", "Proxy-Authorization",
+	"TE", "Trailer", "Upgrade",
+}
+
+type headerDeleter interface {
+	Peek(key string) []byte
+	Del(key string)
+}
+
+// removeHopHeaders deletes hop-by-hop fields, including those named by the
+// Connection field.
+func removeHopHeaders(h headerDeleter) {
+	if c := h.Peek("Connection"); len(c) > 0 {
+		for _, tok := range splitTokens(c) {
+			if !equalFoldASCII(tok, "close") && !equalFoldASCII(tok, "keep-alive") {
+				h.Del(string(tok))
+			}
+		}
+	}
+	for _, k := range hopHeaders {
+		h.Del(k)
+	}
+}
+
+// prepareRequest applies header hygiene to the request sent upstream and
+// returns its request id (generated when the client sent none).
+func (s *Server) prepareRequest(ctx *fasthttp.RequestCtx) []byte {
+	h := &ctx.Request.Header
+	removeHopHeaders(h)
+	h.ResetConnectionClose() // the client's connection choice is not the endpoint's
+
+	var buf [64]byte
+	xff := append(buf[:0], h.PeekBytes(headerForwardedFor)...)
+	if len(xff) > 0 {
+		xff = append(xff, ", "...)
+	}
+	if ap, ok := netip.AddrFromSlice(ctx.RemoteIP()); ok {
+		xff = ap.Unmap().AppendTo(xff)
+	}
+	h.SetBytesKV(headerForwardedFor, xff)
+	if ctx.IsTLS() {
+		h.SetBytesKV(headerForwardedProto, []byte("https"))
+	} else {
+		h.SetBytesKV(headerForwardedProto, []byte("http"))
+	}
+	if id := h.PeekBytes(headerRequestID); len(id) > 0 {
+		return id
+	}
+	id := s.newRequestID(buf[:0])
+	h.SetBytesKV(headerRequestID, id)
+	return h.PeekBytes(headerRequestID)
+}
+
+// newRequestID appends a process-unique id: 8 random hex digits fixed at
+// start-up, then a 16-hex-digit sequence number.
+func (s *Server) newRequestID(dst []byte) []byte {
+	const hex = "0123456789abcdef"
+	dst = append(dst, s.idPrefix[:]...)
+	dst = append(dst, '-')
+	n := s.idSeq.Add(1)
+	for i := 15; i >= 0; i-- {
+		dst = append(dst, hex[(n>>(4*uint(i)))&15])
+	}
+	return dst
+}
+
+// client returns the endpoint's HostClient, creating it on first use.
+func (s *Server) client(ep *discovery.Endpoint) *fasthttp.HostClient {
+	if c, ok := s.clients.Load(ep); ok {
+		return c.(*fasthttp.HostClient)
+	}
+	hc := &fasthttp.HostClient{
+		Addr:                          ep.Addr,
+		IsTLS:                         ep.TLS,
+		NoDefaultUserAgentHeader:      true,
+		DisablePathNormalizing:        true,
+		DisableHeaderNamesNormalizing: false,
+		MaxConns:                      s.opt.MaxConnsPerEndpoint,
+		MaxIdleConnDuration:           s.opt.UpstreamIdleTimeout,
+		StreamResponseBody:            true,
+		ReadBufferSize:                16 << 10,
+		Dial:                          s.dial,
+		RetryIfErr: func(_ *fasthttp.Request, attempts int, err error) (bool, bool) {
+			// A pooled keep-alive connection the endpoint closed just before
+			// we wrote: nothing was processed, so resend once on a new one.
+			return false, attempts < 2 && errors.Is(err, fasthttp.ErrConnectionClosed)
+		},
+	}
+	c, _ := s.clients.LoadOrStore(ep, hc)
+	return c.(*fasthttp.HostClient)
+}
+
+// setURI points the upstream request at ep: its base path, then the
+// client's request URI.
+func (s *Server) setURI(ctx *fasthttp.RequestCtx, st *reqState, ep *discovery.Endpoint) {
+	u := append(st.scratch[:0], ep.BasePath...)
+	u = append(u, st.uri...)
+	ctx.Request.SetRequestURIBytes(u)
+	st.scratch = u
+}
+
+// prune drops clients of endpoints that left the Set; their open streams
+// keep the HostClient they started with.
+func (s *Server) prune(set *discovery.Set) {
+	old := s.pruned.Load()
+	if !s.pruned.CompareAndSwap(old, set.Version) {
+		return
+	}
+	present := make(map[*discovery.Endpoint]bool, len(set.Endpoints))
+	for _, e := range set.Endpoints {
+		present[e] = true
+	}
+	s.clients.Range(func(k, v any) bool {
+		if !present[k.(*discovery.Endpoint)] {
+			s.clients.Delete(k)
+			v.(*fasthttp.HostClient).CloseIdleConnections()
+		}
+		return true
+	})
+}
+
+// dial connects to an endpoint within ConnectTimeout and wraps the
+// connection so response-header and stream-idle timeouts apply per request
+// rather than as one deadline over a whole stream.
+func (s *Server) dial(addr string) (net.Conn, error) {
+	var c net.Conn
+	var err error
+	if s.opt.ConnectTimeout > 0 {
+		c, err = fasthttp.DialTimeout(addr, s.opt.ConnectTimeout)
+	} else {
+		c, err = fasthttp.Dial(addr)
+	}
+	if err != nil {
+		return nil, err
+	}
+	if s.opt.ResponseHeaderTimeout <= 0 && s.opt.StreamIdleTimeout <= 0 {
+		return c, nil
+	}
+	return &timedConn{Conn: c, header: s.opt.ResponseHeaderTimeout, idle: s.opt.StreamIdleTimeout}, nil
+}
+
+// timedConn applies the response-header timeout from the end of each request
+// write to the first response byte, then the stream-idle timeout (if any)
+// between reads. A connection serves one request at a time.
+type timedConn struct {
+	net.Conn
+	header, idle time.Duration
+	deadline     bool // a read deadline is set
+	waiting      bool // a request was written, no response byte read yet
+}
+
+func (c *timedConn) Write(p []byte) (int, error) {
+	n, err := c.Conn.Write(p)
+	c.waiting = true
+	if c.header > 0 {
+		_ = c.Conn.SetReadDeadline(time.Now().Add(c.header))
+		c.deadline = true
+	} else if c.deadline {
+		_ = c.Conn.SetReadDeadline(time.Time{})
+		c.deadline = false
+	}
+	return n, err
+}
+
+func (c *timedConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if n > 0 {
+		if c.idle > 0 && (c.waiting || c.deadline) {
+			_ = c.Conn.SetReadDeadline(time.Now().Add(c.idle))
+			c.deadline = true
+		} else if c.deadline {
+			_ = c.Conn.SetReadDeadline(time.Time{})
+			c.deadline = false
+		}
+		c.waiting = false
+	}
+	return n, err
+}

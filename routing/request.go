@@ -1,0 +1,90 @@
+// Package routing decides which endpoint serves a request. It owns the
+// parsed view of an inference request (Request), the policies that pick an
+// endpoint from the current discovery.Set (round-robin, random,
+// least-request), and the Decision they return. Policies never block and
+// never allocate on the request path.
+package routing
+
+import (
+	"github.com/kvroute/kvroute/discovery"
+)
+
+// Kind classifies a request path.
+type Kind uint8
+
+// Path kinds. KindOther covers every path kvroute forwards without parsing.
+const (
+	KindOther Kind = iota
+	KindCompletions
+	KindChat
+	KindResponses
+	KindEmbeddings
+)
+
+// String returns the kind's label, used as the path class in metrics.
+func (k Kind) String() string {
+	switch k {
+	case KindCompletions:
+		return "completions"
+	case KindChat:
+		return "chat"
+	case KindResponses:
+		return "responses"
+	case KindEmbeddings:
+		return "embeddings"
+	default:
+		return "other"
+	}
+}
+
+// Request is what a policy knows about one request. The proxy fills it from
+// one parse of the body; for KindOther only Kind is set. A Request is owned
+// by one goroutine and reused through a pool: policies must not retain it.
+type Request struct {
+	Kind Kind
+	// Model is the body's "model" ("" when absent).
+	Model string
+	// Stream is the body's "stream".
+	Stream bool
+	// IncludeUsage is the body's "stream_options.include_usage".
+	IncludeUsage bool
+	// MaxTokens is "max_completion_tokens" or "max_tokens"; 0 when absent.
+	MaxTokens int
+	// CacheSalt is the body's "cache_salt" ("" when absent).
+	CacheSalt string
+	// PromptBytes is the length of the prompt's canonical rendering.
+	PromptBytes int
+	// PromptTokens estimates the prompt's length in tokens: exact for
+	// token-id prompts, PromptBytes/4 for text (vLLM's rule of thumb for
+	// English, REFERENCE §1).
+	PromptTokens int
+	// Hashes are the chained block hashes of the canonical rendering.
+	Hashes []uint64
+	// Tried lists the endpoints this request was already sent to; policies
+	// skip them (retries go to another endpoint).
+	Tried []*discovery.Endpoint
+}
+
+// Reset clears r for reuse, keeping its slices' capacity.
+func (r *Request) Reset() {
+	h, t := r.Hashes[:0], r.Tried[:0]
+	*r = Request{Hashes: h, Tried: t}
+}
+
+// tried reports whether e is in r.Tried.
+func (r *Request) tried(e *discovery.Endpoint) bool {
+	for _, t := range r.Tried {
+		if t == e {
+			return true
+		}
+	}
+	return false
+}
+
+// Decision is a policy's answer.
+type Decision struct {
+	// Endpoint serves the request; nil when no endpoint is usable.
+	Endpoint *discovery.Endpoint
+	// Reason is a short constant label for metrics and logs.
+	Reason string
+}

@@ -565,39 +565,40 @@ func (s *Server) dial(addr string) (net.Conn, error) {
 	return &timedConn{Conn: c, header: s.opt.ResponseHeaderTimeout, idle: s.opt.StreamIdleTimeout}, nil
 }
 
-// timedConn applies the response-header timeout from the end of each request
-// write to the first response byte, then the stream-idle timeout (if any)
-// between reads. A connection serves one request at a time.
+// timedConn applies the response-header timeout from a request's write to
+// the first response byte, then the stream-idle timeout (if any) to every
+// later read. Deadlines are set just before reading, because fasthttp clears
+// the read deadline of a new connection after writing the request. A
+// connection serves one request at a time.
 type timedConn struct {
 	net.Conn
 	header, idle time.Duration
-	deadline     bool // a read deadline is set
 	waiting      bool // a request was written, no response byte read yet
+	armed        bool // the header deadline of the current request is set
+	deadline     bool // some read deadline is set
 }
 
 func (c *timedConn) Write(p []byte) (int, error) {
-	n, err := c.Conn.Write(p)
-	c.waiting = true
-	if c.header > 0 {
-		_ = c.Conn.SetReadDeadline(time.Now().Add(c.header))
-		c.deadline = true
-	} else if c.deadline {
-		_ = c.Conn.SetReadDeadline(time.Time{})
-		c.deadline = false
-	}
-	return n, err
+	c.waiting, c.armed = true, false
+	return c.Conn.Write(p)
 }
 
 func (c *timedConn) Read(p []byte) (int, error) {
+	switch {
+	case c.waiting && c.header > 0:
+		if !c.armed {
+			_ = c.Conn.SetReadDeadline(time.Now().Add(c.header))
+			c.armed, c.deadline = true, true
+		}
+	case c.idle > 0:
+		_ = c.Conn.SetReadDeadline(time.Now().Add(c.idle))
+		c.deadline = true
+	case c.deadline:
+		_ = c.Conn.SetReadDeadline(time.Time{})
+		c.deadline = false
+	}
 	n, err := c.Conn.Read(p)
 	if n > 0 {
-		if c.idle > 0 && (c.waiting || c.deadline) {
-			_ = c.Conn.SetReadDeadline(time.Now().Add(c.idle))
-			c.deadline = true
-		} else if c.deadline {
-			_ = c.Conn.SetReadDeadline(time.Time{})
-			c.deadline = false
-		}
 		c.waiting = false
 	}
 	return n, err

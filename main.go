@@ -157,7 +157,7 @@ func (c *Config) Validate() error {
 			bad("%s %q: want host:port (%v)", a.name, a.v, err)
 		}
 	}
-	if c.Listen == c.AdminListen {
+	if c.Listen == c.AdminListen && !strings.HasSuffix(c.Listen, ":0") {
 		bad("--listen and --admin-listen must differ (both %q)", c.Listen)
 	}
 	if len(c.Backends) == 0 {

@@ -1,0 +1,161 @@
+package proxy
+
+import (
+	"encoding/json"
+	"net"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvroute/kvroute/routing"
+)
+
+// completionResponse is an instant backend's answer, shaped like vLLM's
+// non-streaming /v1/completions body.
+const completionResponse = `{"id":"cmpl-0","object":"text_completion","created":1748736946,"model":"m","choices":[{"index":0,"text":" a city in California.","logprobs":null,"finish_reason":"length","stop_reason":null,"prompt_logprobs":null}],"usage":{"prompt_tokens":256,"total_tokens":260,"completion_tokens":4,"prompt_tokens_details":null},"kv_transfer_params":null}`
+
+// instantBackend is a fasthttp server on loopback that answers every
+// request at once.
+func instantBackend(tb testing.TB) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	s := &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
+		ctx.SetContentType("application/json")
+		ctx.SetBodyString(completionResponse)
+	}}
+	go func() { _ = s.Serve(ln) }()
+	tb.Cleanup(func() { _ = s.Shutdown() })
+	return "http://" + ln.Addr().String()
+}
+
+// completionBody returns a /v1/completions body of about n bytes.
+func completionBody(n int) []byte {
+	prompt := strings.Repeat("The quick brown fox jumps over the lazy dog. ", n/45+1)[:n-60]
+	b, _ := json.Marshal(map[string]any{"model": "m", "prompt": prompt, "max_tokens": 16})
+	return b
+}
+
+// chatBody returns a /v1/chat/completions body of about n bytes: a long
+// system prompt and a few turns.
+func chatBody(n int) []byte {
+	sys := strings.Repeat("You are a helpful assistant. Follow the policy below exactly. ", n/62+1)[:n-400]
+	b, _ := json.Marshal(map[string]any{
+		"model": "meta-llama/Llama-3.1-8B-Instruct",
+		"messages": []map[string]any{
+			{"role": "system", "content": sys},
+			{"role": "user", "content": "Summarise the policy."},
+			{"role": "assistant", "content": "It says to be helpful."},
+			{"role": "user", "content": []map[string]any{{"type": "text", "text": "More detail, please."}}},
+		},
+		"max_tokens": 64, "stream": false,
+	})
+	return b
+}
+
+// BenchmarkHopLatency measures, in one run, the latency of the same request
+// sent directly to an instant loopback backend and through kvroute, one
+// request at a time, alternating, and reports the p50 and p99 of both and
+// the added latency of the kvroute hop (parsing and hashing included).
+func BenchmarkHopLatency(b *testing.B) {
+	for _, size := range []struct {
+		name string
+		path string
+		body []byte
+	}{
+		{"completion-1KiB", "/v1/completions", completionBody(1 << 10)},
+		{"chat-128KiB", "/v1/chat/completions", chatBody(128 << 10)},
+	} {
+		b.Run(size.name, func(b *testing.B) {
+			backend := instantBackend(b)
+			h := startProxy(b, routing.NewLeastRequest(nil), Options{MaxBodyBytes: 1 << 20}, backend)
+			direct := &fasthttp.HostClient{Addr: strings.TrimPrefix(backend, "http://"), MaxConns: 1}
+			via := &fasthttp.HostClient{Addr: strings.TrimPrefix(h.url, "http://"), MaxConns: 1}
+			req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
+			req.Header.SetMethod("POST")
+			req.Header.SetContentType("application/json")
+			req.SetRequestURI(size.path)
+			req.SetHost("kvroute.test")
+			req.SetBody(size.body)
+			do := func(c *fasthttp.HostClient) time.Duration {
+				t0 := time.Now()
+				if err := c.Do(req, resp); err != nil || resp.StatusCode() != 200 {
+					b.Fatalf("%v %d", err, resp.StatusCode())
+				}
+				return time.Since(t0)
+			}
+			for i := 0; i < 200; i++ { // warm connections and pools
+				do(direct)
+				do(via)
+			}
+			d := make([]time.Duration, 0, b.N)
+			v := make([]time.Duration, 0, b.N)
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				d = append(d, do(direct))
+				v = append(v, do(via))
+			}
+			b.StopTimer()
+			slices.Sort(d)
+			slices.Sort(v)
+			pct := func(x []time.Duration, p float64) float64 {
+				return float64(x[int(p*float64(len(x)-1))].Nanoseconds()) / 1e3
+			}
+			b.ReportMetric(pct(d, 0.5), "direct-p50-µs")
+			b.ReportMetric(pct(v, 0.5), "kvroute-p50-µs")
+			b.ReportMetric(pct(v, 0.5)-pct(d, 0.5), "added-p50-µs")
+			b.ReportMetric(pct(v, 0.99)-pct(d, 0.99), "added-p99-µs")
+		})
+	}
+}
+
+// BenchmarkParse compares kvroute's one-pass parse (fastjson, canonical
+// rendering and block hashing included) with decoding the same body into a
+// typed struct with encoding/json, which extracts less.
+func BenchmarkParse(b *testing.B) {
+	body := chatBody(128 << 10)
+	b.Run("kvroute-128KiB-chat", func(b *testing.B) {
+		var st reqState
+		b.SetBytes(int64(len(body)))
+		b.ReportAllocs()
+		for i := 0; i < b.N; i++ {
+			st.req.Reset()
+			if err := st.parse(routing.KindChat, body, 256, 1024); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("encoding-json-128KiB-chat", func(b *testing.B) {
+		type message struct {
+			Role    string          `json:"role"`
+			Content json.RawMessage `json:"content"`
+		}
+		var req struct {
+			Model     string    `json:"model"`
+			Messages  []message `json:"messages"`
+			MaxTokens int       `json:"max_tokens"`
+			Stream    bool      `json:"stream"`
+		}
+		b.SetBytes(int64(len(body)))
+		b.ReportAllocs()
+		for i := 0; i < b.N; i++ {
+			if err := json.Unmarshal(body, &req); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
+
+func TestBenchBodiesAreTheAdvertisedSize(t *testing.T) {
+	for _, c := range []struct {
+		got, want int
+	}{{len(completionBody(1 << 10)), 1 << 10}, {len(chatBody(128 << 10)), 128 << 10}} {
+		if c.got < c.want*9/10 || c.got > c.want*11/10 {
+			t.Errorf("body of %d bytes, want about %d", c.got, c.want)
+		}
+	}
+}

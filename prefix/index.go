@@ -1,0 +1,499 @@
+package prefix
+
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Index is kvroute's approximate map of which endpoint holds which prompt
+// prefix, learned from its own routing decisions. It keeps one LRU of block
+// hashes per endpoint, sized like the engine's KV cache, and a reverse map
+// from hash to the endpoints holding it; evicting a hash from an endpoint's
+// LRU removes that endpoint from the hash's owners. Entries also expire
+// after a TTL, and a global cap bounds memory.
+//
+// Endpoints are named by a caller-chosen uint64 id. All methods are safe for
+// concurrent use; one mutex guards everything (no nested locks).
+//
+// The per-endpoint LRUs are intrusive lists in pointer-free slabs rather
+// than golang-lru's simplelru: an entry costs 16 bytes instead of a
+// heap-allocated 64-byte element plus a map slot, and the garbage collector
+// never scans the slabs. That is what keeps the index under 100 bytes per
+// (block, endpoint) entry.
+type Index struct {
+	mu       sync.Mutex
+	owners   map[uint64]owners
+	slots    []*lru           // by slot number; nil when free
+	slotOf   map[uint64]int32 // endpoint id → slot
+	freeSlot []int32
+	entries  int // Σ LRU lengths
+
+	defaultCap int
+	maxEntries int
+	ttl        time.Duration
+	now        func() time.Time
+	epoch      time.Time
+
+	evictions, expiries atomic.Uint64
+}
+
+// IndexConfig configures an Index.
+type IndexConfig struct {
+	// BlocksPerEndpoint is the LRU capacity of an endpoint whose capacity was
+	// never set with SetCapacity (the engine's KV capacity in index blocks).
+	BlocksPerEndpoint int
+	// MaxEntries caps the (block, endpoint) entries of all endpoints
+	// together; each endpoint's capacity is at most MaxEntries / endpoints.
+	MaxEntries int
+	// TTL expires a block nobody routed for this long (0: never).
+	TTL time.Duration
+	// Now is the clock (nil: time.Now).
+	Now func() time.Time
+}
+
+// ref is one endpoint holding a hash: its slot and the hash's node in that
+// endpoint's LRU.
+type ref struct {
+	slot, node int32
+}
+
+// owners are the endpoints holding one hash. Two fit inline; more spill.
+type owners struct {
+	inline [2]ref
+	n      int32 // number of refs in inline (extra holds the rest)
+	stamp  uint32
+	extra  *[]ref
+}
+
+func (o *owners) len() int {
+	if o.extra != nil {
+		return int(o.n) + len(*o.extra)
+	}
+	return int(o.n)
+}
+
+func (o *owners) at(i int) ref {
+	if i < int(o.n) {
+		return o.inline[i]
+	}
+	return (*o.extra)[i-int(o.n)]
+}
+
+func (o *owners) find(slot int32) int {
+	for i, k := 0, o.len(); i < k; i++ {
+		if o.at(i).slot == slot {
+			return i
+		}
+	}
+	return -1
+}
+
+func (o *owners) add(r ref) {
+	if o.n < int32(len(o.inline)) && o.extra == nil {
+		o.inline[o.n] = r
+		o.n++
+		return
+	}
+	if o.extra == nil {
+		o.extra = new([]ref)
+	}
+	*o.extra = append(*o.extra, r)
+}
+
+func (o *owners) removeAt(i int) {
+	last := o.len() - 1
+	if i != last {
+		o.set(i, o.at(last))
+	}
+	if o.extra != nil && len(*o.extra) > 0 {
+		*o.extra = (*o.extra)[:len(*o.extra)-1]
+		if len(*o.extra) == 0 {
+			o.extra = nil
+		}
+		return
+	}
+	o.n--
+}
+
+func (o *owners) set(i int, r ref) {
+	if i < int(o.n) {
+		o.inline[i] = r
+		return
+	}
+	(*o.extra)[i-int(o.n)] = r
+}
+
+// lru is one endpoint's list of hashes, most recent at head, in a slab.
+type lru struct {
+	id         uint64
+	cap        int  // configured capacity
+	capSet     bool // cap came from SetCapacity
+	nodes      []node
+	head, tail int32
+	free       int32
+	n          int
+}
+
+type node struct {
+	key        uint64
+	prev, next int32
+}
+
+const none = int32(-1)
+
+// NewIndex returns an empty Index.
+func NewIndex(c IndexConfig) *Index {
+	if c.Now == nil {
+		c.Now = time.Now
+	}
+	if c.BlocksPerEndpoint <= 0 {
+		c.BlocksPerEndpoint = 1
+	}
+	if c.MaxEntries <= 0 {
+		c.MaxEntries = c.BlocksPerEndpoint * 1024
+	}
+	return &Index{
+		owners:     make(map[uint64]owners),
+		slotOf:     make(map[uint64]int32),
+		defaultCap: c.BlocksPerEndpoint,
+		maxEntries: c.MaxEntries,
+		ttl:        c.TTL,
+		now:        c.Now,
+		epoch:      c.Now(),
+	}
+}
+
+// Match is one endpoint's matched prefix.
+type Match struct {
+	// ID is the endpoint id.
+	ID uint64
+	// Blocks is the number of leading blocks of the request held there.
+	Blocks int
+	slot   int32
+}
+
+// Match walks hashes from the first and appends to dst, for every endpoint
+// holding the first block, how many leading blocks it holds. The walk stops
+// at the first block no candidate holds. Expired blocks count as absent.
+func (x *Index) Match(hashes []uint64, dst []Match) []Match {
+	dst = dst[:0]
+	if len(hashes) == 0 {
+		return dst
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	now := x.stamp()
+	for i, h := range hashes {
+		o, ok := x.owners[h]
+		if ok && x.expired(o.stamp, now) {
+			x.expire(h, o)
+			ok = false
+		}
+		if !ok {
+			break
+		}
+		if i == 0 {
+			for k, n := 0, o.len(); k < n; k++ {
+				r := o.at(k)
+				dst = append(dst, Match{ID: x.slots[r.slot].id, Blocks: 1, slot: r.slot})
+			}
+			continue
+		}
+		alive := false
+		for j := range dst {
+			if dst[j].Blocks != i {
+				continue
+			}
+			if o.find(dst[j].slot) >= 0 {
+				dst[j].Blocks++
+				alive = true
+			}
+		}
+		if !alive {
+			break
+		}
+	}
+	return dst
+}
+
+// Record notes that endpoint id now holds hashes (a request's chain, first
+// block first). Blocks are touched last to first, so an endpoint's LRU
+// evicts a prefix's tail before its head, as engines do.
+func (x *Index) Record(id uint64, hashes []uint64) {
+	if len(hashes) == 0 {
+		return
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	s := x.slot(id)
+	l := x.slots[s]
+	now := x.stamp()
+	for i := len(hashes) - 1; i >= 0; i-- {
+		h := hashes[i]
+		o := x.owners[h]
+		o.stamp = now
+		if k := o.find(s); k >= 0 {
+			// Already held: refresh recency, unless it was refreshed this
+			// second (an approximate LRU: order within a second does not
+			// matter, and a warm burst then costs only lookups).
+			if stamp := x.owners[h].stamp; stamp != now {
+				l.moveToHead(o.at(k).node)
+				x.owners[h] = o
+			}
+			continue
+		}
+		x.makeRoom(s, now)
+		o = x.owners[h] // makeRoom may have removed h's other owners
+		o.stamp = now
+		o.add(ref{slot: s, node: l.pushHead(h)})
+		x.owners[h] = o
+		x.entries++
+	}
+}
+
+// Drop removes endpoint id's claims on hashes (they were evicted there).
+func (x *Index) Drop(id uint64, hashes []uint64) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	s, ok := x.slotOf[id]
+	if !ok {
+		return
+	}
+	for _, h := range hashes {
+		o, ok := x.owners[h]
+		if !ok {
+			continue
+		}
+		if k := o.find(s); k >= 0 {
+			x.unlink(h, o, k)
+		}
+	}
+}
+
+// SetCapacity sets endpoint id's LRU capacity in blocks (from the engine's
+// KV capacity), evicting its oldest entries if it shrank.
+func (x *Index) SetCapacity(id uint64, blocks int) {
+	if blocks <= 0 {
+		return
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	s := x.slot(id)
+	l := x.slots[s]
+	l.cap, l.capSet = blocks, true
+	for l.n > x.capOf(l) {
+		x.evictTail(s)
+	}
+}
+
+// Forget removes every claim of endpoint id (it left, or its engine
+// restarted with an empty cache).
+func (x *Index) Forget(id uint64) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	x.forget(id)
+}
+
+// Retain forgets every endpoint whose id keep does not report.
+func (x *Index) Retain(keep func(id uint64) bool) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	for id := range x.slotOf {
+		if !keep(id) {
+			x.forget(id)
+		}
+	}
+}
+
+// IndexStats are an Index's size and counters.
+type IndexStats struct {
+	Endpoints int
+	Hashes    int    // distinct block hashes
+	Entries   int    // (block, endpoint) entries
+	Bytes     int    // estimated heap bytes
+	Evictions uint64 // entries evicted by capacity
+	Expiries  uint64 // hashes expired by TTL
+}
+
+// Stats returns the index's current size and counters.
+func (x *Index) Stats() IndexStats {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	var slab int
+	for _, l := range x.slots {
+		if l != nil {
+			slab += cap(l.nodes) * 16
+		}
+	}
+	// A map slot holds an 8-byte key and a 32-byte owners value; with the
+	// map's load factor and doubling growth a hash costs about 64 bytes
+	// (measured by TestMemoryPerEntry).
+	mapBytes := len(x.owners) * 64
+	return IndexStats{
+		Endpoints: len(x.slotOf), Hashes: len(x.owners), Entries: x.entries,
+		Bytes: slab + mapBytes, Evictions: x.evictions.Load(), Expiries: x.expiries.Load(),
+	}
+}
+
+// --- internals; x.mu is held ---
+
+func (x *Index) stamp() uint32 {
+	return uint32(x.now().Sub(x.epoch) / time.Second)
+}
+
+func (x *Index) expired(stamp, now uint32) bool {
+	return x.ttl > 0 && time.Duration(now-stamp)*time.Second > x.ttl
+}
+
+// capOf is l's effective capacity: its own, bounded by a fair share of the
+// global cap.
+func (x *Index) capOf(l *lru) int {
+	c := l.cap
+	if share := x.maxEntries / max(1, len(x.slotOf)); share < c {
+		c = share
+	}
+	return max(c, 1)
+}
+
+func (x *Index) slot(id uint64) int32 {
+	if s, ok := x.slotOf[id]; ok {
+		return s
+	}
+	l := &lru{id: id, cap: x.defaultCap, head: none, tail: none, free: none}
+	var s int32
+	if n := len(x.freeSlot); n > 0 {
+		s = x.freeSlot[n-1]
+		x.freeSlot = x.freeSlot[:n-1]
+		x.slots[s] = l
+	} else {
+		s = int32(len(x.slots))
+		x.slots = append(x.slots, l)
+	}
+	x.slotOf[id] = s
+	return s
+}
+
+// makeRoom evicts from slot s's LRU until one more entry fits: expired
+// entries first (at most a few per call), then the least recently used.
+func (x *Index) makeRoom(s int32, now uint32) {
+	l := x.slots[s]
+	for k := 0; k < 2 && l.tail != none; k++ {
+		h := l.nodes[l.tail].key
+		o := x.owners[h]
+		if !x.expired(o.stamp, now) {
+			break
+		}
+		x.expire(h, o)
+	}
+	for l.n >= x.capOf(l) {
+		x.evictTail(s)
+	}
+}
+
+func (x *Index) evictTail(s int32) {
+	l := x.slots[s]
+	h := l.nodes[l.tail].key
+	o := x.owners[h]
+	x.unlink(h, o, o.find(s))
+	x.evictions.Add(1)
+}
+
+// unlink removes owner k of hash h (whose owners are o).
+func (x *Index) unlink(h uint64, o owners, k int) {
+	r := o.at(k)
+	x.slots[r.slot].remove(r.node)
+	x.entries--
+	o.removeAt(k)
+	if o.len() == 0 {
+		delete(x.owners, h)
+		return
+	}
+	x.owners[h] = o
+}
+
+// expire removes hash h from every endpoint.
+func (x *Index) expire(h uint64, o owners) {
+	for k := o.len() - 1; k >= 0; k-- {
+		r := o.at(k)
+		x.slots[r.slot].remove(r.node)
+		x.entries--
+	}
+	delete(x.owners, h)
+	x.expiries.Add(1)
+}
+
+func (x *Index) forget(id uint64) {
+	s, ok := x.slotOf[id]
+	if !ok {
+		return
+	}
+	l := x.slots[s]
+	for n := l.head; n != none; {
+		next := l.nodes[n].next
+		h := l.nodes[n].key
+		o := x.owners[h]
+		if k := o.find(s); k >= 0 {
+			x.unlink(h, o, k)
+		}
+		n = next
+	}
+	x.slots[s] = nil
+	delete(x.slotOf, id)
+	x.freeSlot = append(x.freeSlot, s)
+}
+
+func (l *lru) pushHead(key uint64) int32 {
+	var n int32
+	if l.free != none {
+		n = l.free
+		l.free = l.nodes[n].next
+	} else {
+		n = int32(len(l.nodes))
+		l.nodes = append(l.nodes, node{})
+	}
+	l.nodes[n] = node{key: key, prev: none, next: l.head}
+	if l.head != none {
+		l.nodes[l.head].prev = n
+	}
+	l.head = n
+	if l.tail == none {
+		l.tail = n
+	}
+	l.n++
+	return n
+}
+
+func (l *lru) remove(n int32) {
+	nd := l.nodes[n]
+	if nd.prev != none {
+		l.nodes[nd.prev].next = nd.next
+	} else {
+		l.head = nd.next
+	}
+	if nd.next != none {
+		l.nodes[nd.next].prev = nd.prev
+	} else {
+		l.tail = nd.prev
+	}
+	l.nodes[n] = node{next: l.free, prev: none}
+	l.free = n
+	l.n--
+}
+
+func (l *lru) moveToHead(n int32) {
+	if l.head == n {
+		return
+	}
+	nd := l.nodes[n]
+	l.nodes[nd.prev].next = nd.next
+	if nd.next != none {
+		l.nodes[nd.next].prev = nd.prev
+	} else {
+		l.tail = nd.prev
+	}
+	l.nodes[n].prev = none
+	l.nodes[n].next = l.head
+	l.nodes[l.head].prev = n
+	l.head = n
+}

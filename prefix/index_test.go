@@ -1,0 +1,189 @@
+package prefix
+
+import (
+	"math/rand/v2"
+	"runtime"
+	"slices"
+	"testing"
+	"time"
+)
+
+// chain returns n chained hashes for a prompt family (same family, same
+// leading hashes).
+func chain(family uint64, n int) []uint64 {
+	var h Hasher
+	h.Reset(8, n, Seed("m", ""))
+	for i := 0; i < n; i++ {
+		var b [8]byte
+		for k := range b {
+			b[k] = byte(family >> (8 * k))
+		}
+		if i >= n/2 { // the second half depends on the family's variant bits only
+			b[0] ^= byte(i)
+		}
+		_, _ = h.Write(b[:])
+	}
+	return slices.Clone(h.Hashes)
+}
+
+func matches(t *testing.T, x *Index, hashes []uint64) map[uint64]int {
+	t.Helper()
+	got := map[uint64]int{}
+	for _, m := range x.Match(hashes, nil) {
+		got[m.ID] = m.Blocks
+	}
+	return got
+}
+
+func TestMatchCountsLeadingBlocksPerEndpoint(t *testing.T) {
+	x := NewIndex(IndexConfig{BlocksPerEndpoint: 100})
+	a := chain(1, 10)
+	x.Record(1, a[:10])
+	x.Record(2, a[:4])
+	x.Record(3, chain(2, 10)) // another prompt entirely
+	got := matches(t, x, a)
+	if len(got) != 2 || got[1] != 10 || got[2] != 4 {
+		t.Fatalf("matches %v", got)
+	}
+	// A request sharing only the first 6 blocks.
+	b := slices.Clone(a)
+	b[6], b[7] = 111, 222
+	if got := matches(t, x, b); got[1] != 6 || got[2] != 4 {
+		t.Fatalf("partial matches %v", got)
+	}
+	if got := matches(t, x, []uint64{42}); len(got) != 0 {
+		t.Fatalf("unknown prefix matched %v", got)
+	}
+	if got := x.Match(nil, nil); len(got) != 0 {
+		t.Fatal("empty request matched")
+	}
+}
+
+func TestEvictionIsLRUAndTailFirst(t *testing.T) {
+	now := time.Unix(1000, 0)
+	x := NewIndex(IndexConfig{BlocksPerEndpoint: 10, Now: func() time.Time { now = now.Add(time.Second); return now }})
+	a, b := chain(1, 6), chain(2, 6)
+	x.Record(1, a)
+	x.Record(1, b) // 12 blocks into 10: a's last two blocks go first
+	if got := matches(t, x, a); got[1] != 4 {
+		t.Fatalf("a matched %v, want its first 4 blocks kept", got)
+	}
+	if got := matches(t, x, b); got[1] != 6 {
+		t.Fatalf("b matched %v", got)
+	}
+	x.Record(1, a[:4]) // touch a's head: now b is older
+	x.Record(1, chain(3, 4))
+	if got := matches(t, x, b); got[1] != 2 {
+		t.Fatalf("b after more traffic %v, want 2", got)
+	}
+	st := x.Stats()
+	if st.Entries != 10 || st.Evictions != 6 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+func TestTTLExpires(t *testing.T) {
+	now := time.Unix(1000, 0)
+	x := NewIndex(IndexConfig{BlocksPerEndpoint: 100, TTL: time.Minute, Now: func() time.Time { return now }})
+	a := chain(1, 5)
+	x.Record(1, a)
+	now = now.Add(59 * time.Second)
+	if got := matches(t, x, a); got[1] != 5 {
+		t.Fatalf("before TTL %v", got)
+	}
+	now = now.Add(2 * time.Minute)
+	if got := matches(t, x, a); len(got) != 0 {
+		t.Fatalf("after TTL %v", got)
+	}
+	if st := x.Stats(); st.Expiries == 0 || st.Hashes != 0 && st.Entries > 4 {
+		t.Fatalf("stats %+v", st)
+	}
+	// Expired entries at an LRU's tail make room before live ones are evicted.
+	x.Record(2, chain(2, 5))
+	now = now.Add(2 * time.Minute)
+	x.Record(2, chain(3, 5))
+	if st := x.Stats(); st.Evictions != 0 {
+		t.Fatalf("evicted live entries: %+v", st)
+	}
+}
+
+func TestForgetAndRetain(t *testing.T) {
+	x := NewIndex(IndexConfig{BlocksPerEndpoint: 100})
+	a := chain(1, 8)
+	for id := uint64(1); id <= 4; id++ {
+		x.Record(id, a)
+	}
+	x.Forget(2)
+	x.Retain(func(id uint64) bool { return id != 3 })
+	got := matches(t, x, a)
+	if len(got) != 2 || got[1] != 8 || got[4] != 8 {
+		t.Fatalf("after forgetting 2 and 3: %v", got)
+	}
+	if st := x.Stats(); st.Endpoints != 2 || st.Entries != 16 || st.Hashes != 8 {
+		t.Fatalf("stats %+v", st)
+	}
+	x.Record(5, a) // a new endpoint reuses a freed slot
+	if got := matches(t, x, a); got[5] != 8 {
+		t.Fatalf("new endpoint %v", got)
+	}
+}
+
+func TestDropAndCapacity(t *testing.T) {
+	x := NewIndex(IndexConfig{BlocksPerEndpoint: 100})
+	a := chain(1, 10)
+	x.Record(1, a)
+	x.Drop(1, a[6:])
+	if got := matches(t, x, a); got[1] != 6 {
+		t.Fatalf("after drop %v", got)
+	}
+	x.SetCapacity(1, 3)
+	if got := matches(t, x, a); got[1] != 3 {
+		t.Fatalf("after shrinking %v", got)
+	}
+}
+
+// The global cap bounds memory however many endpoints and prompts arrive.
+func TestGlobalCapBoundsGrowth(t *testing.T) {
+	x := NewIndex(IndexConfig{BlocksPerEndpoint: 1 << 20, MaxEntries: 10_000})
+	r := rand.New(rand.NewPCG(1, 2))
+	for i := 0; i < 2000; i++ {
+		x.Record(uint64(r.IntN(20)), chain(r.Uint64(), 50))
+	}
+	if st := x.Stats(); st.Entries > 10_000 || st.Hashes > 10_000 {
+		t.Fatalf("unbounded: %+v", st)
+	}
+}
+
+// Heap bytes per (block, endpoint) entry, measured: the target is ≤ 100.
+func TestMemoryPerEntry(t *testing.T) {
+	if testing.Short() {
+		t.Skip("allocates ~100 MB")
+	}
+	const endpoints, perEndpoint = 16, 60_000
+	runtime.GC()
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	x := NewIndex(IndexConfig{BlocksPerEndpoint: perEndpoint, MaxEntries: endpoints * perEndpoint})
+	r := rand.New(rand.NewPCG(3, 4))
+	hashes := make([]uint64, 64)
+	for x.Stats().Entries < endpoints*perEndpoint*9/10 {
+		base := r.Uint64()
+		for i := range hashes {
+			hashes[i] = base + uint64(i)
+		}
+		// Each prefix lives on one or two endpoints, as with sticky routing.
+		x.Record(uint64(r.IntN(endpoints)), hashes)
+		if r.IntN(4) == 0 {
+			x.Record(uint64(r.IntN(endpoints)), hashes)
+		}
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	st := x.Stats()
+	per := float64(after.HeapAlloc-before.HeapAlloc) / float64(st.Entries)
+	t.Logf("%d entries, %d hashes: %.1f heap bytes per entry (estimate %.1f)", st.Entries, st.Hashes, per, float64(st.Bytes)/float64(st.Entries))
+	if per > 100 {
+		t.Errorf("%.1f bytes per entry, target ≤ 100", per)
+	}
+	runtime.KeepAlive(x)
+}

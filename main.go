@@ -24,6 +24,7 @@ import (
 
 	"github.com/kvroute/kvroute/discovery"
 	"github.com/kvroute/kvroute/metrics"
+	"github.com/kvroute/kvroute/prefix"
 	"github.com/kvroute/kvroute/proxy"
 	"github.com/kvroute/kvroute/routing"
 )
@@ -63,10 +64,17 @@ type Config struct {
 	LogLevel  string
 	LogFormat string
 	AccessLog bool
+
+	PrefixBlockBytes     int
+	PrefixMaxBlocks      int
+	PrefixCapacityBlocks int
+	PrefixMaxEntries     int
+	PrefixTTL            time.Duration
+	Prefix               routing.PrefixParams
 }
 
 // Policies that --policy accepts.
-var policies = []string{"round-robin", "random", "least-request"}
+var policies = []string{"prefix", "round-robin", "random", "least-request"}
 
 // flagGroup is a titled group of flags for --help.
 type flagGroup struct {
@@ -81,7 +89,7 @@ func newFlags(c *Config) (*pflag.FlagSet, []flagGroup) {
 		fs.SortFlags = false
 		return flagGroup{title, fs}
 	}
-	listen, backends, upstream, ops := g("Listeners"), g("Backends and routing"), g("Upstream connections"), g("Operations")
+	listen, backends, pfx, upstream, ops := g("Listeners"), g("Backends and routing"), g("Prefix-aware routing (--policy prefix)"), g("Upstream connections"), g("Operations")
 
 	listen.fs.StringVar(&c.Listen, "listen", ":8000", "address of the OpenAI-compatible API listener")
 	listen.fs.StringVar(&c.AdminListen, "admin-listen", ":9090", "address of the admin listener (/metrics, /livez, /readyz, /debug/pprof/)")
@@ -89,8 +97,20 @@ func newFlags(c *Config) (*pflag.FlagSet, []flagGroup) {
 	listen.fs.DurationVar(&c.ClientIdleTimeout, "client-idle-timeout", 2*time.Minute, "close client keep-alive connections idle this long")
 
 	backends.fs.StringSliceVar(&c.Backends, "backends", nil, "static model-server base URLs (http://host:port), repeated or comma-separated")
-	backends.fs.StringVar(&c.Policy, "policy", "least-request", "routing policy: "+strings.Join(policies, ", "))
+	backends.fs.StringVar(&c.Policy, "policy", "prefix", "routing policy: "+strings.Join(policies, ", "))
 	backends.fs.IntVar(&c.Retries, "retries", 2, "times a request may be re-sent to another endpoint on connection failure or 429/502/503/504, before its first response byte")
+
+	d := routing.DefaultPrefixParams()
+	pfx.fs.IntVar(&c.PrefixBlockBytes, "prefix-block-bytes", 1024, "bytes of the canonical prompt rendering per hashed block (1 KiB ≈ 256 tokens)")
+	pfx.fs.IntVar(&c.PrefixMaxBlocks, "prefix-max-blocks", 256, "blocks hashed per request; 256 × 1 KiB covers 256 KiB ≈ 64k tokens")
+	pfx.fs.IntVar(&c.PrefixCapacityBlocks, "prefix-capacity-blocks", 1760, "index blocks remembered per endpoint: the engine's KV capacity in blocks (450k tokens / 256 for an 8B model on an H100)")
+	pfx.fs.IntVar(&c.PrefixMaxEntries, "prefix-max-entries", 4_000_000, "cap on (block, endpoint) entries of all endpoints together (≈ 76 bytes each)")
+	pfx.fs.DurationVar(&c.PrefixTTL, "prefix-ttl", 30*time.Minute, "forget blocks nobody was routed to for this long (0: never)")
+	pfx.fs.Float64Var(&c.Prefix.PrefillTokensPerSec, "prefix-prefill-tokens-per-sec", d.PrefillTokensPerSec, "an endpoint's prefill rate, turning uncached tokens into seconds of wait")
+	pfx.fs.Float64Var(&c.Prefix.DecodeCostSec, "prefix-decode-cost", d.DecodeCostSec, "seconds of wait one in-flight request adds to a new request's first token")
+	pfx.fs.Float64Var(&c.Prefix.SpillMarginSec, "prefix-spill-margin", d.SpillMarginSec, "seconds the warm endpoint's wait may exceed the best alternative's before the request spills")
+	pfx.fs.IntVar(&c.Prefix.MinMatchBlocks, "prefix-min-match-blocks", d.MinMatchBlocks, "least matched blocks that make an endpoint warm (a short shared system prompt must not pin the fleet)")
+	pfx.fs.Float64Var(&c.Prefix.TieSec, "prefix-tie", d.TieSec, "waits closer than this are ties, broken by rendezvous hashing")
 
 	upstream.fs.DurationVar(&c.ConnectTimeout, "connect-timeout", 5*time.Second, "timeout for connecting to a model server")
 	upstream.fs.DurationVar(&c.ResponseHeaderTimeout, "response-header-timeout", 10*time.Minute, "timeout from sending a request to the first response byte (0: none); non-streaming requests answer only after generation")
@@ -104,7 +124,7 @@ func newFlags(c *Config) (*pflag.FlagSet, []flagGroup) {
 	ops.fs.BoolVar(&c.AccessLog, "access-log", true, "log one line per request")
 
 	all := pflag.NewFlagSet("kvroute", pflag.ContinueOnError)
-	groups := []flagGroup{listen, backends, upstream, ops}
+	groups := []flagGroup{listen, backends, pfx, upstream, ops}
 	for _, gr := range groups {
 		all.AddFlagSet(gr.fs)
 	}
@@ -177,6 +197,15 @@ func (c *Config) Validate() error {
 	if c.Retries < 0 || c.Retries > 10 {
 		bad("--retries must be in [0, 10], got %d", c.Retries)
 	}
+	if c.PrefixBlockBytes < 16 || c.PrefixMaxBlocks < 1 || c.PrefixCapacityBlocks < 1 || c.PrefixMaxEntries < 1 {
+		bad("--prefix-block-bytes must be at least 16 and --prefix-max-blocks, --prefix-capacity-blocks, --prefix-max-entries positive")
+	}
+	if c.PrefixTTL < 0 {
+		bad("--prefix-ttl must not be negative")
+	}
+	if err := c.Prefix.Validate(); err != nil {
+		bad("prefix policy: %v", err)
+	}
 	if c.MaxConnsPerEndpoint <= 0 {
 		bad("--max-conns-per-endpoint must be positive, got %d", c.MaxConnsPerEndpoint)
 	}
@@ -233,15 +262,21 @@ func newLogger(c *Config, w io.Writer) (*zap.Logger, func(), error) {
 	return logger, func() { _ = ws.Stop() }, nil
 }
 
-// picker builds the --policy picker.
-func picker(name string) proxy.Picker {
-	switch name {
+// picker builds the --policy picker; the prefix policy also returns its
+// index.
+func picker(c *Config) (proxy.Picker, *routing.Prefix) {
+	switch c.Policy {
+	case "prefix":
+		idx := prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: c.PrefixCapacityBlocks,
+			MaxEntries: c.PrefixMaxEntries, TTL: c.PrefixTTL})
+		p := routing.NewPrefix(idx, c.PrefixBlockBytes, c.Prefix)
+		return p, p
 	case "round-robin":
-		return routing.NewRoundRobin()
+		return routing.NewRoundRobin(), nil
 	case "random":
-		return routing.NewRandom(nil)
+		return routing.NewRandom(nil), nil
 	default:
-		return routing.NewLeastRequest(nil)
+		return routing.NewLeastRequest(nil), nil
 	}
 }
 
@@ -280,8 +315,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready cha
 				InFlight: e.InFlight.Load(), Requests: e.Requests.Load(), Failures: e.Failures.Load()})
 		}
 	})
+	pick, pfx := picker(cfg)
 	srv := proxy.New(proxy.Options{
-		Picker: picker(cfg.Policy), Pool: pool, Metrics: m, Logger: logger, AccessLog: cfg.AccessLog,
+		Picker: pick, Pool: pool, Metrics: m, Logger: logger, AccessLog: cfg.AccessLog,
+		BlockSize: cfg.PrefixBlockBytes, MaxBlocks: cfg.PrefixMaxBlocks,
 		MaxBodyBytes: cfg.MaxBodyBytes, Retries: cfg.Retries,
 		ConnectTimeout: cfg.ConnectTimeout, ResponseHeaderTimeout: cfg.ResponseHeaderTimeout,
 		StreamIdleTimeout: cfg.StreamIdleTimeout, UpstreamIdleTimeout: cfg.UpstreamIdleTimeout,
@@ -297,7 +334,18 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready cha
 		apiLn.Close()
 		return fmt.Errorf("admin listen %s: %w", cfg.AdminListen, err)
 	}
-	admin := &http.Server{Handler: srv.AdminHandler(reg), ReadHeaderTimeout: 10 * time.Second}
+	mux := srv.AdminHandler(reg)
+	if pfx != nil {
+		srv.HandleExplain(mux, pfx)
+		proxy.HandleParams(mux, pfx)
+		idx := pfx.Index()
+		metrics.RegisterIndex(reg, func() metrics.IndexSample {
+			s := idx.Stats()
+			return metrics.IndexSample{Endpoints: s.Endpoints, Hashes: s.Hashes, Entries: s.Entries,
+				Bytes: s.Bytes, Evictions: s.Evictions, Expiries: s.Expiries}
+		})
+	}
+	admin := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	errc := make(chan error, 2)
 	go func() { errc <- srv.Serve(apiLn) }()
 	go func() {

@@ -61,6 +61,10 @@ type Endpoint struct {
 	// endpoint and not yet finished (taken before dispatch, released on every
 	// exit path).
 	InFlight atomic.Int64
+	// InFlightPrefill is the prompt tokens of this router's in-flight
+	// requests that the endpoint still has to compute: added at pick time,
+	// released at the first response byte (or on any earlier exit).
+	InFlightPrefill atomic.Int64
 	// Requests counts every request dispatched to this endpoint.
 	Requests atomic.Uint64
 	// Failures counts upstream failures (connection errors and 5xx).

@@ -9,6 +9,7 @@ import (
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 )
 
 // Namespace prefixes every kvroute metric.
@@ -40,6 +41,11 @@ type Metrics struct {
 	retries       prometheus.Counter
 	durationByCls []prometheus.Observer
 	ttfbByCls     []prometheus.Observer
+
+	decisions     *prometheus.CounterVec
+	decisionCache sync.Map // reason string → prometheus.Counter
+	hitTokens     prometheus.Counter
+	promptTokens  prometheus.Counter
 
 	mu       sync.RWMutex
 	reqCache map[reqKey]prometheus.Counter
@@ -83,13 +89,36 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 			Namespace: Namespace, Name: "retries_total",
 			Help: "Requests re-sent to another endpoint before the first response byte.",
 		}),
+		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "routing_decisions_total",
+			Help: "Routing decisions by reason (warm, spill, cold, or the basic policy's name).",
+		}, []string{"reason"}),
+		hitTokens: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "llm_router_cache_hit_total",
+			Help: "Prompt tokens the router expected the chosen endpoint to have cached (router-estimated).",
+		}),
+		promptTokens: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "routed_prompt_tokens_total",
+			Help: "Prompt tokens of routed inference requests (estimated, bytes/4).",
+		}),
 		reqCache: make(map[reqKey]prometheus.Counter),
 	}
 	for _, c := range classes {
 		m.durationByCls = append(m.durationByCls, m.duration.WithLabelValues(c))
 		m.ttfbByCls = append(m.ttfbByCls, m.ttfb.WithLabelValues(c))
 	}
-	reg.MustRegister(m.requests, m.duration, m.ttfb, m.inFlight, m.upstreamErrs, m.retries)
+	hitRatio := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "llm_router_cache_hit_ratio",
+		Help: "llm_router_cache_hit_total / kvroute_routed_prompt_tokens_total since start (router-estimated).",
+	}, func() float64 {
+		p := readCounter(m.promptTokens)
+		if p == 0 {
+			return 0
+		}
+		return readCounter(m.hitTokens) / p
+	})
+	reg.MustRegister(m.requests, m.duration, m.ttfb, m.inFlight, m.upstreamErrs, m.retries,
+		m.decisions, m.hitTokens, m.promptTokens, hitRatio)
 	if endpoints != nil {
 		reg.MustRegister(&endpointCollector{each: endpoints})
 	}
@@ -122,6 +151,64 @@ func (m *Metrics) InFlight(d float64) { m.inFlight.Add(d) }
 
 // UpstreamError counts one failed upstream attempt of the given kind.
 func (m *Metrics) UpstreamError(kind string) { m.upstreamErrs.WithLabelValues(kind).Inc() }
+
+// Decision counts one routing decision: its reason, the request's prompt
+// tokens and the tokens the chosen endpoint is believed to hold.
+func (m *Metrics) Decision(reason string, promptTokens, cachedTokens int) {
+	c, ok := m.decisionCache.Load(reason)
+	if !ok {
+		c, _ = m.decisionCache.LoadOrStore(reason, m.decisions.WithLabelValues(reason))
+	}
+	c.(prometheus.Counter).Inc()
+	if promptTokens > 0 {
+		m.promptTokens.Add(float64(promptTokens))
+		m.hitTokens.Add(float64(cachedTokens))
+	}
+}
+
+func readCounter(c prometheus.Counter) float64 {
+	var d dto.Metric
+	_ = c.Write(&d)
+	return d.GetCounter().GetValue()
+}
+
+// IndexSample is the prefix index's size and counters, read at scrape time.
+type IndexSample struct {
+	Endpoints, Hashes, Entries, Bytes int
+	Evictions, Expiries               uint64
+}
+
+// RegisterIndex reports the prefix index through read at each scrape.
+func RegisterIndex(reg prometheus.Registerer, read func() IndexSample) {
+	reg.MustRegister(&indexCollector{read: read})
+}
+
+var (
+	descIndexEntries   = prometheus.NewDesc(Namespace+"_prefix_index_entries", "(block, endpoint) entries in the prefix index.", nil, nil)
+	descIndexHashes    = prometheus.NewDesc(Namespace+"_prefix_index_blocks", "Distinct block hashes in the prefix index.", nil, nil)
+	descIndexBytes     = prometheus.NewDesc(Namespace+"_prefix_index_bytes", "Estimated heap bytes of the prefix index.", nil, nil)
+	descIndexEvictions = prometheus.NewDesc(Namespace+"_prefix_index_evictions_total", "Entries evicted by an endpoint's capacity.", nil, nil)
+	descIndexExpiries  = prometheus.NewDesc(Namespace+"_prefix_index_expiries_total", "Blocks expired by the TTL.", nil, nil)
+)
+
+type indexCollector struct{ read func() IndexSample }
+
+func (c *indexCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- descIndexEntries
+	ch <- descIndexHashes
+	ch <- descIndexBytes
+	ch <- descIndexEvictions
+	ch <- descIndexExpiries
+}
+
+func (c *indexCollector) Collect(ch chan<- prometheus.Metric) {
+	s := c.read()
+	ch <- prometheus.MustNewConstMetric(descIndexEntries, prometheus.GaugeValue, float64(s.Entries))
+	ch <- prometheus.MustNewConstMetric(descIndexHashes, prometheus.GaugeValue, float64(s.Hashes))
+	ch <- prometheus.MustNewConstMetric(descIndexBytes, prometheus.GaugeValue, float64(s.Bytes))
+	ch <- prometheus.MustNewConstMetric(descIndexEvictions, prometheus.CounterValue, float64(s.Evictions))
+	ch <- prometheus.MustNewConstMetric(descIndexExpiries, prometheus.CounterValue, float64(s.Expiries))
+}
 
 // Retry counts one retry.
 func (m *Metrics) Retry() { m.retries.Inc() }

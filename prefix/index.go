@@ -229,6 +229,11 @@ func (x *Index) Record(id uint64, hashes []uint64) {
 	s := x.slot(id)
 	l := x.slots[s]
 	now := x.stamp()
+	// If the deepest block was recorded here this second, so was the whole
+	// chain (Record touches every block): nothing to refresh.
+	if o, ok := x.owners[hashes[len(hashes)-1]]; ok && o.stamp == now && o.find(s) >= 0 {
+		return
+	}
 	for i := len(hashes) - 1; i >= 0; i-- {
 		h := hashes[i]
 		o := x.owners[h]

@@ -1,8 +1,13 @@
 package proxy
 
 import (
+	"encoding/json"
+	"io"
 	"net/http"
 	"net/http/pprof"
+
+	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/routing"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -33,4 +38,95 @@ func (s *Server) AdminHandler(g prometheus.Gatherer) *http.ServeMux {
 	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 	return mux
+}
+
+// Explainer is a policy that can show its work: the prefix policy.
+type Explainer interface {
+	Explain(r *routing.Request, set *discovery.Set) (routing.Decision, []routing.Term)
+}
+
+// explanation is /debug/route's answer.
+type explanation struct {
+	Path          string         `json:"path"`
+	Model         string         `json:"model"`
+	PromptBytes   int            `json:"prompt_bytes"`
+	PromptTokens  int            `json:"prompt_tokens_estimate"`
+	Blocks        int            `json:"blocks"`
+	Pick          string         `json:"pick"`
+	Reason        string         `json:"reason"`
+	MatchedBlocks int            `json:"matched_blocks"`
+	Prefill       int            `json:"prefill_tokens"`
+	Endpoints     []routing.Term `json:"endpoints"`
+}
+
+// HandleExplain serves POST /debug/route?path=/v1/chat/completions: it
+// parses the body as the proxy would and returns the policy's decision with
+// every endpoint's terms, without forwarding or recording anything.
+func (s *Server) HandleExplain(mux *http.ServeMux, e Explainer) {
+	mux.HandleFunc("POST /debug/route", func(w http.ResponseWriter, r *http.Request) {
+		path := r.URL.Query().Get("path")
+		if path == "" {
+			path = string(pathChat)
+		}
+		kind := kindOf([]byte(http.MethodPost), []byte(path))
+		if kind == routing.KindOther {
+			http.Error(w, "path must be an inference path (/v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings)", http.StatusBadRequest)
+			return
+		}
+		body, err := io.ReadAll(io.LimitReader(r.Body, int64(s.opt.MaxBodyBytes)+1))
+		if err != nil || len(body) > s.opt.MaxBodyBytes {
+			http.Error(w, "cannot read body", http.StatusBadRequest)
+			return
+		}
+		var st reqState
+		if err := st.parse(kind, body, s.opt.BlockSize, s.opt.MaxBlocks); err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		d, terms := e.Explain(&st.req, s.opt.Pool.Load())
+		out := explanation{Path: path, Model: st.req.Model, PromptBytes: st.req.PromptBytes,
+			PromptTokens: st.req.PromptTokens, Blocks: len(st.req.Hashes), Reason: d.Reason,
+			MatchedBlocks: d.MatchedBlocks, Prefill: d.Prefill, Endpoints: terms}
+		if d.Endpoint != nil {
+			out.Pick = d.Endpoint.URL
+		}
+		writeJSON(w, http.StatusOK, out)
+	})
+}
+
+// Tunable is a policy whose parameters change at run time.
+type Tunable interface {
+	Params() routing.PrefixParams
+	SetParams(routing.PrefixParams) error
+}
+
+// HandleParams serves GET and PUT /debug/prefix/params: operators tune the
+// prefix policy's thresholds under live traffic. PUT takes the whole JSON
+// object or a subset of its fields.
+func HandleParams(mux *http.ServeMux, t Tunable) {
+	mux.HandleFunc("GET /debug/prefix/params", func(w http.ResponseWriter, _ *http.Request) {
+		writeJSON(w, http.StatusOK, t.Params())
+	})
+	mux.HandleFunc("PUT /debug/prefix/params", func(w http.ResponseWriter, r *http.Request) {
+		p := t.Params()
+		dec := json.NewDecoder(io.LimitReader(r.Body, 1<<16))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&p); err != nil {
+			http.Error(w, "bad parameters: "+err.Error(), http.StatusBadRequest)
+			return
+		}
+		if err := t.SetParams(p); err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		writeJSON(w, http.StatusOK, t.Params())
+	})
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	_ = enc.Encode(v)
 }

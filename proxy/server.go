@@ -165,9 +165,10 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	// released here on every exit, panics included, unless the response body
 	// took it over.
 	var held *discovery.Endpoint
+	var heldPrefill int64
 	defer func() {
 		if held != nil {
-			held.InFlight.Add(-1)
+			release(held, heldPrefill)
 		}
 		if p := recover(); p != nil {
 			s.opt.Logger.Error("panic serving request", zap.Any("panic", p), zap.Stack("stack"))
@@ -203,8 +204,11 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		if attempt > 0 {
 			s.opt.Metrics.Retry()
 		}
+		s.opt.Metrics.Decision(d.Reason, st.req.PromptTokens, st.req.PromptTokens-d.Prefill)
 		st.req.Tried = append(st.req.Tried, ep)
+		heldPrefill = int64(d.Prefill)
 		ep.InFlight.Add(1)
+		ep.InFlightPrefill.Add(heldPrefill)
 		ep.Requests.Add(1)
 		held = ep
 		if ep.BasePath != "" || attempt > 0 {
@@ -216,7 +220,7 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		if err != nil {
 			fasthttp.ReleaseResponse(resp)
 			held = nil
-			ep.InFlight.Add(-1)
+			release(ep, heldPrefill)
 			ep.Failures.Add(1)
 			var kindLabel string
 			lastErr, kindLabel = classifyUpstream(err)
@@ -229,7 +233,7 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 			_ = resp.Body() // drain the small error body so the connection is reused
 			fasthttp.ReleaseResponse(resp)
 			held = nil
-			ep.InFlight.Add(-1)
+			release(ep, heldPrefill)
 			if code >= 500 {
 				ep.Failures.Add(1)
 			}
@@ -237,8 +241,8 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 			lastErr = &statusError{endpoint: ep.URL, code: code}
 			continue
 		}
-		held = nil // the response body owns the in-flight count from here
-		s.commit(ctx, st, ep, resp, reqID, start)
+		held = nil // the response body owns the in-flight counts from here
+		s.commit(ctx, st, ep, heldPrefill, resp, reqID, start)
 		return
 	}
 	if lastErr == nil {
@@ -292,7 +296,7 @@ func (s *Server) finish(ctx *fasthttp.RequestCtx, st *reqState, status int, star
 
 // commit hands the endpoint's response to the client: headers now, the body
 // as a stream that fasthttp writes and flushes chunk by chunk.
-func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, ep *discovery.Endpoint, resp *fasthttp.Response, reqID []byte, start time.Time) {
+func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, ep *discovery.Endpoint, prefill int64, resp *fasthttp.Response, reqID []byte, start time.Time) {
 	clientClose := ctx.Request.Header.ConnectionClose()
 	resp.Header.CopyTo(&ctx.Response.Header)
 	h := &ctx.Response.Header
@@ -304,7 +308,7 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, ep *discovery.En
 	h.SetBytesKV(headerRequestID, reqID)
 
 	b := s.bodies.Get().(*upstreamBody)
-	b.s, b.resp, b.ep, b.start = s, resp, ep, start
+	b.s, b.resp, b.ep, b.start, b.prefill = s, resp, ep, start, prefill
 	b.class = int(st.req.Kind)
 	b.status = resp.StatusCode()
 	b.attempts = len(st.req.Tried)
@@ -315,8 +319,7 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, ep *discovery.En
 
 	rd := resp.BodyStream()
 	if rd == nil { // HEAD, 204, 304: no body
-		b.firstByte = true
-		s.opt.Metrics.FirstByte(b.class, time.Since(start).Seconds())
+		b.markFirstByte()
 		b.rd = eofReader{}
 		ctx.Response.SetBodyStream(b, 0)
 		return
@@ -350,6 +353,7 @@ type upstreamBody struct {
 	class     int
 	status    int
 	attempts  int
+	prefill   int64 // tokens added to ep.InFlightPrefill, released at the first byte
 	firstByte bool
 	bytes     int64
 	readErr   error
@@ -363,8 +367,7 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 	n, err := b.rd.Read(p)
 	if n > 0 {
 		if !b.firstByte {
-			b.firstByte = true
-			b.s.opt.Metrics.FirstByte(b.class, time.Since(b.start).Seconds())
+			b.markFirstByte()
 		}
 		b.bytes += int64(n)
 	}
@@ -372,6 +375,14 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 		b.readErr = err
 	}
 	return n, err
+}
+
+// markFirstByte records the first response byte: the endpoint has computed
+// the prompt, so its pending prefill drops.
+func (b *upstreamBody) markFirstByte() {
+	b.firstByte = true
+	b.ep.InFlightPrefill.Add(-b.prefill)
+	b.s.opt.Metrics.FirstByte(b.class, time.Since(b.start).Seconds())
 }
 
 // CloseWithError is called by fasthttp exactly once when the body is done:
@@ -382,7 +393,11 @@ func (b *upstreamBody) CloseWithError(err error) error {
 	s := b.s
 	_ = b.resp.CloseBodyStream()
 	fasthttp.ReleaseResponse(b.resp)
-	b.ep.InFlight.Add(-1)
+	if b.firstByte {
+		b.ep.InFlight.Add(-1)
+	} else {
+		release(b.ep, b.prefill)
+	}
 	status := b.status
 	switch {
 	case b.readErr != nil:
@@ -408,6 +423,12 @@ func (b *upstreamBody) CloseWithError(err error) error {
 	b.resp, b.rd, b.ep, b.readErr = nil, nil, nil, nil
 	s.bodies.Put(b)
 	return nil
+}
+
+// release undoes a dispatch's in-flight counts on ep.
+func release(ep *discovery.Endpoint, prefill int64) {
+	ep.InFlight.Add(-1)
+	ep.InFlightPrefill.Add(-prefill)
 }
 
 type eofReader struct{}

@@ -38,7 +38,7 @@ func (p *RoundRobin) Pick(r *Request, set *discovery.Set) Decision {
 	for i := 0; i < n; i++ {
 		e := set.Endpoints[(start+i)%n]
 		if usable(r, e) {
-			return Decision{Endpoint: e, Reason: ReasonRoundRobin}
+			return Decision{Endpoint: e, Reason: ReasonRoundRobin, Prefill: r.PromptTokens}
 		}
 	}
 	return Decision{Reason: ReasonRoundRobin}
@@ -68,7 +68,7 @@ func (p *Random) Pick(r *Request, set *discovery.Set) Decision {
 	for i := 0; i < n; i++ {
 		e := set.Endpoints[(start+i)%n]
 		if usable(r, e) {
-			return Decision{Endpoint: e, Reason: ReasonRandom}
+			return Decision{Endpoint: e, Reason: ReasonRandom, Prefill: r.PromptTokens}
 		}
 	}
 	return Decision{Reason: ReasonRandom}
@@ -117,5 +117,5 @@ func (p *LeastRequest) Pick(r *Request, set *discovery.Set) Decision {
 	if b != nil && b.InFlight.Load() < a.InFlight.Load() {
 		a = b
 	}
-	return Decision{Endpoint: a, Reason: ReasonLeastRequest}
+	return Decision{Endpoint: a, Reason: ReasonLeastRequest, Prefill: r.PromptTokens}
 }

@@ -87,4 +87,10 @@ type Decision struct {
 	Endpoint *discovery.Endpoint
 	// Reason is a short constant label for metrics and logs.
 	Reason string
+	// Prefill is the prompt tokens the endpoint is expected to compute
+	// (prompt minus the prefix it holds). The proxy adds it to the
+	// endpoint's InFlightPrefill until the first response byte.
+	Prefill int
+	// MatchedBlocks is the prefix blocks the endpoint is believed to hold.
+	MatchedBlocks int
 }

@@ -1,0 +1,248 @@
+package routing
+
+import (
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+
+	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/prefix"
+)
+
+// Reasons of the prefix policy.
+const (
+	// ReasonWarm: the endpoint holding the request's prefix was chosen.
+	ReasonWarm = "warm"
+	// ReasonSpill: the warm endpoint was saturated; the request went to a
+	// colder one where it gets its first token sooner.
+	ReasonSpill = "spill"
+	// ReasonCold: no endpoint holds enough of the prefix.
+	ReasonCold = "cold"
+)
+
+// PrefixParams are the prefix policy's tunables. They may be replaced at
+// run time (SetParams) without a restart. Times are in seconds of engine
+// time, so they hold whatever the engine's speed.
+type PrefixParams struct {
+	// PrefillTokensPerSec is an endpoint's prefill rate: 20,000 tokens/s
+	// for an 8B model on one H100 (REFERENCE §6). It turns prompt tokens
+	// still to compute into seconds.
+	PrefillTokensPerSec float64 `json:"prefill_tokens_per_sec"`
+	// DecodeCostSec is the wait one in-flight request adds to a new one's
+	// first token: a decode step grows by ≈ 0.135 ms per running sequence
+	// (6.5 ms at batch 1, 15 ms at 64, REFERENCE §6) and a new request
+	// waits out about ten steps while queued and prefilling: 1.5 ms.
+	DecodeCostSec float64 `json:"decode_cost_sec"`
+	// SpillMarginSec is how much longer the wait behind the warm endpoint
+	// may be than the best alternative's (recompute included) before the
+	// request spills. Larger is stickier: more hits, longer queues.
+	SpillMarginSec float64 `json:"spill_margin_sec"`
+	// MinMatchBlocks is the least match that makes an endpoint warm, so one
+	// short shared system prompt cannot pin the fleet to one endpoint. It
+	// is also the depth of the block that keys rendezvous hashing.
+	MinMatchBlocks int `json:"min_match_blocks"`
+	// TieSec: endpoints whose costs differ by less are tied; ties go to the
+	// rendezvous-hash winner, so replicas agree and prefixes spread.
+	TieSec float64 `json:"tie_sec"`
+}
+
+// DefaultPrefixParams returns the documented defaults.
+func DefaultPrefixParams() PrefixParams {
+	return PrefixParams{
+		PrefillTokensPerSec: 20000,
+		DecodeCostSec:       0.0015,
+		SpillMarginSec:      0.1,
+		MinMatchBlocks:      2,
+		TieSec:              0.001,
+	}
+}
+
+// Validate reports a parameter set that cannot be used.
+func (p PrefixParams) Validate() error {
+	switch {
+	case !(p.PrefillTokensPerSec > 0):
+		return errBadParam("prefill_tokens_per_sec must be positive")
+	case p.DecodeCostSec < 0 || p.SpillMarginSec < 0 || p.TieSec < 0:
+		return errBadParam("decode_cost_sec, spill_margin_sec and tie_sec must not be negative")
+	case p.MinMatchBlocks < 1:
+		return errBadParam("min_match_blocks must be at least 1")
+	}
+	return nil
+}
+
+type errBadParam string
+
+func (e errBadParam) Error() string { return "routing: " + string(e) }
+
+// Prefix is the prefix-aware, sticky-until-saturated policy. It estimates,
+// for every usable endpoint, how long this request would wait for its first
+// token there:
+//
+//	wait = (in-flight prefill tokens + this request's uncached tokens) / prefill rate
+//	     + in-flight requests × decode cost
+//
+// where the uncached tokens are the prompt minus the prefix the index
+// believes the endpoint holds. The warm endpoint (deepest useful match,
+// lowest wait) wins unless its wait exceeds the best endpoint's by more
+// than the spill margin; then the request spills to the best endpoint, whose
+// cache becomes warm too. Ties go to the rendezvous-hash winner of the
+// prefix. The pick is recorded in the index at once, so a burst of
+// same-prefix requests follows the first. Safe for concurrent use.
+type Prefix struct {
+	index      *prefix.Index
+	blockBytes int
+	params     atomic.Pointer[PrefixParams]
+	scratch    sync.Pool // *[]prefix.Match
+}
+
+// NewPrefix returns the policy over index, whose blocks are blockBytes of
+// the canonical rendering (≈ blockBytes/4 tokens).
+func NewPrefix(index *prefix.Index, blockBytes int, p PrefixParams) *Prefix {
+	pp := &Prefix{index: index, blockBytes: blockBytes}
+	pp.params.Store(&p)
+	pp.scratch.New = func() any { s := make([]prefix.Match, 0, 16); return &s }
+	return pp
+}
+
+// Params returns the current parameters.
+func (p *Prefix) Params() PrefixParams { return *p.params.Load() }
+
+// SetParams replaces the parameters for the following decisions.
+func (p *Prefix) SetParams(pp PrefixParams) error {
+	if err := pp.Validate(); err != nil {
+		return err
+	}
+	p.params.Store(&pp)
+	return nil
+}
+
+// Index returns the policy's index.
+func (p *Prefix) Index() *prefix.Index { return p.index }
+
+// Pick implements the policy and records the pick in the index.
+func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
+	d := p.decide(r, set, nil)
+	if d.Endpoint != nil {
+		p.index.Record(d.Endpoint.ID, r.Hashes)
+	}
+	return d
+}
+
+// Explain returns the decision Pick would make and its terms, without
+// recording anything.
+func (p *Prefix) Explain(r *Request, set *discovery.Set) (Decision, []Term) {
+	var terms []Term
+	d := p.decide(r, set, &terms)
+	return d, terms
+}
+
+// Term is one endpoint's side of a decision, for /debug/route.
+type Term struct {
+	Endpoint         string  `json:"endpoint"`
+	MatchedBlocks    int     `json:"matched_blocks"`
+	Warm             bool    `json:"warm"`
+	UncachedTokens   int     `json:"uncached_tokens"`
+	InFlightPrefill  int64   `json:"in_flight_prefill_tokens"`
+	InFlightRequests int64   `json:"in_flight_requests"`
+	WaitSec          float64 `json:"wait_sec"`
+	Rendezvous       uint64  `json:"rendezvous"`
+	Skipped          string  `json:"skipped,omitempty"`
+}
+
+func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision {
+	prm := p.params.Load()
+	sp := p.scratch.Get().(*[]prefix.Match)
+	matches := p.index.Match(r.Hashes, *sp)
+	defer func() { *sp = matches[:0]; p.scratch.Put(sp) }()
+
+	key := rendezvousKey(r.Hashes, prm.MinMatchBlocks)
+	tokensPerBlock := float64(p.blockBytes) / 4
+	var best, warm *discovery.Endpoint
+	var bestWait, warmWait float64
+	var bestScore, warmScore uint64
+	var bestUncached, warmUncached, bestBlocks, warmDepth int
+	for _, e := range set.Endpoints {
+		if !usable(r, e) {
+			if terms != nil {
+				*terms = append(*terms, Term{Endpoint: e.URL, Skipped: "already tried"})
+			}
+			continue
+		}
+		blocks := 0
+		for _, m := range matches {
+			if m.ID == e.ID {
+				blocks = m.Blocks
+				break
+			}
+		}
+		isWarm := blocks >= prm.MinMatchBlocks
+		if !isWarm {
+			blocks = 0 // too short a match to count, for warmth or for cost
+		}
+		uncached := r.PromptTokens - int(float64(blocks)*tokensPerBlock)
+		if uncached < 0 {
+			uncached = 0
+		}
+		pending := e.InFlightPrefill.Load()
+		inflight := e.InFlight.Load()
+		wait := float64(pending+int64(uncached))/prm.PrefillTokensPerSec + float64(inflight)*prm.DecodeCostSec
+		score := rendezvous(key, e.ID)
+		if terms != nil {
+			*terms = append(*terms, Term{Endpoint: e.URL, MatchedBlocks: blocks, Warm: isWarm,
+				UncachedTokens: uncached, InFlightPrefill: pending, InFlightRequests: inflight,
+				WaitSec: wait, Rendezvous: score})
+		}
+		if best == nil || better(wait, score, bestWait, bestScore, prm.TieSec) {
+			best, bestWait, bestScore, bestUncached, bestBlocks = e, wait, score, uncached, blocks
+		}
+		// The warm candidate: the deepest match, then the shortest wait.
+		if isWarm && (warm == nil || blocks > warmDepth ||
+			blocks == warmDepth && better(wait, score, warmWait, warmScore, prm.TieSec)) {
+			warm, warmWait, warmScore, warmUncached, warmDepth = e, wait, score, uncached, blocks
+		}
+	}
+	switch {
+	case best == nil:
+		return Decision{Reason: ReasonCold}
+	case warm == nil:
+		return Decision{Endpoint: best, Reason: ReasonCold, Prefill: bestUncached, MatchedBlocks: bestBlocks}
+	case warmWait <= bestWait+prm.SpillMarginSec:
+		return Decision{Endpoint: warm, Reason: ReasonWarm, Prefill: warmUncached, MatchedBlocks: warmDepth}
+	default:
+		return Decision{Endpoint: best, Reason: ReasonSpill, Prefill: bestUncached, MatchedBlocks: bestBlocks}
+	}
+}
+
+// better reports whether (wait, score) beats (bw, bs): a wait shorter by
+// more than tie, or a tie won on rendezvous score.
+func better(wait float64, score uint64, bw float64, bs uint64, tie float64) bool {
+	if wait < bw-tie {
+		return true
+	}
+	if wait > bw+tie {
+		return false
+	}
+	return score > bs
+}
+
+// rendezvousKey is the hash of the block at depth minMatch (or the last
+// block of shorter prompts): requests sharing a useful prefix share the key,
+// requests sharing less (a short system prompt) do not. A prompt shorter
+// than a block has nothing to share and gets a random key, so such prompts
+// spread.
+func rendezvousKey(hashes []uint64, minMatch int) uint64 {
+	if len(hashes) == 0 {
+		return rand.Uint64()
+	}
+	return hashes[min(minMatch, len(hashes))-1]
+}
+
+// rendezvous is the highest-random-weight score of endpoint id for key
+// (SplitMix64's finaliser over their combination): the same everywhere, so
+// independent router replicas agree.
+func rendezvous(key, id uint64) uint64 {
+	z := key ^ (id * 0x9e3779b97f4a7c15)
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
+	z = (z ^ (z >> 27)) * 0x94d049bb133111eb
+	return z ^ (z >> 31)
+}

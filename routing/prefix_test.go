@@ -1,0 +1,245 @@
+package routing
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/prefix"
+)
+
+const testBlock = 1024
+
+func testSet(t testing.TB, n int) *discovery.Set {
+	t.Helper()
+	var pool discovery.Pool
+	eps := make([]*discovery.Endpoint, n)
+	for i := range eps {
+		e, err := discovery.NewEndpoint(fmt.Sprintf("http://10.0.0.%d:8000", i+1), discovery.RoleMixed)
+		if err != nil {
+			t.Fatal(err)
+		}
+		eps[i] = e
+	}
+	return pool.Publish(eps)
+}
+
+func newTestPrefix(p PrefixParams) *Prefix {
+	return NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 100_000}), testBlock, p)
+}
+
+// request renders text like the proxy does and hashes it.
+func request(text string) *Request {
+	var h prefix.Hasher
+	h.Reset(testBlock, 1024, prefix.Seed("m", ""))
+	_, _ = h.WriteString(text)
+	return &Request{Kind: KindCompletions, Model: "m", PromptBytes: len(text), PromptTokens: len(text) / 4, Hashes: h.Hashes}
+}
+
+// system returns a system prompt of n bytes, distinct per id.
+func system(id, n int) string {
+	s := strings.Repeat(fmt.Sprintf("[system prompt %d] ", id), n/10+1)
+	return s[:n]
+}
+
+// dispatch picks for r and counts it in flight as the proxy does.
+func dispatch(p *Prefix, r *Request, set *discovery.Set) Decision {
+	d := p.Pick(r, set)
+	if d.Endpoint != nil {
+		d.Endpoint.InFlight.Add(1)
+		d.Endpoint.InFlightPrefill.Add(int64(d.Prefill))
+	}
+	return d
+}
+
+func finish(d Decision) {
+	d.Endpoint.InFlight.Add(-1)
+	d.Endpoint.InFlightPrefill.Add(-int64(d.Prefill))
+}
+
+func TestSameprefixGoesWhereItIsCached(t *testing.T) {
+	set := testSet(t, 8)
+	p := newTestPrefix(DefaultPrefixParams())
+	sys := system(1, 8192)
+	first := p.Pick(request(sys+"question one"), set)
+	if first.Reason != ReasonCold {
+		t.Fatalf("first request: %+v", first)
+	}
+	for i := 0; i < 20; i++ {
+		d := p.Pick(request(sys+fmt.Sprintf("question %d", i)), set)
+		if d.Endpoint != first.Endpoint || d.Reason != ReasonWarm || d.MatchedBlocks != 8192/testBlock {
+			t.Fatalf("request %d: %+v, want warm on %s", i, d, first.Endpoint)
+		}
+		if d.Prefill >= 100 {
+			t.Fatalf("prefill %d tokens for a cached prefix", d.Prefill)
+		}
+	}
+}
+
+// Failure mode: bursts herd onto one pod when load is counted after the
+// pick. Here load is counted at the pick, so a burst of one prefix stays on
+// the warm pod only until waiting there costs more than recomputing.
+func TestBurstSpillsInsteadOfHerding(t *testing.T) {
+	set := testSet(t, 8)
+	p := newTestPrefix(DefaultPrefixParams())
+	sys := system(2, 16384) // 4k tokens: 0.2 s to recompute
+	counts := map[*discovery.Endpoint]int{}
+	reasons := map[string]int{}
+	for i := 0; i < 200; i++ {
+		d := dispatch(p, request(sys+fmt.Sprintf("q%d", i)), set)
+		counts[d.Endpoint]++
+		reasons[d.Reason]++
+	}
+	if len(counts) < 4 || reasons[ReasonSpill] == 0 {
+		t.Fatalf("a burst of 200 herded: %d endpoints used, reasons %v", len(counts), reasons)
+	}
+	for e, n := range counts {
+		if n > 100 {
+			t.Fatalf("%s took %d of 200", e, n)
+		}
+	}
+	// After a spill the prefix is warm on several pods, so most picks hit.
+	if reasons[ReasonWarm] < 150 {
+		t.Fatalf("reasons %v: the spilled prefix should stay warm", reasons)
+	}
+}
+
+// Failure mode: one short shared system prompt pins the fleet to one pod.
+func TestShortSharedPrefixDoesNotPin(t *testing.T) {
+	set := testSet(t, 8)
+	p := newTestPrefix(DefaultPrefixParams())
+	shared := system(3, testBlock) // one block, below the minimum match
+	counts := map[*discovery.Endpoint]int{}
+	for i := 0; i < 400; i++ {
+		d := p.Pick(request(shared+system(1000+i, 4096)), set)
+		if d.Reason == ReasonWarm {
+			t.Fatalf("a one-block match counted as warm: %+v", d)
+		}
+		counts[d.Endpoint]++
+	}
+	for e, n := range counts {
+		if n < 20 || n > 80 { // 50 expected each
+			t.Fatalf("uneven spread: %s got %d of 400 (%d endpoints used)", e, n, len(counts))
+		}
+	}
+	if len(counts) != 8 {
+		t.Fatalf("%d endpoints used", len(counts))
+	}
+}
+
+// Failure mode: under load the policy flips from affinity to least-load for
+// everything and the hit rate collapses. Here only the saturated prefix
+// spills; other prefixes stay where they are cached.
+func TestLoadOnOnePodDoesNotCollapseAffinity(t *testing.T) {
+	set := testSet(t, 4)
+	p := newTestPrefix(DefaultPrefixParams())
+	a, b := system(10, 8192), system(11, 8192)
+	da := p.Pick(request(a+"x"), set)
+	db := p.Pick(request(b+"x"), set)
+	if da.Endpoint == db.Endpoint {
+		// Force distinct homes for the test by recording b elsewhere.
+		for _, e := range set.Endpoints {
+			if e != da.Endpoint {
+				p.Index().Forget(db.Endpoint.ID)
+				p.Index().Record(e.ID, request(b+"x").Hashes)
+				db.Endpoint = e
+				break
+			}
+		}
+	}
+	da.Endpoint.InFlight.Add(200) // a's home is saturated
+	da.Endpoint.InFlightPrefill.Add(100_000)
+	defer func() { da.Endpoint.InFlight.Add(-200); da.Endpoint.InFlightPrefill.Add(-100_000) }()
+	if d := p.Pick(request(a+"y"), set); d.Reason != ReasonSpill || d.Endpoint == da.Endpoint {
+		t.Fatalf("saturated prefix did not spill: %+v", d)
+	}
+	if d := p.Pick(request(b+"y"), set); d.Reason != ReasonWarm || d.Endpoint != db.Endpoint {
+		t.Fatalf("an unrelated prefix lost its affinity: %+v", d)
+	}
+}
+
+// Failure mode: tie-breaks by map order. Cold prefixes go to the
+// rendezvous winner, the same for independent replicas and every run.
+func TestColdPicksAgreeAcrossReplicas(t *testing.T) {
+	set := testSet(t, 16)
+	r1, r2 := newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams())
+	used := map[*discovery.Endpoint]bool{}
+	for i := 0; i < 200; i++ {
+		req := request(system(100+i, 4096))
+		d1, d2 := r1.Pick(req, set), r2.Pick(req, set)
+		if d1.Endpoint != d2.Endpoint {
+			t.Fatalf("replicas disagree on a cold prefix: %s vs %s", d1.Endpoint, d2.Endpoint)
+		}
+		used[d1.Endpoint] = true
+	}
+	if len(used) < 14 {
+		t.Fatalf("cold prefixes used %d of 16 endpoints", len(used))
+	}
+}
+
+func TestExplainMatchesPickWithoutRecording(t *testing.T) {
+	set := testSet(t, 3)
+	p := newTestPrefix(DefaultPrefixParams())
+	r := request(system(7, 4096))
+	d, terms := p.Explain(r, set)
+	if len(terms) != 3 || d.Endpoint == nil || d.Reason != ReasonCold {
+		t.Fatalf("explain %+v %+v", d, terms)
+	}
+	if st := p.Index().Stats(); st.Entries != 0 {
+		t.Fatal("explain recorded the request")
+	}
+	if got := p.Pick(r, set); got.Endpoint != d.Endpoint {
+		t.Fatalf("pick %s, explain said %s", got.Endpoint, d.Endpoint)
+	}
+	if _, terms := p.Explain(r, set); terms[indexOf(set, d.Endpoint)].MatchedBlocks != 4096/testBlock {
+		t.Fatalf("terms after the pick: %+v", terms)
+	}
+}
+
+func indexOf(set *discovery.Set, e *discovery.Endpoint) int {
+	for i, x := range set.Endpoints {
+		if x == e {
+			return i
+		}
+	}
+	return -1
+}
+
+func TestSetParamsValidates(t *testing.T) {
+	p := newTestPrefix(DefaultPrefixParams())
+	bad := DefaultPrefixParams()
+	bad.MinMatchBlocks = 0
+	if err := p.SetParams(bad); err == nil {
+		t.Fatal("accepted min_match_blocks 0")
+	}
+	good := DefaultPrefixParams()
+	good.SpillMarginSec = 2
+	if err := p.SetParams(good); err != nil || p.Params().SpillMarginSec != 2 {
+		t.Fatalf("SetParams: %v", err)
+	}
+}
+
+// BenchmarkPick measures a whole routing decision for a 128 KiB prompt:
+// hashing the rendering, matching, costing every endpoint, recording.
+func BenchmarkPick(b *testing.B) {
+	text := system(1, 128<<10)
+	for _, n := range []int{8, 64, 1000} {
+		b.Run(fmt.Sprintf("endpoints-%d", n), func(b *testing.B) {
+			set := testSet(b, n)
+			p := NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 100_000}), testBlock, DefaultPrefixParams())
+			var h prefix.Hasher
+			r := &Request{Kind: KindCompletions, Model: "m"}
+			b.ReportAllocs()
+			b.SetBytes(int64(len(text)))
+			for i := 0; i < b.N; i++ {
+				h.Reset(testBlock, 512, prefix.Seed("m", ""))
+				_, _ = h.WriteString(text)
+				r.Hashes, r.PromptBytes, r.PromptTokens = h.Hashes, h.Len(), h.Len()/4
+				if d := p.Pick(r, set); d.Endpoint == nil {
+					b.Fatal("no pick")
+				}
+			}
+		})
+	}
+}

@@ -21,6 +21,7 @@ import (
 
 	"github.com/kvroute/kvroute/discovery"
 	"github.com/kvroute/kvroute/metrics"
+	"github.com/kvroute/kvroute/prefix"
 	"github.com/kvroute/kvroute/routing"
 )
 
@@ -648,7 +649,12 @@ func TestInFlightAlwaysReleased(t *testing.T) {
 		backends = append(backends, s.URL)
 	}
 	backends = append(backends, closedAddr(t))
-	h := startProxy(t, routing.NewLeastRequest(nil), Options{Retries: 1}, backends...)
+	policy := routing.NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1000}), 1024, routing.DefaultPrefixParams())
+	h := startProxy(t, policy, Options{Retries: 1}, backends...)
+	prompts := make([]string, 8)
+	for i := range prompts {
+		prompts[i] = strings.Repeat(fmt.Sprintf("shared system prompt %d. ", i), 200)
+	}
 
 	var wg sync.WaitGroup
 	work := make(chan int)
@@ -658,8 +664,8 @@ func TestInFlightAlwaysReleased(t *testing.T) {
 			defer wg.Done()
 			for range work {
 				ctx, cancel := context.WithCancel(context.Background())
-				req, _ := http.NewRequestWithContext(ctx, "POST", h.url+"/v1/completions",
-					strings.NewReader(`{"model":"m","prompt":"hello","stream":true}`))
+				body := fmt.Sprintf(`{"model":"m","prompt":"%s question %d","stream":true}`, prompts[rand.IntN(len(prompts))], rand.IntN(1000))
+				req, _ := http.NewRequestWithContext(ctx, "POST", h.url+"/v1/completions", strings.NewReader(body))
 				resp, err := testClient.Do(req)
 				if err == nil {
 					if rand.IntN(3) == 0 { // the client aborts mid-stream
@@ -681,8 +687,8 @@ func TestInFlightAlwaysReleased(t *testing.T) {
 	wg.Wait()
 	h.waitIdle(t)
 	for _, e := range h.pool.Load().Endpoints {
-		if e.InFlight.Load() != 0 {
-			t.Errorf("%s in-flight %d", e, e.InFlight.Load())
+		if e.InFlight.Load() != 0 || e.InFlightPrefill.Load() != 0 {
+			t.Errorf("%s in-flight %d requests, %d prefill tokens", e, e.InFlight.Load(), e.InFlightPrefill.Load())
 		}
 	}
 	if g := counterValue(t, h.reg, "kvroute_in_flight_requests", nil); g != 0 {

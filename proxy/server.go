@@ -95,10 +95,10 @@ func New(opt Options) *Server {
 		opt.Metrics = metrics.New(prometheus.NewRegistry(), Classes, nil)
 	}
 	if opt.BlockSize <= 0 {
-		opt.BlockSize = 256
+		opt.BlockSize = 1024
 	}
 	if opt.MaxBlocks <= 0 {
-		opt.MaxBlocks = 1024
+		opt.MaxBlocks = 256
 	}
 	s := &Server{opt: opt}
 	s.states.New = func() any { return new(reqState) }

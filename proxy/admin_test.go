@@ -1,0 +1,69 @@
+package proxy
+
+import (
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/kvroute/kvroute/prefix"
+	"github.com/kvroute/kvroute/routing"
+)
+
+func TestAdminExplainAndParams(t *testing.T) {
+	a, _ := echoBackend(t, "a")
+	b, _ := echoBackend(t, "b")
+	policy := routing.NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1000}), 1024, routing.DefaultPrefixParams())
+	h := startProxy(t, policy, Options{}, a.URL, b.URL)
+	mux := h.srv.AdminHandler(h.reg)
+	h.srv.HandleExplain(mux, policy)
+	HandleParams(mux, policy)
+	admin := httptest.NewServer(mux)
+	defer admin.Close()
+
+	body := `{"model":"m","prompt":"` + strings.Repeat("a shared system prompt. ", 400) + `"}`
+	explain := func() explanation {
+		resp, err := http.Post(admin.URL+"/debug/route?path=/v1/completions", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var e explanation
+		if err := json.NewDecoder(resp.Body).Decode(&e); err != nil || resp.StatusCode != 200 {
+			t.Fatalf("status %d: %v", resp.StatusCode, err)
+		}
+		return e
+	}
+	cold := explain()
+	if cold.Reason != routing.ReasonCold || cold.Pick == "" || len(cold.Endpoints) != 2 || cold.Blocks != 9 {
+		t.Fatalf("cold explanation %+v", cold)
+	}
+	readAll(t, post(t, h.url+"/v1/completions", body)) // routes and records
+	warm := explain()
+	if warm.Reason != routing.ReasonWarm || warm.Pick != cold.Pick || warm.MatchedBlocks != 9 {
+		t.Fatalf("warm explanation %+v", warm)
+	}
+
+	resp, err := http.Post(admin.URL+"/debug/route?path=/v1/models", "application/json", strings.NewReader(body))
+	if err != nil || resp.StatusCode != 400 {
+		t.Fatalf("non-inference path: %v %d", err, resp.StatusCode)
+	}
+	resp.Body.Close()
+
+	put := func(js string) int {
+		req, _ := http.NewRequest(http.MethodPut, admin.URL+"/debug/prefix/params", strings.NewReader(js))
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	if put(`{"spill_margin_sec":0.5}`) != 200 || policy.Params().SpillMarginSec != 0.5 || policy.Params().MinMatchBlocks != 2 {
+		t.Fatalf("params after PUT: %+v", policy.Params())
+	}
+	if put(`{"min_match_blocks":0}`) != 400 || put(`{"bogus":1}`) != 400 || policy.Params().MinMatchBlocks != 2 {
+		t.Fatalf("bad params accepted: %+v", policy.Params())
+	}
+}

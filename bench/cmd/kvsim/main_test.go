@@ -1,0 +1,78 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m,
+		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.updateServerDate.func1"),
+		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.(*workerPool).Start.func2"),
+	)
+}
+
+func TestRun(t *testing.T) {
+	tests := []struct {
+		name    string
+		args    []string
+		wantErr string
+		pods    int
+	}{
+		{name: "two pods", args: []string{"--pods", "2", "--port", "0", "--time-scale", "100", "--prefill-pods", "1"}, pods: 2},
+		{name: "bad role", args: []string{"--role", "both"}, wantErr: "unknown role"},
+		{name: "bad prefill count", args: []string{"--pods", "1", "--prefill-pods", "2"}, wantErr: "prefill-pods"},
+		{name: "bad config", args: []string{"--block-size", "-1"}, wantErr: "block size"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			pr, pw := io.Pipe()
+			errc := make(chan error, 1)
+			go func() {
+				err := run(ctx, tc.args, pw)
+				pw.CloseWithError(io.EOF)
+				errc <- err
+			}()
+			sc := bufio.NewScanner(pr)
+			var urls []string
+			for len(urls) < tc.pods && sc.Scan() {
+				urls = append(urls, sc.Text())
+			}
+			if tc.wantErr != "" {
+				go io.Copy(io.Discard, pr)
+				if err := <-errc; err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("run: %v, want error containing %q", err, tc.wantErr)
+				}
+				return
+			}
+			if len(urls) != tc.pods {
+				t.Fatalf("printed %d URLs, want %d", len(urls), tc.pods)
+			}
+			tr := &http.Transport{}
+			c := &http.Client{Transport: tr}
+			for _, u := range urls {
+				resp, err := c.Get(u + "/health")
+				if err != nil {
+					t.Fatal(err)
+				}
+				resp.Body.Close()
+				if resp.StatusCode != 200 {
+					t.Errorf("%s/health: %d", u, resp.StatusCode)
+				}
+			}
+			tr.CloseIdleConnections()
+			cancel()
+			if err := <-errc; err != nil {
+				t.Fatalf("run: %v", err)
+			}
+		})
+	}
+}

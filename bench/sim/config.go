@@ -1,0 +1,292 @@
+// Package sim is a simulated vLLM engine: it speaks vLLM's OpenAI-compatible
+// wire protocol (completions, chat, SSE streaming, /metrics, /tokenize,
+// NixlConnector prefill/decode handoff) and behaves like one GPU-bound engine
+// in time (continuous batching, a chained-hash prefix cache with LRU eviction,
+// a memory-bandwidth decode model). Tests, benchmarks and the demo run many
+// cheap pods of it in one process; see New, StartFleet and bench/cmd/kvsim.
+package sim
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"time"
+)
+
+// ErrConfig is wrapped by every error Config.Validate returns.
+var ErrConfig = errors.New("sim: invalid config")
+
+// ErrClosed is returned by Serve after Close.
+var ErrClosed = errors.New("sim: pod closed")
+
+// Role is what a pod does in prefill/decode disaggregation (vLLM NixlConnector
+// semantics, REFERENCE §3).
+type Role string
+
+const (
+	// RoleMixed serves whole requests and honours both do_remote_decode
+	// (acts as a prefill pod) and do_remote_prefill (acts as a decode pod),
+	// like vLLM with kv_role "kv_both".
+	RoleMixed Role = "mixed"
+	// RolePrefill honours do_remote_decode: it prefills, holds the KV blocks
+	// and returns a kv_transfer_params reference. do_remote_prefill is ignored.
+	RolePrefill Role = "prefill"
+	// RoleDecode honours do_remote_prefill: it pulls the KV blocks named by
+	// the reference instead of computing the prefill. do_remote_decode is ignored.
+	RoleDecode Role = "decode"
+)
+
+// ParseRole converts a flag value to a Role.
+func ParseRole(s string) (Role, error) {
+	switch r := Role(s); r {
+	case RoleMixed, RolePrefill, RoleDecode:
+		return r, nil
+	}
+	return "", fmt.Errorf("%w: unknown role %q (want mixed, prefill or decode)", ErrConfig, s)
+}
+
+func (r Role) servesPrefill() bool { return r == RolePrefill || r == RoleMixed }
+func (r Role) servesDecode() bool  { return r == RoleDecode || r == RoleMixed }
+
+// Config describes one simulated pod. The zero value of every field means
+// "use the default" (see DefaultConfig), so Config{} is a valid Llama-3.1-8B
+// on one H100 at real-time speed. Durations in the cost model are modelled
+// (GPU) time; TimeScale converts them to wall time. Fault durations are wall
+// time. A Config is copied by New; later edits do not affect a running pod.
+type Config struct {
+	// Model is the served model name (the "model" field clients must send
+	// and the model_name metric label).
+	Model string
+	// Role selects the prefill/decode behaviour; default RoleMixed.
+	Role Role
+	// Seed makes ids, synthetic text, EOS draws and fault draws deterministic.
+	// Pods of a fleet get Seed+i.
+	Seed uint64
+	// EngineID is the NixlConnector engine id put in kv_transfer_params;
+	// default derived from Seed and the pod's start time (so a restarted pod
+	// has a new one, as vLLM's engines do).
+	EngineID string
+
+	// TimeScale divides every modelled duration to get wall time: 10 runs ten
+	// times faster than real time with the same ratios. Default 1.
+	TimeScale float64
+
+	// BlockSize is the KV block size in tokens (vLLM --block-size, default 16).
+	BlockSize int
+	// NumGPUBlocks is the KV capacity in blocks. Default 28125 blocks of 16 =
+	// 450k tokens: an 80 GB H100 at gpu_memory_utilization 0.9 keeps ≈ 57 GB
+	// after 16 GB of bf16 weights and activations, at 128 KiB per token
+	// (REFERENCE §6).
+	NumGPUBlocks int
+	// MaxModelLen bounds prompt+max_tokens per sequence (vLLM
+	// --max-model-len); default 32768.
+	MaxModelLen int
+	// MaxNumBatchedTokens is the per-step token budget (vLLM
+	// --max-num-batched-tokens); default 8192.
+	MaxNumBatchedTokens int
+	// MaxNumSeqs bounds the running batch (vLLM --max-num-seqs); default 256.
+	MaxNumSeqs int
+	// VocabSize bounds token ids (Llama 3: 128256).
+	VocabSize int
+	// DefaultMaxTokens is max_tokens for /v1/completions when the body has
+	// none (vLLM: 16).
+	DefaultMaxTokens int
+	// DefaultChatMaxTokens is max_tokens for /v1/chat/completions when the
+	// body has none; vLLM uses the rest of the context, the sim 256 (clamped
+	// to the rest of the context).
+	DefaultChatMaxTokens int
+	// EOSProbability is the per-token probability of a seeded end-of-sequence
+	// when ignore_eos is false; default 0: exactly max_tokens are generated.
+	EOSProbability float64
+	// StreamInterval batches streamed tokens like vLLM's --stream-interval:
+	// the first token goes out alone, then one SSE delta per this many
+	// tokens (the last may be shorter); default 1, one delta per token.
+	StreamInterval int
+	// MaxBodyBytes bounds request bodies; default 32 MiB.
+	MaxBodyBytes int
+
+	// StepOverhead is t0, the fixed cost of every engine step (launch,
+	// scheduling, sampling); default 0.3 ms.
+	StepOverhead time.Duration
+	// WeightBytes is the weight bytes read per step; default 15.0e9 (8.03e9
+	// bf16 parameters minus the 1.05 GB input embedding, of which a step
+	// gathers only a few rows).
+	WeightBytes float64
+	// KVBytesPerToken is the KV cache size of one token; default 131072
+	// (32 layers × 8 KV heads × 128 dims × K and V × 2 bytes).
+	KVBytesPerToken float64
+	// MemBandwidth is the effective HBM bandwidth in bytes/s; default 2.3e12
+	// (≈ 69% of an H100 SXM's 3.35 TB/s).
+	MemBandwidth float64
+	// PrefillTokensPerSec is the prefill compute rate; default 20000
+	// (16 GFLOP per token at ≈ 32% of 989 bf16 TFLOPS).
+	PrefillTokensPerSec float64
+	// PrefillStepOverhead is added to a step that computes a prompt chunk
+	// (more than one token of some sequence); default 13 ms, so that a prefill step costs ≈ 20 ms + tokens/20k
+	// (REFERENCE §6) including the ≈ 7 ms weight pass.
+	PrefillStepOverhead time.Duration
+	// KVTransferBandwidth is the NIXL pull rate in bytes/s; default 40e9.
+	KVTransferBandwidth float64
+	// KVTransferLatency is the fixed cost of one pull (handshake, descriptor
+	// setup); default 1 ms.
+	KVTransferLatency time.Duration
+	// KVHoldTimeout is how long a prefill pod holds blocks for a decode pod
+	// that does not pull them (vLLM VLLM_NIXL_ABORT_REQUEST_TIMEOUT); default
+	// 480 s, modelled (divided by TimeScale).
+	KVHoldTimeout time.Duration
+	// SideChannelHost is the address the KV side channel listens on and
+	// advertises as remote_host; default 127.0.0.1.
+	SideChannelHost string
+	// TPSize is reported as tp_size in kv_transfer_params; default 1.
+	TPSize int
+
+	// Faults is the initial fault set; the admin API and SetFaults change it.
+	Faults Faults
+
+	// OnStep, if set, is called on the engine goroutine after every step
+	// with that step's figures. It must not block or call into the Pod; tests
+	// use it to observe batching without sleeping.
+	OnStep func(StepInfo)
+}
+
+// StepInfo describes one engine step. Times are modelled.
+type StepInfo struct {
+	Start, Duration time.Duration // since the pod started, modelled
+	PrefillTokens   int           // tokens of prompt chunks (> 1 token of a sequence) computed
+	DecodeSeqs      int           // sequences that computed exactly one token
+	ContextTokens   int           // Σ KV tokens read by the scheduled sequences
+	Running         int           // sequences in the batch after scheduling
+	Waiting         int           // sequences queued after scheduling (incl. KV loads)
+	UsedBlocks      int           // KV blocks referenced by sequences or holds
+}
+
+// DefaultConfig returns the defaults documented on Config's fields.
+func DefaultConfig() Config {
+	var c Config
+	c.fill()
+	return c
+}
+
+// fill replaces zero fields with defaults.
+func (c *Config) fill() {
+	setStr := func(p *string, v string) {
+		if *p == "" {
+			*p = v
+		}
+	}
+	setInt := func(p *int, v int) {
+		if *p == 0 {
+			*p = v
+		}
+	}
+	setF := func(p *float64, v float64) {
+		if *p == 0 {
+			*p = v
+		}
+	}
+	setD := func(p *time.Duration, v time.Duration) {
+		if *p == 0 {
+			*p = v
+		}
+	}
+	setStr(&c.Model, "meta-llama/Llama-3.1-8B-Instruct")
+	if c.Role == "" {
+		c.Role = RoleMixed
+	}
+	setF(&c.TimeScale, 1)
+	setInt(&c.BlockSize, 16)
+	setInt(&c.NumGPUBlocks, 28125)
+	setInt(&c.MaxModelLen, 32768)
+	setInt(&c.MaxNumBatchedTokens, 8192)
+	setInt(&c.MaxNumSeqs, 256)
+	setInt(&c.VocabSize, 128256)
+	setInt(&c.DefaultMaxTokens, 16)
+	setInt(&c.DefaultChatMaxTokens, 256)
+	setInt(&c.StreamInterval, 1)
+	setInt(&c.MaxBodyBytes, 32<<20)
+	setD(&c.StepOverhead, 300*time.Microsecond)
+	setF(&c.WeightBytes, 15.0e9)
+	setF(&c.KVBytesPerToken, 131072)
+	setF(&c.MemBandwidth, 2.3e12)
+	setF(&c.PrefillTokensPerSec, 20000)
+	setD(&c.PrefillStepOverhead, 13*time.Millisecond)
+	setF(&c.KVTransferBandwidth, 40e9)
+	setD(&c.KVTransferLatency, time.Millisecond)
+	setD(&c.KVHoldTimeout, 480*time.Second)
+	setStr(&c.SideChannelHost, "127.0.0.1")
+	setInt(&c.TPSize, 1)
+	if c.Faults.ErrorStatus == 0 {
+		c.Faults.ErrorStatus = 500
+	}
+}
+
+// Validate fills defaults and reports the first inconsistent field.
+func (c *Config) Validate() error {
+	c.fill()
+	bad := func(format string, a ...any) error {
+		return fmt.Errorf("%w: "+format, append([]any{ErrConfig}, a...)...)
+	}
+	if _, err := ParseRole(string(c.Role)); err != nil {
+		return err
+	}
+	switch {
+	case c.TimeScale < 0 || math.IsNaN(c.TimeScale) || math.IsInf(c.TimeScale, 0):
+		return bad("time scale %v must be positive", c.TimeScale)
+	case c.BlockSize < 1:
+		return bad("block size %d < 1", c.BlockSize)
+	case c.NumGPUBlocks < 1:
+		return bad("num GPU blocks %d < 1", c.NumGPUBlocks)
+	case c.MaxModelLen < 2:
+		return bad("max model len %d < 2", c.MaxModelLen)
+	case c.MaxNumBatchedTokens < 1:
+		return bad("max num batched tokens %d < 1", c.MaxNumBatchedTokens)
+	case c.MaxNumSeqs < 1:
+		return bad("max num seqs %d < 1", c.MaxNumSeqs)
+	case c.VocabSize < 2:
+		return bad("vocab size %d < 2", c.VocabSize)
+	case c.DefaultMaxTokens < 1 || c.DefaultChatMaxTokens < 1:
+		return bad("default max tokens must be ≥ 1")
+	case c.EOSProbability < 0 || c.EOSProbability > 1:
+		return bad("EOS probability %v outside [0,1]", c.EOSProbability)
+	case c.StreamInterval < 1:
+		return bad("stream interval %d < 1", c.StreamInterval)
+	case c.MaxBodyBytes < 1:
+		return bad("max body bytes %d < 1", c.MaxBodyBytes)
+	case c.StepOverhead < 0 || c.PrefillStepOverhead < 0 || c.KVTransferLatency < 0 || c.KVHoldTimeout < 0:
+		return bad("durations must not be negative")
+	case c.WeightBytes < 0 || c.KVBytesPerToken < 0:
+		return bad("byte sizes must not be negative")
+	case c.MemBandwidth <= 0 || c.PrefillTokensPerSec <= 0 || c.KVTransferBandwidth <= 0:
+		return bad("rates must be positive")
+	case c.TPSize < 1:
+		return bad("tp size %d < 1", c.TPSize)
+	}
+	return c.Faults.validate()
+}
+
+// StepCost returns the modelled duration of one engine step that computes
+// prefillTokens tokens of prompt chunks (uncached tokens only; 0 for a step
+// where every sequence computes one token) while the scheduled sequences read contextTokens tokens of KV in
+// total (each sequence's length after the step):
+//
+//	t = StepOverhead + (WeightBytes + contextTokens·KVBytesPerToken)/MemBandwidth
+//	    + [prefillTokens > 0] · (PrefillStepOverhead + prefillTokens/PrefillTokensPerSec)
+//
+// With the defaults a decode step is 6.94 ms at batch 1 and 14.3 ms at batch
+// 64 with 2,048-token contexts. c must have its defaults filled (Validate).
+func (c *Config) StepCost(prefillTokens, contextTokens int) time.Duration {
+	sec := (c.WeightBytes + float64(contextTokens)*c.KVBytesPerToken) / c.MemBandwidth
+	d := c.StepOverhead + secs(sec)
+	if prefillTokens > 0 {
+		d += c.PrefillStepOverhead + secs(float64(prefillTokens)/c.PrefillTokensPerSec)
+	}
+	return d
+}
+
+// TransferCost returns the modelled time to pull tokens tokens of KV from a
+// prefill pod.
+func (c *Config) TransferCost(tokens int) time.Duration {
+	return c.KVTransferLatency + secs(float64(tokens)*c.KVBytesPerToken/c.KVTransferBandwidth)
+}
+
+func secs(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }

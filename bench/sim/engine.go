@@ -1,0 +1,682 @@
+package sim
+
+import (
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// request is one HTTP inference request: one or more sequences (prompts × n)
+// answered together. Fields above mu are set before submit and then only
+// read. The engine publishes progress into the sequences' pub fields under
+// mu and signals wake; the HTTP side reads them under mu.
+type request struct {
+	id           string // response id, e.g. "cmpl-<base>"
+	chat         bool
+	stream       bool
+	includeUsage bool
+	holdKV       bool // prefill role: hold the KV for a remote decode
+	model        string
+	created      int64     // unix seconds
+	arrival      time.Time // wall time the handler received it
+	seqs         []*seq
+
+	wake      chan struct{} // capacity 1; signalled on progress
+	cancelled atomic.Bool   // the client went away; the engine aborts
+
+	mu       sync.Mutex
+	doneSeqs int     // guarded by mu
+	kv       *kvHold // guarded by mu: the prefill hold, once finished
+}
+
+// seqPub is what the engine publishes about a sequence (guarded by req.mu).
+type seqPub struct {
+	generated int    // tokens generated so far
+	finish    string // "", "length", "stop" or "abort"
+	cached    int    // prompt tokens served from cache (local + remote)
+}
+
+type seqState uint8
+
+const (
+	stWaiting seqState = iota
+	stLoading          // pulling KV from a prefill pod
+	stRunning
+	stDone
+)
+
+// seq is one sequence. Fields above the engine-owned block are immutable.
+type seq struct {
+	req       *request
+	index     int // choice index
+	prompt    []uint32
+	maxTokens int
+	ignoreEOS bool
+	seed      uint64 // output text and EOS draws
+	root      uint64 // parent hash of block 0 (cache_salt)
+	remote    *kvRef // do_remote_prefill reference, or nil
+
+	// Engine goroutine only.
+	state       seqState
+	generated   int
+	numComputed int
+	blocks      []int32
+	hashes      []uint64 // chained hashes of the leading full, computed blocks
+	cached      int      // reported cached tokens (first admission)
+	admitted    bool
+	remoteDone  bool
+	reason      string        // finish reason once stDone
+	arrival     time.Duration // modelled
+	lastToken   time.Duration // modelled time of the last sampled token
+
+	pub seqPub // guarded by req.mu
+}
+
+func (s *seq) numTokens() int { return len(s.prompt) + s.generated }
+
+// tokenAt returns token i of the sequence (prompt, then generated tokens).
+func (s *seq) tokenAt(i int, vocab uint32) uint32 {
+	if i < len(s.prompt) {
+		return s.prompt[i]
+	}
+	return pieceID(outputWord(s.seed, i-len(s.prompt)), vocab)
+}
+
+// kvHold is KV a prefill pod keeps for a remote decode pod. Guarded by
+// engine.mu once published in engine.holds.
+type kvHold struct {
+	id       string // remote_request_id
+	blocks   []int32
+	tokens   int
+	deadline time.Time // wall
+	done     bool      // pulled or expired
+}
+
+type evKind uint8
+
+const (
+	evRequest evKind = iota
+	evLoaded         // a KV pull finished (ok or not)
+	evRelease        // a hold was pulled: release its blocks
+	evNudge          // something was cancelled
+)
+
+type event struct {
+	kind evKind
+	at   time.Time // wall time it was posted
+	req  *request
+	seq  *seq
+	ok   bool
+	hold *kvHold
+}
+
+type scheduled struct {
+	s       *seq
+	n       int  // tokens computed this step
+	prefill bool // several tokens of one sequence: a prompt chunk
+}
+
+// engine is one pod's continuous-batching loop. Handlers talk to it only via
+// post; everything below the mutex-guarded block belongs to the goroutine
+// running run.
+type engine struct {
+	cfg       *Config
+	m         *podMetrics
+	scale     float64
+	startWall time.Time
+	done      <-chan struct{}
+	vocab     uint32
+	// startPull starts a tracked goroutine that pulls s's KV and posts
+	// evLoaded, not before the wall time ready (the modelled transfer end).
+	startPull func(s *seq, ready time.Time)
+
+	mu        sync.Mutex
+	inbox     []event
+	holds     map[string]*kvHold
+	holdCount uint64
+	wake      chan struct{}
+
+	cache     *blockCache
+	hash      hasher
+	waiting   []*seq
+	running   []*seq
+	loading   int
+	holdQueue []*kvHold // FIFO by deadline
+	modelNow  time.Duration
+	timer     *time.Timer
+	spare     []event
+	batch     []scheduled
+	toks      []uint32 // scratch: one block of token ids
+	notify    []*seq   // scratch: sequences to publish after a step
+
+	// Published for gauges and Stats.
+	nRunning, nWaiting, nUsed, nHeld atomic.Int64
+	steps                            atomic.Uint64
+	modelClock                       atomic.Int64
+}
+
+func newEngine(cfg *Config, start time.Time, done <-chan struct{}) *engine {
+	t := time.NewTimer(time.Hour)
+	t.Stop()
+	return &engine{
+		cfg: cfg, scale: cfg.TimeScale, startWall: start, done: done,
+		vocab: uint32(cfg.VocabSize), holds: make(map[string]*kvHold),
+		wake: make(chan struct{}, 1), cache: newBlockCache(cfg.NumGPUBlocks), timer: t,
+		toks: make([]uint32, cfg.BlockSize),
+	}
+}
+
+func (e *engine) modelOf(w time.Time) time.Duration {
+	return time.Duration(float64(w.Sub(e.startWall)) * e.scale)
+}
+
+func (e *engine) wallOf(m time.Duration) time.Time {
+	return e.startWall.Add(time.Duration(float64(m) / e.scale))
+}
+
+func (e *engine) blocksFor(tokens int) int { return (tokens + e.cfg.BlockSize - 1) / e.cfg.BlockSize }
+
+// post hands an event to the engine goroutine. Safe for concurrent use.
+func (e *engine) post(ev event) {
+	if ev.at.IsZero() {
+		ev.at = time.Now()
+	}
+	e.mu.Lock()
+	e.inbox = append(e.inbox, ev)
+	e.mu.Unlock()
+	select {
+	case e.wake <- struct{}{}:
+	default:
+	}
+}
+
+// run is the engine loop; it returns when done is closed.
+func (e *engine) run() {
+	defer e.timer.Stop()
+	idle := true
+	var prevStart, prevEnd time.Duration
+	for {
+		e.mu.Lock()
+		evs := e.inbox
+		e.inbox = e.spare[:0]
+		e.mu.Unlock()
+		if idle {
+			// The modelled clock ran on while the engine slept: resume it at
+			// the earliest event (not at the wake-up, whose latency is the
+			// simulator's, not the GPU's), or now after a timer wake-up.
+			at := time.Now()
+			for _, ev := range evs {
+				if ev.at.Before(at) {
+					at = ev.at
+				}
+			}
+			e.modelNow = max(e.modelNow, e.modelOf(at))
+		}
+		for i := range evs {
+			e.handle(&evs[i], idle, prevStart, prevEnd)
+			evs[i] = event{}
+		}
+		e.spare = evs
+		e.sweepHolds(time.Now())
+		e.reapCancelled()
+
+		prefill, ctxTokens := e.schedule()
+		e.publishGauges()
+		if len(e.batch) == 0 {
+			idle = true
+			if !e.sleepIdle() {
+				return
+			}
+			continue
+		}
+		idle = false
+		start := e.modelNow
+		d := e.cfg.StepCost(prefill, ctxTokens)
+		end := start + d
+		info := StepInfo{Start: start, Duration: d, PrefillTokens: prefill, ContextTokens: ctxTokens,
+			Running: len(e.running), Waiting: len(e.waiting) + e.loading, UsedBlocks: e.cache.used()}
+		if !e.sleepUntil(e.wallOf(end)) {
+			return
+		}
+		e.modelNow, prevStart, prevEnd = end, start, end
+		e.modelClock.Store(int64(end))
+		info.DecodeSeqs = e.apply(end)
+		e.steps.Add(1)
+		if e.cfg.OnStep != nil {
+			e.cfg.OnStep(info)
+		}
+	}
+}
+
+func (e *engine) sleepUntil(deadline time.Time) bool {
+	d := time.Until(deadline)
+	if d <= 0 {
+		select {
+		case <-e.done:
+			return false
+		default:
+			return true
+		}
+	}
+	e.timer.Reset(d)
+	select {
+	case <-e.timer.C:
+		return true
+	case <-e.done:
+		return false
+	}
+}
+
+// sleepIdle waits for an event, the next hold expiry or shutdown. An idle
+// engine uses no CPU.
+func (e *engine) sleepIdle() bool {
+	var expiry <-chan time.Time
+	e.mu.Lock()
+	for _, h := range e.holdQueue {
+		if !h.done {
+			e.timer.Reset(max(time.Until(h.deadline), 0))
+			expiry = e.timer.C
+			break
+		}
+	}
+	e.mu.Unlock()
+	select {
+	case <-e.wake:
+	case <-expiry:
+	case <-e.done:
+		return false
+	}
+	e.timer.Stop()
+	return true
+}
+
+func (e *engine) handle(ev *event, idle bool, prevStart, prevEnd time.Duration) {
+	switch ev.kind {
+	case evRequest:
+		// A request that arrived while the engine slept starts the next step;
+		// one that arrived during a step waited for that step to end.
+		arr := e.modelNow
+		if !idle {
+			arr = min(max(e.modelOf(ev.at), prevStart), prevEnd)
+		}
+		for _, s := range ev.req.seqs {
+			s.arrival = arr
+			e.waiting = append(e.waiting, s)
+		}
+	case evLoaded:
+		e.loaded(ev.seq, ev.ok)
+	case evRelease:
+		e.cache.releaseAll(ev.hold.blocks)
+	}
+}
+
+// loaded finishes a KV pull: on success the prompt (all but its last token,
+// which the decode pod recomputes to sample, as vLLM does) counts as
+// computed; on failure the pod computes the prefill itself.
+func (e *engine) loaded(s *seq, ok bool) {
+	e.loading--
+	s.remoteDone = true
+	if s.req.cancelled.Load() {
+		e.finish(s, "abort", e.modelNow)
+		e.publish(s)
+		return
+	}
+	if ok {
+		if remote := len(s.prompt) - 1; remote > s.numComputed {
+			e.m.extHits.Add(float64(remote - s.numComputed))
+			s.numComputed = remote
+			e.commit(s)
+		}
+	} else {
+		e.m.kvFailed.Inc()
+	}
+	s.cached = s.numComputed
+	s.state = stWaiting
+	e.waiting = append([]*seq{s}, e.waiting...)
+}
+
+// sweepHolds releases holds whose decode pod never pulled them.
+func (e *engine) sweepHolds(now time.Time) {
+	if len(e.holdQueue) == 0 {
+		return
+	}
+	e.mu.Lock()
+	k := 0
+	for ; k < len(e.holdQueue); k++ {
+		h := e.holdQueue[k]
+		if h.done {
+			continue
+		}
+		if h.deadline.After(now) {
+			break
+		}
+		h.done = true
+		delete(e.holds, h.id)
+		e.cache.releaseAll(h.blocks)
+		e.nHeld.Add(-int64(len(h.blocks)))
+		e.m.kvExpired.Inc()
+	}
+	e.holdQueue = e.holdQueue[k:]
+	e.mu.Unlock()
+}
+
+// reapCancelled aborts sequences whose clients went away.
+func (e *engine) reapCancelled() {
+	keep := func(list []*seq) []*seq {
+		out := list[:0]
+		for _, s := range list {
+			if s.req.cancelled.Load() {
+				e.finish(s, "abort", e.modelNow)
+				e.publish(s)
+				continue
+			}
+			out = append(out, s)
+		}
+		clear(list[len(out):])
+		return out
+	}
+	e.running = keep(e.running)
+	e.waiting = keep(e.waiting)
+}
+
+// schedule builds e.batch for the next step, vLLM-v1 style: running
+// sequences first (decode one token or continue a chunked prefill),
+// preempting the newest running sequence when KV runs out; then waiting
+// sequences FCFS while the token budget, the sequence limit and KV last.
+// It returns the prompt tokens computed and the KV tokens read.
+func (e *engine) schedule() (prefill, ctxTokens int) {
+	e.batch = e.batch[:0]
+	budget := e.cfg.MaxNumBatchedTokens
+	preempted := false
+	for i := 0; i < len(e.running) && budget > 0; {
+		s := e.running[i]
+		n := min(s.numTokens()-s.numComputed, budget)
+		need := e.blocksFor(s.numComputed+n) - len(s.blocks)
+		fits := true
+		for need > e.cache.free {
+			last := len(e.running) - 1
+			victim := e.running[last]
+			e.running[last] = nil
+			e.running = e.running[:last]
+			e.preempt(victim)
+			preempted = true
+			if victim == s {
+				fits = false
+				break
+			}
+		}
+		if !fits {
+			break
+		}
+		e.grow(s, need)
+		e.batch = append(e.batch, scheduled{s, n, n > 1})
+		budget -= n
+		i++
+	}
+	for !preempted && len(e.waiting) > 0 && budget > 0 && len(e.running) < e.cfg.MaxNumSeqs {
+		s := e.waiting[0]
+		fresh := s.blocks == nil
+		if fresh {
+			e.match(s)
+		}
+		if s.remote != nil && !s.remoteDone {
+			need := e.blocksFor(len(s.prompt)) - len(s.blocks)
+			if need > e.cache.free {
+				e.unmatch(s, fresh)
+				break
+			}
+			e.grow(s, need)
+			e.admitStats(s)
+			e.m.extQueries.Add(float64(len(s.prompt) - 1 - s.numComputed))
+			e.popWaiting()
+			s.state = stLoading
+			e.loading++
+			ready := e.modelNow + e.cfg.TransferCost(len(s.prompt)-1-s.numComputed)
+			e.startPull(s, e.wallOf(ready))
+			continue
+		}
+		n := min(s.numTokens()-s.numComputed, budget)
+		need := e.blocksFor(s.numComputed+n) - len(s.blocks)
+		if need > e.cache.free {
+			e.unmatch(s, fresh)
+			break
+		}
+		e.grow(s, need)
+		e.admitStats(s)
+		e.popWaiting()
+		s.state = stRunning
+		e.running = append(e.running, s)
+		e.batch = append(e.batch, scheduled{s, n, n > 1})
+		budget -= n
+	}
+	for _, b := range e.batch {
+		if b.prefill {
+			prefill += b.n
+		}
+		ctxTokens += b.s.numComputed + b.n
+	}
+	return prefill, ctxTokens
+}
+
+func (e *engine) popWaiting() {
+	e.waiting[0] = nil
+	e.waiting = e.waiting[1:]
+}
+
+// grow allocates need more blocks to s (need may be ≤ 0).
+func (e *engine) grow(s *seq, need int) {
+	for range need {
+		s.blocks = append(s.blocks, e.cache.alloc())
+	}
+}
+
+// match pins the longest cached prefix of s: whole blocks, never the last
+// token (vLLM always recomputes at least one token).
+func (e *engine) match(s *seq) {
+	limit := (s.numTokens() - 1) / e.cfg.BlockSize
+	bs := e.cfg.BlockSize
+	parent := s.root
+	s.hashes = s.hashes[:0]
+	toks := e.toks
+	for i := range limit {
+		for j := range bs {
+			toks[j] = s.tokenAt(i*bs+j, e.vocab)
+		}
+		h := e.hash.block(parent, toks)
+		b, ok := e.cache.lookup(h)
+		if !ok {
+			break
+		}
+		e.cache.acquire(b)
+		s.blocks = append(s.blocks, b)
+		s.hashes = append(s.hashes, h)
+		parent = h
+	}
+	s.numComputed = len(s.blocks) * bs
+}
+
+// unmatch undoes a match made in this scheduling attempt.
+func (e *engine) unmatch(s *seq, fresh bool) {
+	if !fresh {
+		return
+	}
+	e.cache.releaseAll(s.blocks)
+	s.blocks, s.hashes, s.numComputed = nil, s.hashes[:0], 0
+}
+
+// admitStats counts a sequence's admission in the prefix-cache counters.
+func (e *engine) admitStats(s *seq) {
+	e.m.prefixQueries.Add(float64(s.numTokens()))
+	e.m.prefixHits.Add(float64(s.numComputed))
+	if !s.admitted {
+		s.admitted = true
+		s.cached = s.numComputed
+		e.m.queue.Observe((e.modelNow - s.arrival).Seconds())
+	}
+}
+
+// preempt returns a running sequence to the front of the queue, freeing its
+// blocks (their hashes stay cached, so the recompute mostly hits).
+func (e *engine) preempt(s *seq) {
+	e.cache.releaseAll(s.blocks)
+	s.blocks, s.hashes, s.numComputed = nil, s.hashes[:0], 0
+	s.state = stWaiting
+	e.waiting = append([]*seq{s}, e.waiting...)
+	e.m.preemptions.Inc()
+}
+
+// commit registers the hashes of blocks that became full and computed.
+func (e *engine) commit(s *seq) {
+	bs := e.cfg.BlockSize
+	full := s.numComputed / bs
+	if len(s.hashes) >= full {
+		return
+	}
+	parent := s.root
+	if len(s.hashes) > 0 {
+		parent = s.hashes[len(s.hashes)-1]
+	}
+	toks := e.toks
+	for i := len(s.hashes); i < full; i++ {
+		for j := range bs {
+			toks[j] = s.tokenAt(i*bs+j, e.vocab)
+		}
+		h := e.hash.block(parent, toks)
+		e.cache.register(s.blocks[i], h)
+		s.hashes = append(s.hashes, h)
+		parent = h
+	}
+}
+
+// apply completes the step that ended at modelled time end: computed tokens
+// advance, finished prompts and decodes sample a token. It returns the number
+// of decoding sequences.
+func (e *engine) apply(end time.Duration) (decodes int) {
+	for _, b := range e.batch {
+		s := b.s
+		if s.state != stRunning {
+			continue
+		}
+		if !b.prefill {
+			decodes++
+		}
+		s.numComputed += b.n
+		e.commit(s)
+		if s.numComputed < s.numTokens() {
+			continue // chunked prefill continues next step
+		}
+		g := s.generated
+		s.generated++
+		if g == 0 {
+			e.m.ttft.Observe((end - s.arrival).Seconds())
+			e.m.promptTokens.Add(float64(len(s.prompt)))
+		} else {
+			e.m.itl.Observe((end - s.lastToken).Seconds())
+		}
+		s.lastToken = end
+		e.m.generationTokens.Inc()
+		finish := ""
+		switch {
+		case !s.ignoreEOS && isEOS(s.seed, g, e.cfg.EOSProbability):
+			finish = "stop"
+		case s.generated >= s.maxTokens:
+			finish = "length"
+		}
+		if finish != "" {
+			e.finish(s, finish, end)
+		}
+		if finish != "" || s.req.stream && g%e.cfg.StreamInterval == 0 {
+			e.notify = append(e.notify, s)
+		}
+	}
+	out := e.running[:0]
+	for _, s := range e.running {
+		if s.state == stRunning {
+			out = append(out, s)
+		}
+	}
+	clear(e.running[len(out):])
+	e.running = out
+	// Gauges first, so a client that got its answer sees them updated.
+	e.publishGauges()
+	for i, s := range e.notify {
+		e.publish(s)
+		e.notify[i] = nil
+	}
+	e.notify = e.notify[:0]
+	return decodes
+}
+
+// finish ends a sequence: its blocks are freed, or held for a remote decode
+// pod when this is a prefill leg that stopped on its length limit.
+func (e *engine) finish(s *seq, reason string, end time.Duration) {
+	s.state, s.reason = stDone, reason
+	e.m.success(reason).Inc()
+	if reason != "abort" {
+		e.m.e2e.Observe((end - s.arrival).Seconds())
+	}
+	r := s.req
+	if r.holdKV && s.index == 0 && reason == "length" && len(s.blocks) > 0 {
+		h := &kvHold{
+			blocks:   s.blocks,
+			tokens:   len(s.prompt),
+			deadline: e.wallOf(end + e.cfg.KVHoldTimeout),
+		}
+		e.mu.Lock()
+		h.id = r.id + "-0"
+		if _, taken := e.holds[h.id]; taken {
+			e.holdCount++
+			h.id += "." + strconv.FormatUint(e.holdCount, 10)
+		}
+		e.holds[h.id] = h
+		e.mu.Unlock()
+		e.holdQueue = append(e.holdQueue, h)
+		e.nHeld.Add(int64(len(h.blocks)))
+		r.mu.Lock()
+		r.kv = h
+		r.mu.Unlock()
+	} else {
+		e.cache.releaseAll(s.blocks)
+	}
+	s.blocks = nil
+}
+
+// publish copies s's progress to the HTTP side and wakes it.
+func (e *engine) publish(s *seq) {
+	r := s.req
+	r.mu.Lock()
+	if s.state == stDone && s.pub.finish == "" {
+		r.doneSeqs++
+	}
+	s.pub = seqPub{generated: s.generated, finish: s.reason, cached: s.cached}
+	r.mu.Unlock()
+	select {
+	case r.wake <- struct{}{}:
+	default:
+	}
+}
+
+// takeHold removes a hold for a pull from the side channel. It reports
+// whether the hold existed and had not expired. Safe for concurrent use.
+func (e *engine) takeHold(id string, now time.Time) (*kvHold, bool, bool) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	h, ok := e.holds[id]
+	if !ok {
+		return nil, false, false
+	}
+	if !h.deadline.After(now) {
+		return h, true, false // expired; the sweep releases it
+	}
+	h.done = true
+	delete(e.holds, id)
+	e.nHeld.Add(-int64(len(h.blocks)))
+	return h, true, true
+}
+
+func (e *engine) publishGauges() {
+	e.nRunning.Store(int64(len(e.running)))
+	e.nWaiting.Store(int64(len(e.waiting) + e.loading))
+	e.nUsed.Store(int64(e.cache.used()))
+}

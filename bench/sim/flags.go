@@ -1,0 +1,49 @@
+package sim
+
+import (
+	"time"
+
+	"github.com/spf13/pflag"
+)
+
+// BindFlags registers one flag per Config field on fs, with c's current
+// values (fill them with DefaultConfig first) as defaults. Role is bound as
+// a string by the caller (see ParseRole); OnStep has no flag.
+func (c *Config) BindFlags(fs *pflag.FlagSet) {
+	fs.StringVar(&c.Model, "model", c.Model, "served model name")
+	fs.Uint64Var(&c.Seed, "seed", c.Seed, "seed for ids, synthetic text, EOS and fault draws (pod i uses seed+i)")
+	fs.StringVar(&c.EngineID, "engine-id", c.EngineID, "NixlConnector engine id (default: derived from seed and start time)")
+	fs.Float64Var(&c.TimeScale, "time-scale", c.TimeScale, "run this many times faster than modelled real time")
+
+	fs.IntVar(&c.BlockSize, "block-size", c.BlockSize, "KV block size in tokens")
+	fs.IntVar(&c.NumGPUBlocks, "num-gpu-blocks", c.NumGPUBlocks, "KV capacity in blocks")
+	fs.IntVar(&c.MaxModelLen, "max-model-len", c.MaxModelLen, "max prompt+completion tokens per sequence")
+	fs.IntVar(&c.MaxNumBatchedTokens, "max-num-batched-tokens", c.MaxNumBatchedTokens, "token budget per engine step")
+	fs.IntVar(&c.MaxNumSeqs, "max-num-seqs", c.MaxNumSeqs, "max sequences in the running batch")
+	fs.IntVar(&c.VocabSize, "vocab-size", c.VocabSize, "vocabulary size (token ids must be below it)")
+	fs.IntVar(&c.DefaultMaxTokens, "default-max-tokens", c.DefaultMaxTokens, "max_tokens of /v1/completions when absent")
+	fs.IntVar(&c.DefaultChatMaxTokens, "default-chat-max-tokens", c.DefaultChatMaxTokens, "max_tokens of /v1/chat/completions when absent")
+	fs.Float64Var(&c.EOSProbability, "eos-probability", c.EOSProbability, "per-token seeded EOS probability unless ignore_eos (0: always max_tokens)")
+	fs.IntVar(&c.StreamInterval, "stream-interval", c.StreamInterval, "tokens per streamed delta")
+	fs.IntVar(&c.MaxBodyBytes, "max-body-bytes", c.MaxBodyBytes, "max request body size")
+
+	fs.DurationVar(&c.StepOverhead, "step-overhead", c.StepOverhead, "modelled fixed cost of every engine step (t0)")
+	fs.Float64Var(&c.WeightBytes, "weight-bytes", c.WeightBytes, "weight bytes read per step")
+	fs.Float64Var(&c.KVBytesPerToken, "kv-bytes-per-token", c.KVBytesPerToken, "KV cache bytes per token")
+	fs.Float64Var(&c.MemBandwidth, "mem-bandwidth", c.MemBandwidth, "effective HBM bandwidth, bytes/s")
+	fs.Float64Var(&c.PrefillTokensPerSec, "prefill-tokens-per-sec", c.PrefillTokensPerSec, "prefill compute rate, tokens/s")
+	fs.DurationVar(&c.PrefillStepOverhead, "prefill-step-overhead", c.PrefillStepOverhead, "modelled extra cost of a step that computes prompt chunks")
+	fs.Float64Var(&c.KVTransferBandwidth, "kv-transfer-bandwidth", c.KVTransferBandwidth, "prefill→decode KV pull rate, bytes/s")
+	fs.DurationVar(&c.KVTransferLatency, "kv-transfer-latency", c.KVTransferLatency, "modelled fixed cost of one KV pull")
+	fs.DurationVar(&c.KVHoldTimeout, "kv-hold-timeout", c.KVHoldTimeout, "modelled time a prefill pod holds unpulled KV")
+	fs.StringVar(&c.SideChannelHost, "side-channel-host", c.SideChannelHost, "address of the KV side channel (remote_host)")
+	fs.IntVar(&c.TPSize, "tp-size", c.TPSize, "tp_size reported in kv_transfer_params")
+
+	fs.Float64Var(&c.Faults.ErrorRate, "fault-error-rate", c.Faults.ErrorRate, "fraction of inference requests failed with --fault-error-status")
+	fs.IntVar(&c.Faults.ErrorStatus, "fault-error-status", c.Faults.ErrorStatus, "status of injected failures")
+	fs.DurationVar((*time.Duration)(&c.Faults.StallFirstByte), "fault-stall-first-byte", time.Duration(c.Faults.StallFirstByte), "delay every inference request before its first byte (wall time)")
+	fs.BoolVar(&c.Faults.StallUntilRelease, "fault-stall-until-release", c.Faults.StallUntilRelease, "hold inference requests until POST /sim/release")
+	fs.IntVar(&c.Faults.DropAfterTokens, "fault-drop-after-tokens", c.Faults.DropAfterTokens, "cut streaming connections after this many tokens (0: off)")
+	fs.DurationVar((*time.Duration)(&c.Faults.StartupDelay), "fault-startup-delay", time.Duration(c.Faults.StartupDelay), "answer /health 503 for this long after start (wall time)")
+	fs.BoolVar(&c.Faults.HealthFail, "fault-health-fail", c.Faults.HealthFail, "answer /health 503")
+}

@@ -1,0 +1,128 @@
+package sim
+
+import (
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// vLLM's histogram buckets (vllm-wire/vllm-metrics.txt, v0.19).
+var (
+	ttftBuckets = []float64{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+		1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0}
+	itlBuckets = []float64{0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+		1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0}
+	latencyBuckets = []float64{0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+		40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0}
+)
+
+// podMetrics are one pod's collectors on its own registry, named and labelled
+// as vLLM V1 exports them (engine="0", model_name). Latencies are modelled
+// seconds, i.e. what a client of a real engine would see. Collectors are safe
+// for concurrent use; the engine goroutine updates most of them.
+type podMetrics struct {
+	reg *prometheus.Registry
+
+	promptTokens, generationTokens prometheus.Counter
+	prefixQueries, prefixHits      prometheus.Counter
+	extQueries, extHits            prometheus.Counter
+	preemptions                    prometheus.Counter
+	successStop, successLength     prometheus.Counter
+	successAbort                   prometheus.Counter
+	ttft, itl, e2e, queue          prometheus.Histogram
+	kvFailed, kvExpired            prometheus.Counter
+}
+
+func newPodMetrics(cfg *Config, e *engine, start time.Time) *podMetrics {
+	reg := prometheus.NewRegistry()
+	labels := prometheus.Labels{"engine": "0", "model_name": cfg.Model}
+	counter := func(name, help string) prometheus.Counter {
+		c := prometheus.NewCounter(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: labels})
+		reg.MustRegister(c)
+		return c
+	}
+	hist := func(name, help string, buckets []float64) prometheus.Histogram {
+		h := prometheus.NewHistogram(prometheus.HistogramOpts{Name: name, Help: help, ConstLabels: labels, Buckets: buckets})
+		reg.MustRegister(h)
+		return h
+	}
+	gaugeFunc := func(name, help string, f func() float64) {
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: labels}, f))
+	}
+	m := &podMetrics{reg: reg}
+
+	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "process_start_time_seconds",
+		Help: "Start time of the process since unix epoch in seconds.",
+	}, func() float64 { return float64(start.UnixNano()) / 1e9 }))
+
+	gaugeFunc("vllm:num_requests_running", "Number of requests in model execution batches.",
+		func() float64 { return float64(e.nRunning.Load()) })
+	gaugeFunc("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+		func() float64 { return float64(e.nWaiting.Load()) })
+	gaugeFunc("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+		func() float64 { return float64(e.nUsed.Load()) / float64(cfg.NumGPUBlocks) })
+
+	m.prefixQueries = counter("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.")
+	m.prefixHits = counter("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.")
+	m.extQueries = counter("vllm:external_prefix_cache_queries_total",
+		"External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.")
+	m.extHits = counter("vllm:external_prefix_cache_hits_total",
+		"External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.")
+	m.preemptions = counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.")
+	m.promptTokens = counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
+	m.generationTokens = counter("vllm:generation_tokens_total", "Number of generation tokens processed.")
+
+	success := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "vllm:request_success_total", Help: "Count of successfully processed requests.", ConstLabels: labels,
+	}, []string{"finished_reason"})
+	reg.MustRegister(success)
+	m.successStop = success.WithLabelValues("stop")
+	m.successLength = success.WithLabelValues("length")
+	m.successAbort = success.WithLabelValues("abort")
+
+	m.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", ttftBuckets)
+	m.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", itlBuckets)
+	m.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", latencyBuckets)
+	m.queue = hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", latencyBuckets)
+
+	info := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "vllm:cache_config_info",
+		Help: "Information of the LLMEngine CacheConfig",
+		// vLLM exports this series without model_name.
+		ConstLabels: prometheus.Labels{
+			"block_size":               strconv.Itoa(cfg.BlockSize),
+			"cache_dtype":              "auto",
+			"enable_prefix_caching":    "True",
+			"engine":                   "0",
+			"gpu_memory_utilization":   "0.9",
+			"num_cpu_blocks":           "None",
+			"num_gpu_blocks":           strconv.Itoa(cfg.NumGPUBlocks),
+			"num_gpu_blocks_override":  "None",
+			"prefix_caching_hash_algo": "xxhash",
+		},
+	})
+	info.Set(1)
+	reg.MustRegister(info)
+
+	// KV connector figures. vLLM's NixlConnector exports the failure count;
+	// the hold figures are the simulator's own (kvsim: prefix).
+	m.kvFailed = counter("vllm:nixl_num_failed_transfers",
+		"Number of failed NIXL KV Cache transfers; the decode pod computed the prefill itself.")
+	m.kvExpired = counter("kvsim:kv_hold_expired_total",
+		"Prefill KV holds released because no decode pod pulled them before the timeout.")
+	gaugeFunc("kvsim:kv_held_blocks", "KV blocks a prefill pod holds for decode pods that have not pulled them yet.",
+		func() float64 { return float64(e.nHeld.Load()) })
+	return m
+}
+
+func (m *podMetrics) success(reason string) prometheus.Counter {
+	switch reason {
+	case "stop":
+		return m.successStop
+	case "abort":
+		return m.successAbort
+	}
+	return m.successLength
+}

@@ -1,0 +1,333 @@
+package sim
+
+import (
+	"fmt"
+
+	"github.com/valyala/fastjson"
+)
+
+// apiError is an OpenAI-style error answer.
+type apiError struct {
+	status int
+	typ    string
+	msg    string
+}
+
+func badRequest(format string, a ...any) *apiError {
+	return &apiError{status: 400, typ: "BadRequestError", msg: fmt.Sprintf(format, a...)}
+}
+
+// kvRef is a NixlConnector reference given to a decode pod
+// (kv_transfer_params with do_remote_prefill: true).
+type kvRef struct {
+	engineID  string
+	requestID string
+	host      string
+	port      int
+	blockIDs  string // remote_block_ids, compact JSON
+}
+
+// apiRequest is a parsed /v1/completions or /v1/chat/completions body.
+type apiRequest struct {
+	model         string // "" = absent
+	prompts       [][]uint32
+	maxTokens     int // 0 = absent
+	n             int
+	stream        bool
+	includeUsage  bool
+	ignoreEOS     bool
+	salt          string
+	remoteDecode  bool   // kv_transfer_params.do_remote_decode
+	remotePrefill bool   // kv_transfer_params.do_remote_prefill
+	ref           *kvRef // the reference, when do_remote_prefill and well-formed
+}
+
+// maxN bounds the n parameter (choices per prompt).
+const maxN = 64
+
+// parseRequest parses an inference body with p. chat selects the chat
+// schema (messages rendered with the fixed template) over the completions
+// schema (prompt). Token ids must be below vocab.
+func parseRequest(p *fastjson.Parser, body []byte, chat bool, vocab uint32) (*apiRequest, *apiError) {
+	v, err := p.ParseBytes(body)
+	if err != nil {
+		return nil, badRequest("Invalid JSON body: %v", err)
+	}
+	if v.Type() != fastjson.TypeObject {
+		return nil, badRequest("Request body must be a JSON object")
+	}
+	r := &apiRequest{n: 1}
+	if m := v.Get("model"); m != nil && m.Type() != fastjson.TypeNull {
+		s, err := m.StringBytes()
+		if err != nil {
+			return nil, badRequest("model must be a string")
+		}
+		r.model = string(s)
+	}
+	if r.stream, err = optBool(v, "stream"); err != nil {
+		return nil, badRequest("%v", err)
+	}
+	if so := v.Get("stream_options"); so != nil && so.Type() != fastjson.TypeNull {
+		if so.Type() != fastjson.TypeObject {
+			return nil, badRequest("stream_options must be an object")
+		}
+		if !r.stream {
+			return nil, badRequest("Stream options can only be defined when `stream=True`.")
+		}
+		if r.includeUsage, err = optBool(so, "include_usage"); err != nil {
+			return nil, badRequest("%v", err)
+		}
+	}
+	if r.ignoreEOS, err = optBool(v, "ignore_eos"); err != nil {
+		return nil, badRequest("%v", err)
+	}
+	keys := []string{"max_tokens"}
+	if chat {
+		keys = []string{"max_completion_tokens", "max_tokens"}
+	}
+	for _, k := range keys {
+		n, ok, err := optInt(v, k)
+		if err != nil {
+			return nil, badRequest("%v", err)
+		}
+		if ok {
+			if n < 1 {
+				return nil, badRequest("%s must be at least 1, got %d.", k, n)
+			}
+			r.maxTokens = n
+			break
+		}
+	}
+	if n, ok, err := optInt(v, "n"); err != nil {
+		return nil, badRequest("%v", err)
+	} else if ok {
+		if n < 1 || n > maxN {
+			return nil, badRequest("n must be between 1 and %d, got %d.", maxN, n)
+		}
+		r.n = n
+	}
+	if s := v.Get("cache_salt"); s != nil && s.Type() != fastjson.TypeNull {
+		b, err := s.StringBytes()
+		if err != nil || len(b) == 0 {
+			return nil, badRequest("cache_salt must be a non-empty string")
+		}
+		r.salt = string(b)
+	}
+	if kv := v.Get("kv_transfer_params"); kv != nil && kv.Type() != fastjson.TypeNull {
+		if kv.Type() != fastjson.TypeObject {
+			return nil, badRequest("kv_transfer_params must be an object")
+		}
+		r.remoteDecode = kv.GetBool("do_remote_decode")
+		r.remotePrefill = kv.GetBool("do_remote_prefill")
+		if r.remotePrefill {
+			r.ref = parseRef(kv)
+		}
+	}
+	if chat {
+		text, aerr := renderChat(v)
+		if aerr != nil {
+			return nil, aerr
+		}
+		r.prompts = [][]uint32{appendTokens(nil, string(text), vocab)}
+	} else if aerr := r.parsePrompt(v.Get("prompt"), vocab); aerr != nil {
+		return nil, aerr
+	}
+	for _, pr := range r.prompts {
+		if len(pr) == 0 {
+			return nil, badRequest("The prompt cannot be empty.")
+		}
+	}
+	return r, nil
+}
+
+// parseRef returns the decode-side reference, or nil when it is unusable.
+func parseRef(kv *fastjson.Value) *kvRef {
+	ref := &kvRef{
+		engineID:  string(kv.GetStringBytes("remote_engine_id")),
+		requestID: string(kv.GetStringBytes("remote_request_id")),
+		host:      string(kv.GetStringBytes("remote_host")),
+		port:      kv.GetInt("remote_port"),
+	}
+	if b := kv.Get("remote_block_ids"); b != nil {
+		ref.blockIDs = string(b.MarshalTo(nil))
+	}
+	if ref.host == "" || ref.port <= 0 || ref.port > 65535 || ref.requestID == "" {
+		return nil
+	}
+	return ref
+}
+
+func (r *apiRequest) parsePrompt(p *fastjson.Value, vocab uint32) *apiError {
+	if p == nil || p.Type() == fastjson.TypeNull {
+		return badRequest("prompt is required")
+	}
+	switch p.Type() {
+	case fastjson.TypeString:
+		r.prompts = [][]uint32{appendTokens(nil, string(p.GetStringBytes()), vocab)}
+		return nil
+	case fastjson.TypeArray:
+	default:
+		return badRequest("prompt must be a string, an array of strings, an array of token ids or an array of such arrays")
+	}
+	items := p.GetArray()
+	if len(items) == 0 {
+		return badRequest("The prompt cannot be empty.")
+	}
+	switch items[0].Type() {
+	case fastjson.TypeNumber:
+		ids, aerr := tokenIDs(items, vocab)
+		if aerr != nil {
+			return aerr
+		}
+		r.prompts = [][]uint32{ids}
+	case fastjson.TypeString:
+		for _, it := range items {
+			s, err := it.StringBytes()
+			if err != nil {
+				return badRequest("prompt array items must all be strings")
+			}
+			r.prompts = append(r.prompts, appendTokens(nil, string(s), vocab))
+		}
+	case fastjson.TypeArray:
+		for _, it := range items {
+			inner, err := it.Array()
+			if err != nil {
+				return badRequest("prompt array items must all be arrays of token ids")
+			}
+			ids, aerr := tokenIDs(inner, vocab)
+			if aerr != nil {
+				return aerr
+			}
+			r.prompts = append(r.prompts, ids)
+		}
+	default:
+		return badRequest("prompt must be a string, an array of strings, an array of token ids or an array of such arrays")
+	}
+	return nil
+}
+
+func tokenIDs(items []*fastjson.Value, vocab uint32) ([]uint32, *apiError) {
+	ids := make([]uint32, len(items))
+	for i, it := range items {
+		n, err := it.Int64()
+		if err != nil {
+			return nil, badRequest("token ids must be integers")
+		}
+		if n < 0 || n >= int64(vocab) {
+			return nil, badRequest("Token id %d is out of vocabulary", n)
+		}
+		ids[i] = uint32(n)
+	}
+	return ids, nil
+}
+
+func optBool(v *fastjson.Value, key string) (bool, error) {
+	f := v.Get(key)
+	if f == nil || f.Type() == fastjson.TypeNull {
+		return false, nil
+	}
+	b, err := f.Bool()
+	if err != nil {
+		return false, fmt.Errorf("%s must be a boolean", key)
+	}
+	return b, nil
+}
+
+func optInt(v *fastjson.Value, key string) (int, bool, error) {
+	f := v.Get(key)
+	if f == nil || f.Type() == fastjson.TypeNull {
+		return 0, false, nil
+	}
+	n, err := f.Int()
+	if err != nil {
+		return 0, false, fmt.Errorf("%s must be an integer", key)
+	}
+	return n, true, nil
+}
+
+// Chat template markers (Llama 3 style). A conversation renders as
+//
+//	<|begin_of_text|>[tools header]{<|start_header_id|>ROLE<|end_header_id|>\n\nCONTENT<|eot_id|>}…
+//	<|start_header_id|>assistant<|end_header_id|>\n\n
+//
+// so an earlier turn's prompt is a text prefix of a later turn's, and (the
+// generation prompt ending in a newline) a token prefix too.
+const (
+	chatBOS    = "<|begin_of_text|>"
+	chatStart  = "<|start_header_id|>"
+	chatEnd    = "<|end_header_id|>\n\n"
+	chatEOT    = "<|eot_id|>"
+	chatGenHdr = chatStart + "assistant" + chatEnd
+)
+
+// renderChat renders messages (and tools, first) into prompt text.
+func renderChat(v *fastjson.Value) ([]byte, *apiError) {
+	msgs := v.Get("messages")
+	if msgs == nil || msgs.Type() != fastjson.TypeArray {
+		return nil, badRequest("messages must be an array")
+	}
+	items := msgs.GetArray()
+	if len(items) == 0 {
+		return nil, badRequest("messages must not be empty")
+	}
+	addGen := true
+	if g := v.Get("add_generation_prompt"); g != nil && g.Type() != fastjson.TypeNull {
+		b, err := g.Bool()
+		if err != nil {
+			return nil, badRequest("add_generation_prompt must be a boolean")
+		}
+		addGen = b
+	}
+	b := append(make([]byte, 0, 256), chatBOS...)
+	if tools := v.Get("tools"); tools != nil && tools.Type() != fastjson.TypeNull {
+		if tools.Type() != fastjson.TypeArray {
+			return nil, badRequest("tools must be an array")
+		}
+		b = append(b, chatStart+"system"+chatEnd+"Tools: "...)
+		b = tools.MarshalTo(b)
+		b = append(b, chatEOT...)
+	}
+	for _, m := range items {
+		if m.Type() != fastjson.TypeObject {
+			return nil, badRequest("each message must be an object")
+		}
+		role := m.GetStringBytes("role")
+		if len(role) == 0 {
+			return nil, badRequest("each message needs a string role")
+		}
+		b = append(b, chatStart...)
+		b = append(b, role...)
+		b = append(b, chatEnd...)
+		if c := m.Get("content"); c != nil {
+			switch c.Type() {
+			case fastjson.TypeNull:
+			case fastjson.TypeString:
+				b = append(b, c.GetStringBytes()...)
+			case fastjson.TypeArray:
+				for _, part := range c.GetArray() {
+					typ := part.GetStringBytes("type")
+					switch {
+					case string(typ) == "text":
+						b = append(b, part.GetStringBytes("text")...)
+					case len(typ) > 0:
+						b = append(b, "<|"...)
+						b = append(b, typ...)
+						b = append(b, "|>"...)
+					default:
+						return nil, badRequest("content parts need a type")
+					}
+				}
+			default:
+				return nil, badRequest("message content must be a string, an array of parts or null")
+			}
+		}
+		if tc := m.Get("tool_calls"); tc != nil && tc.Type() == fastjson.TypeArray && len(tc.GetArray()) > 0 {
+			b = tc.MarshalTo(b)
+		}
+		b = append(b, chatEOT...)
+	}
+	if addGen {
+		b = append(b, chatGenHdr...)
+	}
+	return b, nil
+}

@@ -316,8 +316,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready cha
 		}
 	})
 	pick, pfx := picker(cfg)
+	var learner proxy.Learner
+	if pfx != nil {
+		learner = pfx
+	}
 	srv := proxy.New(proxy.Options{
-		Picker: pick, Pool: pool, Metrics: m, Logger: logger, AccessLog: cfg.AccessLog,
+		Learner: learner,
+		Picker:  pick, Pool: pool, Metrics: m, Logger: logger, AccessLog: cfg.AccessLog,
 		BlockSize: cfg.PrefixBlockBytes, MaxBlocks: cfg.PrefixMaxBlocks,
 		MaxBodyBytes: cfg.MaxBodyBytes, Retries: cfg.Retries,
 		ConnectTimeout: cfg.ConnectTimeout, ResponseHeaderTimeout: cfg.ResponseHeaderTimeout,

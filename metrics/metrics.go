@@ -46,6 +46,11 @@ type Metrics struct {
 	decisionCache sync.Map // reason string → prometheus.Counter
 	hitTokens     prometheus.Counter
 	promptTokens  prometheus.Counter
+	estTokens     prometheus.Counter
+	engineTokens  prometheus.Counter
+	estOver       prometheus.Counter
+	estUnder      prometheus.Counter
+	estExact      prometheus.Counter
 
 	mu       sync.RWMutex
 	reqCache map[reqKey]prometheus.Counter
@@ -101,8 +106,22 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 			Namespace: Namespace, Name: "routed_prompt_tokens_total",
 			Help: "Prompt tokens of routed inference requests (estimated, bytes/4).",
 		}),
+		estTokens: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "prefix_estimated_cached_tokens_total",
+			Help: "Cached prompt tokens the router estimated, over requests whose engine reported cached_tokens.",
+		}),
+		engineTokens: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "prefix_engine_cached_tokens_total",
+			Help: "Cached prompt tokens the engines reported (usage.prompt_tokens_details.cached_tokens).",
+		}),
 		reqCache: make(map[reqKey]prometheus.Counter),
 	}
+	est := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: Namespace, Name: "prefix_estimates_total",
+		Help: "Router estimates of cached tokens against the engine's report: exact (within 256 tokens), over, under.",
+	}, []string{"outcome"})
+	m.estExact, m.estOver, m.estUnder = est.WithLabelValues("exact"), est.WithLabelValues("over"), est.WithLabelValues("under")
+	reg.MustRegister(m.estTokens, m.engineTokens, est)
 	for _, c := range classes {
 		m.durationByCls = append(m.durationByCls, m.duration.WithLabelValues(c))
 		m.ttfbByCls = append(m.ttfbByCls, m.ttfb.WithLabelValues(c))
@@ -163,6 +182,21 @@ func (m *Metrics) Decision(reason string, promptTokens, cachedTokens int) {
 	if promptTokens > 0 {
 		m.promptTokens.Add(float64(promptTokens))
 		m.hitTokens.Add(float64(cachedTokens))
+	}
+}
+
+// CacheReport compares the router's estimate of a request's cached prompt
+// tokens with the engine's report.
+func (m *Metrics) CacheReport(estimated, engine int) {
+	m.estTokens.Add(float64(estimated))
+	m.engineTokens.Add(float64(engine))
+	switch d := estimated - engine; {
+	case d > 256:
+		m.estOver.Inc()
+	case d < -256:
+		m.estUnder.Inc()
+	default:
+		m.estExact.Inc()
 	}
 }
 

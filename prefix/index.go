@@ -128,6 +128,7 @@ func (o *owners) set(i int, r ref) {
 type lru struct {
 	id         uint64
 	cap        int  // configured capacity
+	eff        int  // effective capacity: cap, lowered by Correct when the engine holds less
 	capSet     bool // cap came from SetCapacity
 	nodes      []node
 	head, tail int32
@@ -286,10 +287,36 @@ func (x *Index) SetCapacity(id uint64, blocks int) {
 	defer x.mu.Unlock()
 	s := x.slot(id)
 	l := x.slots[s]
-	l.cap, l.capSet = blocks, true
+	l.cap, l.eff, l.capSet = blocks, blocks, true
 	for l.n > x.capOf(l) {
 		x.evictTail(s)
 	}
+}
+
+// Correct feeds back what the engine reported for a request routed to
+// endpoint id: over is true when the engine had fewer cached tokens than the
+// index claimed, i.e. it evicted earlier than the index modelled. The
+// endpoint's effective capacity then shrinks by a tenth (evicting its
+// oldest claims); each accurate report grows it back by a hundredth, up to
+// the configured capacity (additive increase, multiplicative decrease). It
+// returns the effective capacity.
+func (x *Index) Correct(id uint64, over bool) int {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	s, ok := x.slotOf[id]
+	if !ok {
+		return 0
+	}
+	l := x.slots[s]
+	if over {
+		l.eff = max(l.eff-l.eff/10, min(l.cap, 64))
+		for l.n > x.capOf(l) {
+			x.evictTail(s)
+		}
+	} else if l.eff < l.cap {
+		l.eff = min(l.cap, l.eff+max(1, l.cap/100))
+	}
+	return l.eff
 }
 
 // Forget removes every claim of endpoint id (it left, or its engine
@@ -354,7 +381,7 @@ func (x *Index) expired(stamp, now uint32) bool {
 // capOf is l's effective capacity: its own, bounded by a fair share of the
 // global cap.
 func (x *Index) capOf(l *lru) int {
-	c := l.cap
+	c := l.eff
 	if share := x.maxEntries / max(1, len(x.slotOf)); share < c {
 		c = share
 	}
@@ -365,7 +392,7 @@ func (x *Index) slot(id uint64) int32 {
 	if s, ok := x.slotOf[id]; ok {
 		return s
 	}
-	l := &lru{id: id, cap: x.defaultCap, head: none, tail: none, free: none}
+	l := &lru{id: id, cap: x.defaultCap, eff: x.defaultCap, head: none, tail: none, free: none}
 	var s int32
 	if n := len(x.freeSlot); n > 0 {
 		s = x.freeSlot[n-1]

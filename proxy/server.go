@@ -31,6 +31,13 @@ type Picker interface {
 	Pick(r *routing.Request, set *discovery.Set) routing.Decision
 }
 
+// Learner is a policy that learns from the engine's report of the prompt
+// tokens it served from its prefix cache (usage.prompt_tokens_details.
+// cached_tokens). Learn returns the tokens the policy had estimated.
+type Learner interface {
+	Learn(d routing.Decision, engineCachedTokens int) (estimated int)
+}
+
 // Classes are the path-class labels of the metrics, indexed by routing.Kind.
 var Classes = []string{
 	routing.KindOther:       routing.KindOther.String(),
@@ -70,6 +77,9 @@ type Options struct {
 	MaxConnsPerEndpoint int
 	// BlockSize and MaxBlocks shape prefix hashing (bytes per block, cap).
 	BlockSize, MaxBlocks int
+	// Learner, when set, receives the engine's cached-token counts, read
+	// from response bodies as they stream past.
+	Learner Learner
 }
 
 // Server is the proxy. Create it with New; it is safe for concurrent use.
@@ -242,7 +252,7 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 			continue
 		}
 		held = nil // the response body owns the in-flight counts from here
-		s.commit(ctx, st, ep, heldPrefill, resp, reqID, start)
+		s.commit(ctx, st, d, heldPrefill, resp, reqID, start)
 		return
 	}
 	if lastErr == nil {
@@ -296,7 +306,8 @@ func (s *Server) finish(ctx *fasthttp.RequestCtx, st *reqState, status int, star
 
 // commit hands the endpoint's response to the client: headers now, the body
 // as a stream that fasthttp writes and flushes chunk by chunk.
-func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, ep *discovery.Endpoint, prefill int64, resp *fasthttp.Response, reqID []byte, start time.Time) {
+func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decision, prefill int64, resp *fasthttp.Response, reqID []byte, start time.Time) {
+	ep := d.Endpoint
 	clientClose := ctx.Request.Header.ConnectionClose()
 	resp.Header.CopyTo(&ctx.Response.Header)
 	h := &ctx.Response.Header
@@ -313,6 +324,10 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, ep *discovery.En
 	b.status = resp.StatusCode()
 	b.attempts = len(st.req.Tried)
 	b.firstByte, b.bytes, b.readErr = false, 0, nil
+	b.decision = d
+	b.learn = s.opt.Learner != nil && b.status == fasthttp.StatusOK &&
+		(st.req.Kind == routing.KindCompletions || st.req.Kind == routing.KindChat || st.req.Kind == routing.KindResponses)
+	b.usage.reset()
 	b.reqID = append(b.reqID[:0], reqID...)
 	b.method = append(b.method[:0], ctx.Method()...)
 	b.path = append(b.path[:0], ctx.Path()...)
@@ -354,6 +369,9 @@ type upstreamBody struct {
 	status    int
 	attempts  int
 	prefill   int64 // tokens added to ep.InFlightPrefill, released at the first byte
+	decision  routing.Decision
+	learn     bool // scan the body for the engine's cached_tokens
+	usage     usageScanner
 	firstByte bool
 	bytes     int64
 	readErr   error
@@ -370,6 +388,9 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 			b.markFirstByte()
 		}
 		b.bytes += int64(n)
+		if b.learn {
+			b.usage.feed(p[:n])
+		}
 	}
 	if err != nil && err != io.EOF {
 		b.readErr = err
@@ -410,6 +431,10 @@ func (b *upstreamBody) CloseWithError(err error) error {
 		s.opt.Logger.Info("client closed the connection", zap.ByteString("request_id", b.reqID),
 			zap.String("endpoint", b.ep.URL), zap.Int64("bytes", b.bytes), zap.NamedError("cause", err))
 	}
+	if b.learn && err == nil && b.readErr == nil && b.usage.Found {
+		est := s.opt.Learner.Learn(b.decision, b.usage.Value)
+		s.opt.Metrics.CacheReport(est, b.usage.Value)
+	}
 	d := time.Since(b.start)
 	s.opt.Metrics.Request(b.class, status, d.Seconds())
 	s.opt.Metrics.InFlight(-1)
@@ -420,7 +445,7 @@ func (b *upstreamBody) CloseWithError(err error) error {
 			zap.String("endpoint", b.ep.URL), zap.Int("attempts", b.attempts),
 			zap.Int64("bytes", b.bytes), zap.Duration("duration", d))
 	}
-	b.resp, b.rd, b.ep, b.readErr = nil, nil, nil, nil
+	b.resp, b.rd, b.ep, b.readErr, b.decision = nil, nil, nil, nil, routing.Decision{}
 	s.bodies.Put(b)
 	return nil
 }

@@ -136,6 +136,23 @@ func (p *Prefix) Explain(r *Request, set *discovery.Set) (Decision, []Term) {
 	return d, terms
 }
 
+// Learn takes the engine's report of the prompt tokens it served from cache
+// for a request decided as d, and returns the tokens the policy had
+// estimated. When the engine held at least a block less than estimated and
+// nothing else was prefilling there at pick time, the index over-claimed:
+// the engine evicted earlier than modelled, and the endpoint's modelled
+// capacity shrinks (prefix.Index.Correct). An accurate report lets it grow
+// back.
+func (p *Prefix) Learn(d Decision, engineCached int) (estimated int) {
+	tokensPerBlock := p.blockBytes / 4
+	estimated = d.MatchedBlocks * tokensPerBlock
+	over := engineCached+tokensPerBlock <= estimated
+	if d.Endpoint != nil && (!over || !d.Contended) {
+		p.index.Correct(d.Endpoint.ID, over)
+	}
+	return estimated
+}
+
 // Term is one endpoint's side of a decision, for /debug/route.
 type Term struct {
 	Endpoint         string  `json:"endpoint"`
@@ -161,6 +178,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	var bestWait, warmWait float64
 	var bestScore, warmScore uint64
 	var bestUncached, warmUncached, bestBlocks, warmDepth int
+	var bestPending, warmPending int64
 	for _, e := range set.Endpoints {
 		if !usable(r, e) {
 			if terms != nil {
@@ -193,23 +211,23 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 				WaitSec: wait, Rendezvous: score})
 		}
 		if best == nil || better(wait, score, bestWait, bestScore, prm.TieSec) {
-			best, bestWait, bestScore, bestUncached, bestBlocks = e, wait, score, uncached, blocks
+			best, bestWait, bestScore, bestUncached, bestBlocks, bestPending = e, wait, score, uncached, blocks, pending
 		}
 		// The warm candidate: the deepest match, then the shortest wait.
 		if isWarm && (warm == nil || blocks > warmDepth ||
 			blocks == warmDepth && better(wait, score, warmWait, warmScore, prm.TieSec)) {
-			warm, warmWait, warmScore, warmUncached, warmDepth = e, wait, score, uncached, blocks
+			warm, warmWait, warmScore, warmUncached, warmDepth, warmPending = e, wait, score, uncached, blocks, pending
 		}
 	}
 	switch {
 	case best == nil:
 		return Decision{Reason: ReasonCold}
 	case warm == nil:
-		return Decision{Endpoint: best, Reason: ReasonCold, Prefill: bestUncached, MatchedBlocks: bestBlocks}
+		return Decision{Endpoint: best, Reason: ReasonCold, Prefill: bestUncached, MatchedBlocks: bestBlocks, Contended: bestPending > 0}
 	case warmWait <= bestWait+prm.SpillMarginSec:
-		return Decision{Endpoint: warm, Reason: ReasonWarm, Prefill: warmUncached, MatchedBlocks: warmDepth}
+		return Decision{Endpoint: warm, Reason: ReasonWarm, Prefill: warmUncached, MatchedBlocks: warmDepth, Contended: warmPending > 0}
 	default:
-		return Decision{Endpoint: best, Reason: ReasonSpill, Prefill: bestUncached, MatchedBlocks: bestBlocks}
+		return Decision{Endpoint: best, Reason: ReasonSpill, Prefill: bestUncached, MatchedBlocks: bestBlocks, Contended: bestPending > 0}
 	}
 }
 

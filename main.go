@@ -5,6 +5,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -48,8 +49,28 @@ type Config struct {
 	Listen      string
 	AdminListen string
 
-	Backends []string
-	Policy   string
+	Backends        []string
+	PrefillBackends []string
+	DecodeBackends  []string
+	Service         string
+	PrefillService  string
+	DecodeService   string
+	ServiceScheme   string
+	DNSResolvConf   string
+	DNSServer       string
+	DNSInterval     time.Duration
+	Policy          string
+
+	HealthInterval      time.Duration
+	HealthTimeout       time.Duration
+	HealthFailThreshold int
+	HealthRiseThreshold int
+	EjectFailures       int
+	EjectCooldown       time.Duration
+	EjectMaxCooldown    time.Duration
+	ScrapeInterval      time.Duration
+	ScrapeTimeout       time.Duration
+	EndpointDrainLimit  time.Duration
 
 	MaxBodyBytes          int
 	Retries               int
@@ -89,16 +110,37 @@ func newFlags(c *Config) (*pflag.FlagSet, []flagGroup) {
 		fs.SortFlags = false
 		return flagGroup{title, fs}
 	}
-	listen, backends, pfx, upstream, ops := g("Listeners"), g("Backends and routing"), g("Prefix-aware routing (--policy prefix)"), g("Upstream connections"), g("Operations")
+	listen, backends, health, pfx, upstream, ops := g("Listeners"), g("Backends and routing"), g("Health and engine metrics"),
+		g("Prefix-aware routing (--policy prefix)"), g("Upstream connections"), g("Operations")
 
 	listen.fs.StringVar(&c.Listen, "listen", ":8000", "address of the OpenAI-compatible API listener")
 	listen.fs.StringVar(&c.AdminListen, "admin-listen", ":9090", "address of the admin listener (/metrics, /livez, /readyz, /debug/pprof/)")
 	listen.fs.IntVar(&c.MaxBodyBytes, "max-body-bytes", 64<<20, "largest request body accepted; larger ones get 413")
 	listen.fs.DurationVar(&c.ClientIdleTimeout, "client-idle-timeout", 2*time.Minute, "close client keep-alive connections idle this long")
 
+	backends.fs.StringVar(&c.Service, "service", "", "headless Service of the model-server pods, NAME[:PORT|:PORTNAME] (e.g. vllm.llm.svc.cluster.local:8000); resolved through DNS")
 	backends.fs.StringSliceVar(&c.Backends, "backends", nil, "static model-server base URLs (http://host:port), repeated or comma-separated")
+	backends.fs.StringVar(&c.PrefillService, "prefill-service", "", "headless Service of the prefill pool (disaggregated serving)")
+	backends.fs.StringVar(&c.DecodeService, "decode-service", "", "headless Service of the decode pool (disaggregated serving)")
+	backends.fs.StringSliceVar(&c.PrefillBackends, "prefill-backends", nil, "static base URLs of the prefill pool")
+	backends.fs.StringSliceVar(&c.DecodeBackends, "decode-backends", nil, "static base URLs of the decode pool")
+	backends.fs.StringVar(&c.ServiceScheme, "service-scheme", "http", "scheme of endpoints found through DNS: http or https")
+	backends.fs.StringVar(&c.DNSResolvConf, "dns-resolv-conf", "/etc/resolv.conf", "resolver configuration: nameservers, search domains, ndots (as a pod's resolver)")
+	backends.fs.StringVar(&c.DNSServer, "dns-server", "", "DNS server host:port, overriding the resolv.conf nameservers")
+	backends.fs.DurationVar(&c.DNSInterval, "dns-interval", 5*time.Second, "re-resolve Services this often (sooner when record TTLs are shorter)")
 	backends.fs.StringVar(&c.Policy, "policy", "prefix", "routing policy: "+strings.Join(policies, ", "))
 	backends.fs.IntVar(&c.Retries, "retries", 2, "times a request may be re-sent to another endpoint on connection failure or 429/502/503/504, before its first response byte")
+
+	health.fs.DurationVar(&c.HealthInterval, "health-interval", 5*time.Second, "GET /health every endpoint this often (0: no probes)")
+	health.fs.DurationVar(&c.HealthTimeout, "health-timeout", 2*time.Second, "timeout of one health probe")
+	health.fs.IntVar(&c.HealthFailThreshold, "health-fail-threshold", 3, "consecutive failed probes that mark an endpoint down")
+	health.fs.IntVar(&c.HealthRiseThreshold, "health-rise-threshold", 2, "consecutive good probes that bring it back")
+	health.fs.IntVar(&c.EjectFailures, "eject-failures", 5, "consecutive request failures (connection errors, 5xx) that eject an endpoint (0: never)")
+	health.fs.DurationVar(&c.EjectCooldown, "eject-cooldown", 5*time.Second, "first ejection's length; doubles on repeat")
+	health.fs.DurationVar(&c.EjectMaxCooldown, "eject-max-cooldown", 2*time.Minute, "longest ejection")
+	health.fs.DurationVar(&c.ScrapeInterval, "scrape-interval", time.Second, "scrape every endpoint's /metrics this often for queue and KV usage (0: never)")
+	health.fs.DurationVar(&c.ScrapeTimeout, "scrape-timeout", time.Second, "timeout of one scrape")
+	health.fs.DurationVar(&c.EndpointDrainLimit, "endpoint-drain-limit", 10*time.Minute, "an endpoint that left DNS is dropped once idle, or after this long")
 
 	d := routing.DefaultPrefixParams()
 	pfx.fs.IntVar(&c.PrefixBlockBytes, "prefix-block-bytes", 1024, "bytes of the canonical prompt rendering per hashed block (1 KiB ≈ 256 tokens)")
@@ -111,6 +153,8 @@ func newFlags(c *Config) (*pflag.FlagSet, []flagGroup) {
 	pfx.fs.Float64Var(&c.Prefix.SpillMarginSec, "prefix-spill-margin", d.SpillMarginSec, "seconds the warm endpoint's wait may exceed the best alternative's before the request spills")
 	pfx.fs.IntVar(&c.Prefix.MinMatchBlocks, "prefix-min-match-blocks", d.MinMatchBlocks, "least matched blocks that make an endpoint warm (a short shared system prompt must not pin the fleet)")
 	pfx.fs.Float64Var(&c.Prefix.TieSec, "prefix-tie", d.TieSec, "waits closer than this are ties, broken by rendezvous hashing")
+	pfx.fs.Float64Var(&c.Prefix.QueueCostSec, "prefix-queue-cost", d.QueueCostSec, "seconds of wait per request queued in the engine (scraped)")
+	pfx.fs.Float64Var(&c.Prefix.KVCostSec, "prefix-kv-cost", d.KVCostSec, "seconds of wait at a full KV cache (scraped usage 1.0), linear in usage")
 
 	upstream.fs.DurationVar(&c.ConnectTimeout, "connect-timeout", 5*time.Second, "timeout for connecting to a model server")
 	upstream.fs.DurationVar(&c.ResponseHeaderTimeout, "response-header-timeout", 10*time.Minute, "timeout from sending a request to the first response byte (0: none); non-streaming requests answer only after generation")
@@ -124,7 +168,7 @@ func newFlags(c *Config) (*pflag.FlagSet, []flagGroup) {
 	ops.fs.BoolVar(&c.AccessLog, "access-log", true, "log one line per request")
 
 	all := pflag.NewFlagSet("kvroute", pflag.ContinueOnError)
-	groups := []flagGroup{listen, backends, pfx, upstream, ops}
+	groups := []flagGroup{listen, backends, health, pfx, upstream, ops}
 	for _, gr := range groups {
 		all.AddFlagSet(gr.fs)
 	}
@@ -180,13 +224,26 @@ func (c *Config) Validate() error {
 	if c.Listen == c.AdminListen && !strings.HasSuffix(c.Listen, ":0") {
 		bad("--listen and --admin-listen must differ (both %q)", c.Listen)
 	}
-	if len(c.Backends) == 0 {
-		bad("no backends: set --backends (e.g. --backends http://10.0.0.7:8000,http://10.0.0.8:8000)")
+	if len(c.Backends) == 0 && c.Service == "" {
+		bad("no backends: set --service (a headless Service) or --backends (e.g. --backends http://10.0.0.7:8000,http://10.0.0.8:8000)")
 	}
-	for _, b := range c.Backends {
-		if _, err := discovery.NewEndpoint(b, discovery.RoleMixed); err != nil {
-			bad("--backends: %v", err)
+	for name, list := range map[string][]string{"--backends": c.Backends, "--prefill-backends": c.PrefillBackends, "--decode-backends": c.DecodeBackends} {
+		for _, b := range list {
+			if _, err := discovery.NewEndpoint(b, discovery.RoleMixed); err != nil {
+				bad("%s: %v", name, err)
+			}
 		}
+	}
+	if c.ServiceScheme != "http" && c.ServiceScheme != "https" {
+		bad("--service-scheme %q: want http or https", c.ServiceScheme)
+	}
+	if c.DNSServer != "" {
+		if _, _, err := net.SplitHostPort(c.DNSServer); err != nil {
+			bad("--dns-server %q: want host:port", c.DNSServer)
+		}
+	}
+	if c.HealthFailThreshold < 1 || c.HealthRiseThreshold < 1 || c.EjectFailures < 0 {
+		bad("--health-fail-threshold and --health-rise-threshold must be at least 1, --eject-failures not negative")
 	}
 	if !contains(policies, c.Policy) {
 		bad("--policy %q: want one of %s", c.Policy, strings.Join(policies, ", "))
@@ -216,6 +273,9 @@ func (c *Config) Validate() error {
 		{"--connect-timeout", c.ConnectTimeout}, {"--response-header-timeout", c.ResponseHeaderTimeout},
 		{"--stream-idle-timeout", c.StreamIdleTimeout}, {"--upstream-idle-timeout", c.UpstreamIdleTimeout},
 		{"--client-idle-timeout", c.ClientIdleTimeout}, {"--drain-timeout", c.DrainTimeout},
+		{"--dns-interval", c.DNSInterval}, {"--health-interval", c.HealthInterval}, {"--health-timeout", c.HealthTimeout},
+		{"--eject-cooldown", c.EjectCooldown}, {"--eject-max-cooldown", c.EjectMaxCooldown},
+		{"--scrape-interval", c.ScrapeInterval}, {"--scrape-timeout", c.ScrapeTimeout}, {"--endpoint-drain-limit", c.EndpointDrainLimit},
 	} {
 		if d.v < 0 {
 			bad("%s must not be negative, got %s", d.name, d.v)
@@ -280,6 +340,59 @@ func picker(c *Config) (proxy.Picker, *routing.Prefix) {
 	}
 }
 
+// newFleet builds discovery from the configuration: static lists and DNS
+// sources per pool, health probes, passive ejection and engine scraping.
+// Endpoints that leave, or whose engine restarts, are forgotten by the
+// prefix index; a scraped KV capacity sizes the endpoint's index LRU.
+func newFleet(cfg *Config, logger *zap.Logger, pfx *routing.Prefix) (*discovery.Fleet, error) {
+	forget := func(e *discovery.Endpoint) {
+		if pfx != nil {
+			pfx.Index().Forget(e.ID)
+		}
+	}
+	fleet, err := discovery.New(discovery.Options{
+		Logger: logger.Named("discovery"),
+		Health: discovery.HealthConfig{Disabled: cfg.HealthInterval == 0, Interval: cfg.HealthInterval,
+			Timeout: cfg.HealthTimeout, FailThreshold: cfg.HealthFailThreshold, RiseThreshold: cfg.HealthRiseThreshold},
+		Passive: discovery.PassiveConfig{Disabled: cfg.EjectFailures == 0, Failures: cfg.EjectFailures,
+			Cooldown: cfg.EjectCooldown, MaxCooldown: cfg.EjectMaxCooldown},
+		Scrape:     discovery.ScrapeConfig{Disabled: cfg.ScrapeInterval == 0, Interval: cfg.ScrapeInterval, Timeout: cfg.ScrapeTimeout},
+		DrainLimit: cfg.EndpointDrainLimit,
+		OnRemove:   forget,
+		OnRestart:  forget,
+		OnCapacity: func(e *discovery.Endpoint, tokens int) {
+			if pfx != nil {
+				pfx.Index().SetCapacity(e.ID, max(1, tokens*4/cfg.PrefixBlockBytes))
+			}
+		},
+	})
+	if err != nil {
+		return nil, err
+	}
+	for _, src := range []struct {
+		role discovery.Role
+		urls []string
+		svc  string
+	}{
+		{discovery.RoleMixed, cfg.Backends, cfg.Service},
+		{discovery.RolePrefill, cfg.PrefillBackends, cfg.PrefillService},
+		{discovery.RoleDecode, cfg.DecodeBackends, cfg.DecodeService},
+	} {
+		if len(src.urls) > 0 {
+			if err := fleet.AddStatic(src.role, src.urls); err != nil {
+				return nil, err
+			}
+		}
+		if src.svc != "" {
+			if err := fleet.AddDNS(discovery.DNSConfig{Service: src.svc, Role: src.role, Scheme: cfg.ServiceScheme,
+				ResolvConf: cfg.DNSResolvConf, Server: cfg.DNSServer, Interval: cfg.DNSInterval}); err != nil {
+				return nil, err
+			}
+		}
+	}
+	return fleet, nil
+}
+
 // readyAddrs are the bound listener addresses, sent once kvroute serves.
 type readyAddrs struct{ API, Admin string }
 
@@ -299,23 +412,21 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready cha
 	}
 	defer flush()
 
-	pool := &discovery.Pool{}
-	eps := make([]*discovery.Endpoint, 0, len(cfg.Backends))
-	for _, b := range cfg.Backends {
-		ep, _ := discovery.NewEndpoint(b, discovery.RoleMixed) // validated above
-		eps = append(eps, ep)
+	pick, pfx := picker(cfg)
+	fleet, err := newFleet(cfg, logger, pfx)
+	if err != nil {
+		return err
 	}
-	pool.Publish(eps)
+	pool := fleet.Pool()
 
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), fleet)
 	m := metrics.New(reg, proxy.Classes, func(yield func(metrics.EndpointSample)) {
 		for _, e := range pool.Load().Endpoints {
 			yield(metrics.EndpointSample{URL: e.URL, Role: e.Role.String(),
 				InFlight: e.InFlight.Load(), Requests: e.Requests.Load(), Failures: e.Failures.Load()})
 		}
 	})
-	pick, pfx := picker(cfg)
 	var learner proxy.Learner
 	if pfx != nil {
 		learner = pfx
@@ -340,6 +451,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready cha
 		return fmt.Errorf("admin listen %s: %w", cfg.AdminListen, err)
 	}
 	mux := srv.AdminHandler(reg)
+	mux.HandleFunc("GET /debug/endpoints", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		_ = enc.Encode(fleet.Endpoints())
+	})
 	if pfx != nil {
 		srv.HandleExplain(mux, pfx)
 		proxy.HandleParams(mux, pfx)
@@ -351,6 +468,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready cha
 		})
 	}
 	admin := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	fctx, stopFleet := context.WithCancel(context.Background())
+	defer stopFleet()
+	fleetDone := make(chan struct{})
+	go func() { defer close(fleetDone); _ = fleet.Run(fctx) }()
 	errc := make(chan error, 2)
 	go func() { errc <- srv.Serve(apiLn) }()
 	go func() {
@@ -360,7 +481,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready cha
 	}()
 	logger.Info("kvroute serving", zap.String("listen", apiLn.Addr().String()),
 		zap.String("admin", adminLn.Addr().String()), zap.String("policy", cfg.Policy),
-		zap.Int("backends", len(eps)))
+		zap.Int("endpoints", pool.Load().Len()), zap.String("service", cfg.Service))
 	if ready != nil {
 		ready <- readyAddrs{API: apiLn.Addr().String(), Admin: adminLn.Addr().String()}
 	}
@@ -377,6 +498,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready cha
 		logger.Warn("drain incomplete", zap.Error(err))
 	}
 	_ = admin.Shutdown(dctx)
+	stopFleet() // health and draining kept running during the drain
+	<-fleetDone
 	logger.Info("stopped")
 	return nil
 }

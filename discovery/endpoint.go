@@ -1,7 +1,10 @@
 // Package discovery owns the model-server endpoints kvroute routes to: their
-// identity, their live per-endpoint counters (atomics only), and the immutable
-// Set snapshots that sources publish through an atomic pointer. The request
-// path loads one Set per request and never locks.
+// identity, their live per-endpoint state (atomics only: counters, health,
+// the engine's own load), and the immutable Set snapshots that a Fleet
+// publishes through an atomic pointer from static lists and headless-Service
+// DNS. Beside the request path, the Fleet probes /health, scrapes the
+// engines' /metrics and drains endpoints that leave; the request path loads
+// one Set per request and never locks.
 package discovery
 
 import (
@@ -11,6 +14,7 @@ import (
 	"net/url"
 	"strings"
 	"sync/atomic"
+	"time"
 )
 
 // ErrBadURL is returned for a backend URL kvroute cannot route to.
@@ -69,7 +73,135 @@ type Endpoint struct {
 	Requests atomic.Uint64
 	// Failures counts upstream failures (connection errors and 5xx).
 	Failures atomic.Uint64
+
+	// flags holds the reasons the endpoint is not routable (flagDown,
+	// flagEjected, flagDraining); 0 means routable.
+	flags atomic.Uint32
+	// owner is the Fleet managing the endpoint, set once before the
+	// endpoint is first published; nil for endpoints published on a bare
+	// Pool (no passive ejection then).
+	owner *Fleet
+
+	// Active health: consecutive probe results, written by the one prober
+	// worker holding probing.
+	probing    atomic.Bool
+	probeFails atomic.Int32
+	probeOKs   atomic.Int32
+
+	// Passive health: consecutive failures reported by the proxy, and the
+	// ejection bookkeeping (the plain fields are guarded by owner.ejectMu).
+	passiveFails atomic.Int32
+	ejectLevel   int           // ejections in a row; the cooldown doubles with each
+	cooldown     time.Duration // of the current or last ejection
+	ejectedUntil time.Time
+	lastReturn   time.Time // when the last ejection ended
+
+	// Engine metrics: fresh is nil while unknown or stale, last keeps the
+	// latest successful scrape for introspection. scr is owned by the one
+	// scraper worker holding scraping.
+	scraping atomic.Bool
+	fresh    atomic.Pointer[EngineStats]
+	last     atomic.Pointer[EngineStats]
+	scr      scrapeMemory
 }
+
+// Reasons an endpoint is not routable, bits of Endpoint.flags.
+const (
+	flagDown     uint32 = 1 << iota // active probes failed FailThreshold times in a row
+	flagEjected                     // passive ejection, until its cooldown ends
+	flagDraining                    // left the Set; in-flight requests finish
+)
+
+// Routable reports whether the endpoint may take a new request: it is not
+// down (active probes), not ejected (passive failures) and not draining.
+// One atomic load; safe for concurrent use. Every policy must skip an
+// endpoint that is not routable.
+func (e *Endpoint) Routable() bool { return e.flags.Load() == 0 }
+
+// State is an endpoint's health as shown by introspection and metrics.
+type State uint8
+
+// States, from the most to the least serious reason; an endpoint in
+// several (say down and draining) reports the first that applies:
+// draining, down, ejected, up.
+const (
+	StateUp State = iota
+	StateDown
+	StateEjected
+	StateDraining
+)
+
+// String returns the state's label: up, down, ejected or draining.
+func (s State) String() string {
+	switch s {
+	case StateDown:
+		return "down"
+	case StateEjected:
+		return "ejected"
+	case StateDraining:
+		return "draining"
+	default:
+		return "up"
+	}
+}
+
+// MarshalText makes State a JSON string.
+func (s State) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
+
+// State returns the endpoint's current state. Safe for concurrent use.
+func (e *Endpoint) State() State {
+	f := e.flags.Load()
+	switch {
+	case f&flagDraining != 0:
+		return StateDraining
+	case f&flagDown != 0:
+		return StateDown
+	case f&flagEjected != 0:
+		return StateEjected
+	default:
+		return StateUp
+	}
+}
+
+// ReportSuccess tells passive health checking that a request to e
+// succeeded (a response other than a connection failure or 5xx); it resets
+// the run of consecutive failures. It costs one atomic load when there is
+// nothing to reset, so the proxy may call it on every response. Safe for
+// concurrent use.
+func (e *Endpoint) ReportSuccess() {
+	if e.passiveFails.Load() != 0 {
+		e.passiveFails.Store(0)
+	}
+}
+
+// ReportFailure tells passive health checking that a request to e failed
+// (connection error, timeout, or a 5xx status from the engine) and counts it
+// in Failures. After PassiveConfig.Failures consecutive failures a Fleet
+// ejects e for a cooldown that doubles on repeated ejections. Safe for
+// concurrent use.
+func (e *Endpoint) ReportFailure() {
+	e.Failures.Add(1)
+	n := e.passiveFails.Add(1)
+	if f := e.owner; f != nil {
+		f.passiveFailure(e, int(n))
+	}
+}
+
+// ReportResult calls ReportSuccess when ok and ReportFailure otherwise.
+func (e *Endpoint) ReportResult(ok bool) {
+	if ok {
+		e.ReportSuccess()
+	} else {
+		e.ReportFailure()
+	}
+}
+
+// Engine returns the engine's own view of its load from the latest scrape
+// of its /metrics, or nil when no scrape succeeded yet or the latest
+// success is older than ScrapeConfig.StaleAfter, so that routing never acts
+// on stale values. The result is immutable. One atomic load; safe for
+// concurrent use.
+func (e *Endpoint) Engine() *EngineStats { return e.fresh.Load() }
 
 // NewEndpoint parses a base URL ("http://host:port[/base]", or "host:port",
 // which means http) into an Endpoint with zeroed counters.

@@ -26,8 +26,8 @@ func (s *Server) AdminHandler(g prometheus.Gatherer) *http.ServeMux {
 		switch {
 		case s.draining.Load():
 			http.Error(w, "draining", http.StatusServiceUnavailable)
-		case s.opt.Pool.Load().Len() == 0:
-			http.Error(w, "no endpoint", http.StatusServiceUnavailable)
+		case !anyRoutable(s.opt.Pool.Load()):
+			http.Error(w, "no usable endpoint", http.StatusServiceUnavailable)
 		default:
 			_, _ = w.Write([]byte("ok\n"))
 		}
@@ -38,6 +38,16 @@ func (s *Server) AdminHandler(g prometheus.Gatherer) *http.ServeMux {
 	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 	return mux
+}
+
+// anyRoutable reports whether set has an endpoint that can take requests.
+func anyRoutable(set *discovery.Set) bool {
+	for _, e := range set.Mixed {
+		if e.Routable() {
+			return true
+		}
+	}
+	return false
 }
 
 // Explainer is a policy that can show its work: the prefix policy.

@@ -231,7 +231,7 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 			fasthttp.ReleaseResponse(resp)
 			held = nil
 			release(ep, heldPrefill)
-			ep.Failures.Add(1)
+			ep.ReportFailure()
 			var kindLabel string
 			lastErr, kindLabel = classifyUpstream(err)
 			s.opt.Metrics.UpstreamError(kindLabel)
@@ -245,11 +245,16 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 			held = nil
 			release(ep, heldPrefill)
 			if code >= 500 {
-				ep.Failures.Add(1)
+				ep.ReportFailure()
 			}
 			s.opt.Metrics.UpstreamError("status")
 			lastErr = &statusError{endpoint: ep.URL, code: code}
 			continue
+		}
+		if code >= 500 {
+			ep.ReportFailure()
+		} else if code != fasthttp.StatusTooManyRequests {
+			ep.ReportSuccess()
 		}
 		held = nil // the response body owns the in-flight counts from here
 		s.commit(ctx, st, d, heldPrefill, resp, reqID, start)
@@ -422,7 +427,7 @@ func (b *upstreamBody) CloseWithError(err error) error {
 	status := b.status
 	switch {
 	case b.readErr != nil:
-		b.ep.Failures.Add(1)
+		b.ep.ReportFailure()
 		s.opt.Metrics.UpstreamError("body")
 		s.opt.Logger.Warn("upstream body failed", zap.ByteString("request_id", b.reqID),
 			zap.String("endpoint", b.ep.URL), zap.Error(b.readErr))

@@ -14,10 +14,15 @@ const (
 	ReasonLeastRequest = "least-request"
 )
 
-// usable reports whether r may be sent to e.
+// usable reports whether r may be sent to e: e is routable (not down,
+// ejected or draining) and r was not already sent there.
 func usable(r *Request, e *discovery.Endpoint) bool {
-	return !r.tried(e)
+	return e.Routable() && !r.tried(e)
 }
+
+// The basic policies pick among the Set's mixed endpoints (whole
+// requests), report the whole prompt as prefill (they know nothing of
+// caches), and are safe for concurrent use.
 
 // RoundRobin cycles through the Set's endpoints, as a ClusterIP Service
 // (iptables/IPVS round-robin) spreads connections. Safe for concurrent use.
@@ -30,13 +35,13 @@ func NewRoundRobin() *RoundRobin { return &RoundRobin{} }
 
 // Pick returns the next usable endpoint in rotation.
 func (p *RoundRobin) Pick(r *Request, set *discovery.Set) Decision {
-	n := len(set.Endpoints)
+	n := len(set.Mixed)
 	if n == 0 {
 		return Decision{Reason: ReasonRoundRobin}
 	}
 	start := int(p.next.Add(1) % uint64(n))
 	for i := 0; i < n; i++ {
-		e := set.Endpoints[(start+i)%n]
+		e := set.Mixed[(start+i)%n]
 		if usable(r, e) {
 			return Decision{Endpoint: e, Reason: ReasonRoundRobin, Prefill: r.PromptTokens}
 		}
@@ -60,13 +65,13 @@ func NewRandom(intn func(int) int) *Random {
 
 // Pick returns a random usable endpoint.
 func (p *Random) Pick(r *Request, set *discovery.Set) Decision {
-	n := len(set.Endpoints)
+	n := len(set.Mixed)
 	if n == 0 {
 		return Decision{Reason: ReasonRandom}
 	}
 	start := p.intn(n)
 	for i := 0; i < n; i++ {
-		e := set.Endpoints[(start+i)%n]
+		e := set.Mixed[(start+i)%n]
 		if usable(r, e) {
 			return Decision{Endpoint: e, Reason: ReasonRandom, Prefill: r.PromptTokens}
 		}
@@ -92,14 +97,14 @@ func NewLeastRequest(intn func(int) int) *LeastRequest {
 
 // Pick returns the less loaded of two random usable endpoints.
 func (p *LeastRequest) Pick(r *Request, set *discovery.Set) Decision {
-	n := len(set.Endpoints)
+	n := len(set.Mixed)
 	if n == 0 {
 		return Decision{Reason: ReasonLeastRequest}
 	}
 	var a, b *discovery.Endpoint
 	i := p.intn(n)
 	for k := 0; k < n && a == nil; k++ {
-		if e := set.Endpoints[(i+k)%n]; usable(r, e) {
+		if e := set.Mixed[(i+k)%n]; usable(r, e) {
 			a, i = e, (i+k)%n
 		}
 	}
@@ -109,7 +114,7 @@ func (p *LeastRequest) Pick(r *Request, set *discovery.Set) Decision {
 	if n > 1 {
 		j := (i + 1 + p.intn(n-1)) % n // uniform over the others
 		for k := 0; k < n-1 && b == nil; k++ {
-			if e := set.Endpoints[(j+k)%n]; e != a && usable(r, e) {
+			if e := set.Mixed[(j+k)%n]; e != a && usable(r, e) {
 				b = e
 			}
 		}

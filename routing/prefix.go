@@ -44,6 +44,15 @@ type PrefixParams struct {
 	// TieSec: endpoints whose costs differ by less are tied; ties go to the
 	// rendezvous-hash winner, so replicas agree and prefixes spread.
 	TieSec float64 `json:"tie_sec"`
+	// QueueCostSec is the wait one request queued in the engine (scraped
+	// num_requests_waiting) adds: about one typical prefill, 2k tokens at
+	// 20k tokens/s. The engine's queue includes other routers' requests,
+	// which the in-flight counters cannot see.
+	QueueCostSec float64 `json:"queue_cost_sec"`
+	// KVCostSec is the wait added at a full KV cache (scraped usage 1.0),
+	// linearly: a full cache admits new prompts only as sequences finish and
+	// evicts cached prefixes to do so.
+	KVCostSec float64 `json:"kv_cost_sec"`
 }
 
 // DefaultPrefixParams returns the documented defaults.
@@ -54,6 +63,8 @@ func DefaultPrefixParams() PrefixParams {
 		SpillMarginSec:      0.1,
 		MinMatchBlocks:      2,
 		TieSec:              0.001,
+		QueueCostSec:        0.1,
+		KVCostSec:           0.05,
 	}
 }
 
@@ -62,8 +73,8 @@ func (p PrefixParams) Validate() error {
 	switch {
 	case !(p.PrefillTokensPerSec > 0):
 		return errBadParam("prefill_tokens_per_sec must be positive")
-	case p.DecodeCostSec < 0 || p.SpillMarginSec < 0 || p.TieSec < 0:
-		return errBadParam("decode_cost_sec, spill_margin_sec and tie_sec must not be negative")
+	case p.DecodeCostSec < 0 || p.SpillMarginSec < 0 || p.TieSec < 0 || p.QueueCostSec < 0 || p.KVCostSec < 0:
+		return errBadParam("decode_cost_sec, spill_margin_sec, tie_sec, queue_cost_sec and kv_cost_sec must not be negative")
 	case p.MinMatchBlocks < 1:
 		return errBadParam("min_match_blocks must be at least 1")
 	}
@@ -78,11 +89,14 @@ func (e errBadParam) Error() string { return "routing: " + string(e) }
 // for every usable endpoint, how long this request would wait for its first
 // token there:
 //
-//	wait = (in-flight prefill tokens + this request's uncached tokens) / prefill rate
-//	     + in-flight requests × decode cost
+//	wait = max(in-flight prefill tokens / prefill rate, engine queue × queue cost)
+//	     + this request's uncached tokens / prefill rate
+//	     + max(in-flight requests, engine running + waiting) × decode cost
+//	     + engine KV usage × KV cost
 //
-// where the uncached tokens are the prompt minus the prefix the index
-// believes the endpoint holds. The warm endpoint (deepest useful match,
+// where the engine terms count only when freshly scraped (else the
+// router's own counters stand alone), and the uncached tokens are the prompt
+// minus the prefix the index believes the endpoint holds. The warm endpoint (deepest useful match,
 // lowest wait) wins unless its wait exceeds the best endpoint's by more
 // than the spill margin; then the request spills to the best endpoint, whose
 // cache becomes warm too. Ties go to the rendezvous-hash winner of the
@@ -155,15 +169,18 @@ func (p *Prefix) Learn(d Decision, engineCached int) (estimated int) {
 
 // Term is one endpoint's side of a decision, for /debug/route.
 type Term struct {
-	Endpoint         string  `json:"endpoint"`
-	MatchedBlocks    int     `json:"matched_blocks"`
-	Warm             bool    `json:"warm"`
-	UncachedTokens   int     `json:"uncached_tokens"`
-	InFlightPrefill  int64   `json:"in_flight_prefill_tokens"`
-	InFlightRequests int64   `json:"in_flight_requests"`
-	WaitSec          float64 `json:"wait_sec"`
-	Rendezvous       uint64  `json:"rendezvous"`
-	Skipped          string  `json:"skipped,omitempty"`
+	Endpoint         string   `json:"endpoint"`
+	MatchedBlocks    int      `json:"matched_blocks"`
+	Warm             bool     `json:"warm"`
+	UncachedTokens   int      `json:"uncached_tokens"`
+	InFlightPrefill  int64    `json:"in_flight_prefill_tokens"`
+	InFlightRequests int64    `json:"in_flight_requests"`
+	EngineWaiting    *int64   `json:"engine_waiting,omitempty"`
+	EngineRunning    *int64   `json:"engine_running,omitempty"`
+	EngineKVUsage    *float64 `json:"engine_kv_usage,omitempty"`
+	WaitSec          float64  `json:"wait_sec"`
+	Rendezvous       uint64   `json:"rendezvous"`
+	Skipped          string   `json:"skipped,omitempty"`
 }
 
 func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision {
@@ -179,10 +196,14 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	var bestScore, warmScore uint64
 	var bestUncached, warmUncached, bestBlocks, warmDepth int
 	var bestPending, warmPending int64
-	for _, e := range set.Endpoints {
+	for _, e := range set.Mixed {
 		if !usable(r, e) {
 			if terms != nil {
-				*terms = append(*terms, Term{Endpoint: e.URL, Skipped: "already tried"})
+				why := "already tried"
+				if !e.Routable() {
+					why = e.State().String()
+				}
+				*terms = append(*terms, Term{Endpoint: e.URL, Skipped: why})
 			}
 			continue
 		}
@@ -203,12 +224,26 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		}
 		pending := e.InFlightPrefill.Load()
 		inflight := e.InFlight.Load()
-		wait := float64(pending+int64(uncached))/prm.PrefillTokensPerSec + float64(inflight)*prm.DecodeCostSec
+		queueWait := float64(pending) / prm.PrefillTokensPerSec
+		var kvWait float64
+		eng := e.Engine() // nil unless freshly scraped
+		if eng != nil {
+			// The engine also sees other routers' requests; the router's
+			// own counters are fresher. Take the larger view of each.
+			inflight = max(inflight, eng.Running+eng.Waiting)
+			queueWait = max(queueWait, float64(eng.Waiting)*prm.QueueCostSec)
+			kvWait = eng.KVUsage * prm.KVCostSec
+		}
+		wait := queueWait + float64(uncached)/prm.PrefillTokensPerSec + float64(inflight)*prm.DecodeCostSec + kvWait
 		score := rendezvous(key, e.ID)
 		if terms != nil {
-			*terms = append(*terms, Term{Endpoint: e.URL, MatchedBlocks: blocks, Warm: isWarm,
-				UncachedTokens: uncached, InFlightPrefill: pending, InFlightRequests: inflight,
-				WaitSec: wait, Rendezvous: score})
+			t := Term{Endpoint: e.URL, MatchedBlocks: blocks, Warm: isWarm,
+				UncachedTokens: uncached, InFlightPrefill: pending, InFlightRequests: e.InFlight.Load(),
+				WaitSec: wait, Rendezvous: score}
+			if eng != nil {
+				t.EngineWaiting, t.EngineRunning, t.EngineKVUsage = &eng.Waiting, &eng.Running, &eng.KVUsage
+			}
+			*terms = append(*terms, t)
 		}
 		if best == nil || better(wait, score, bestWait, bestScore, prm.TieSec) {
 			best, bestWait, bestScore, bestUncached, bestBlocks, bestPending = e, wait, score, uncached, blocks, pending

@@ -32,7 +32,7 @@ func matchedBlocks(idx *prefix.Index, r *routing.Request, set *discovery.Set, ds
 	sp := matchScratch.Get().(*[]prefix.Match)
 	ms := idx.Match(r.Hashes, *sp)
 	dst = dst[:0]
-	for _, e := range set.Endpoints {
+	for _, e := range set.Mixed {
 		n := 0
 		for _, m := range ms {
 			if m.ID == e.ID {
@@ -47,7 +47,12 @@ func matchedBlocks(idx *prefix.Index, r *routing.Request, set *discovery.Set, ds
 	return dst
 }
 
-func tried(r *routing.Request, e *discovery.Endpoint) bool {
+// skip reports whether r must not go to e: e is down, ejected or draining,
+// or r was already sent there.
+func skip(r *routing.Request, e *discovery.Endpoint) bool {
+	if !e.Routable() {
+		return true
+	}
 	for _, t := range r.Tried {
 		if t == e {
 			return true
@@ -90,8 +95,8 @@ func NewCacheAware() *CacheAware {
 // Pick implements proxy.Picker.
 func (p *CacheAware) Pick(r *routing.Request, set *discovery.Set) routing.Decision {
 	var least, most *discovery.Endpoint
-	for _, e := range set.Endpoints {
-		if tried(r, e) {
+	for _, e := range set.Mixed {
+		if skip(r, e) {
 			continue
 		}
 		if least == nil || e.InFlight.Load() < least.InFlight.Load() {
@@ -111,8 +116,8 @@ func (p *CacheAware) Pick(r *routing.Request, set *discovery.Set) routing.Decisi
 		var buf [64]int
 		depth := matchedBlocks(p.idx, r, set, buf[:0])
 		best := -1
-		for i, e := range set.Endpoints {
-			if !tried(r, e) && depth[i] > 0 && (best < 0 || depth[i] > depth[best]) {
+		for i, e := range set.Mixed {
+			if !skip(r, e) && depth[i] > 0 && (best < 0 || depth[i] > depth[best]) {
 				best = i
 			}
 		}
@@ -163,8 +168,8 @@ func (p *Blend) Pick(r *routing.Request, set *discovery.Set) routing.Decision {
 	depth := matchedBlocks(p.idx, r, set, buf[:0])
 	minQ, maxQ := 0.0, 0.0
 	first := true
-	for _, e := range set.Endpoints {
-		if tried(r, e) {
+	for _, e := range set.Mixed {
+		if skip(r, e) {
 			continue
 		}
 		q := p.queue(e)
@@ -183,8 +188,8 @@ func (p *Blend) Pick(r *routing.Request, set *discovery.Set) routing.Decision {
 	bestScore, ties := -1.0, 0
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for i, e := range set.Endpoints {
-		if tried(r, e) {
+	for i, e := range set.Mixed {
+		if skip(r, e) {
 			continue
 		}
 		var s float64
@@ -253,8 +258,8 @@ func (p *Sticky) Pick(r *routing.Request, set *discovery.Set) routing.Decision {
 	depth := matchedBlocks(p.idx, r, set, buf[:0])
 	wait := func(e *discovery.Endpoint) float64 { return float64(e.InFlightPrefill.Load()) / p.PeakPrefill }
 	var bestSticky, bestOther *discovery.Endpoint
-	for i, e := range set.Endpoints {
-		if tried(r, e) {
+	for i, e := range set.Mixed {
+		if skip(r, e) {
 			continue
 		}
 		sticky := len(r.Hashes) > 0 && float64(depth[i])/float64(len(r.Hashes)) >= p.StickyScore
@@ -274,7 +279,7 @@ func (p *Sticky) Pick(r *routing.Request, set *discovery.Set) routing.Decision {
 		return routing.Decision{Reason: ReasonUnsticky}
 	}
 	uncached := r.PromptTokens
-	for i, e := range set.Endpoints {
+	for i, e := range set.Mixed {
 		if e == chosen {
 			uncached = max(0, r.PromptTokens-depth[i]*p.tokensPerBlock)
 		}

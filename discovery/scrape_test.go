@@ -1,0 +1,316 @@
+package discovery
+
+import (
+	"bytes"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+)
+
+func readFixture(t testing.TB, name string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("..", "testdata", "metrics", name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// sharedSample reads a file of shared/vllm-wire when the checkout has it.
+func sharedSample(t testing.TB, name string) []byte {
+	t.Helper()
+	for _, dir := range []string{"../../shared/vllm-wire", "../shared/vllm-wire"} {
+		if b, err := os.ReadFile(filepath.Join(dir, name)); err == nil {
+			return b
+		}
+	}
+	t.Skipf("shared/vllm-wire/%s not present", name)
+	return nil
+}
+
+func TestParseEngine(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		text    func(t *testing.T) []byte
+		want    EngineStats
+		wantErr error
+	}{
+		{
+			name: "vLLM V1, two DP engines",
+			text: func(t *testing.T) []byte { return readFixture(t, "vllm-v1-dp2.txt") },
+			want: EngineStats{Engine: "vllm", Running: 7, Waiting: 3, KVUsage: 0.5, KVCapacityTokens: 255200,
+				PromptTokens: 4600, PrefixQueries: 4000, PrefixHits: 2000, StartTime: 1.77775786492e+09},
+		},
+		{
+			name: "vLLM V0, old KV name",
+			text: func(t *testing.T) []byte { return readFixture(t, "vllm-v0.txt") },
+			want: EngineStats{Engine: "vllm", Running: 2, Waiting: 5, KVUsage: 0.4, KVCapacityTokens: 37440, PromptTokens: 14},
+		},
+		{
+			name: "SGLang",
+			text: func(t *testing.T) []byte { return readFixture(t, "sglang.txt") },
+			want: EngineStats{Engine: "sglang", Running: 162, Waiting: 2826, KVUsage: 0.28,
+				PromptTokens: 8.128902e+06, PrefixQueries: 8.128902e+06},
+		},
+		{
+			name: "SGLang, two DP ranks",
+			text: func(t *testing.T) []byte { return readFixture(t, "sglang-dp2.txt") },
+			want: EngineStats{Engine: "sglang", Running: 12, Waiting: 3, KVUsage: 0.2,
+				PromptTokens: 10752, PrefixQueries: 10752, PrefixHits: 2688},
+		},
+		{
+			name: "shared: vLLM 0.19 full scrape",
+			text: func(t *testing.T) []byte { return sharedSample(t, "vllm-metrics.txt") },
+			want: EngineStats{Engine: "vllm", KVCapacityTokens: 16 * 7975, PromptTokens: 115898,
+				PrefixQueries: 115898, PrefixHits: 101440, StartTime: 1.77775786492e+09},
+		},
+		{
+			name: "shared: vLLM 0.9 full scrape",
+			text: func(t *testing.T) []byte { return sharedSample(t, "vllm-metrics-old.txt") },
+			want: EngineStats{Engine: "vllm", KVCapacityTokens: 16 * 2340, PromptTokens: 14},
+		},
+		{
+			name: "shared: SGLang doc sample",
+			text: func(t *testing.T) []byte { return sharedSample(t, "sglang-metrics.txt") },
+			want: EngineStats{Engine: "sglang", Running: 162, Waiting: 2826, KVUsage: 0.28,
+				PromptTokens: 8.128902e+06, PrefixQueries: 8.128902e+06},
+		},
+		{
+			name:    "not an engine",
+			text:    func(t *testing.T) []byte { return readFixture(t, "not-an-engine.txt") },
+			wantErr: ErrNoEngineMetrics,
+		},
+		{
+			name:    "empty",
+			text:    func(*testing.T) []byte { return nil },
+			wantErr: ErrNoEngineMetrics,
+		},
+		{
+			name:    "garbled value of a read family",
+			text:    func(*testing.T) []byte { return []byte("vllm:num_requests_running{a=\"b\"} many\n") },
+			wantErr: ErrBadMetrics,
+		},
+		{
+			name: "no trailing newline, KV usage clamped, NaN skipped",
+			text: func(*testing.T) []byte {
+				return []byte("vllm:num_requests_waiting 2\nvllm:num_requests_running NaN\nvllm:kv_cache_usage_perc 1.5")
+			},
+			want: EngineStats{Engine: "vllm", Waiting: 2, KVUsage: 1},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, _, err := parseEngine(tc.text(t), nil)
+			if tc.wantErr != nil {
+				if !errors.Is(err, tc.wantErr) {
+					t.Fatalf("err = %v, want %v", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got != tc.want {
+				t.Errorf("got  %+v\nwant %+v", got, tc.want)
+			}
+		})
+	}
+}
+
+// metricsPod serves a /metrics text that tests replace.
+type metricsPod struct {
+	*httptest.Server
+	mu     sync.Mutex
+	text   []byte
+	status int
+}
+
+func startMetricsPod(t *testing.T, text []byte) *metricsPod {
+	t.Helper()
+	p := &metricsPod{text: text, status: http.StatusOK}
+	p.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		w.WriteHeader(p.status)
+		_, _ = w.Write(p.text)
+	}))
+	t.Cleanup(p.Close)
+	return p
+}
+
+func (p *metricsPod) serve(status int, text []byte) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.status, p.text = status, text
+}
+
+// TestScrape runs the scraper against a loopback pod: values and capacity
+// arrive, restarts call the hook, stale values are withdrawn.
+func TestScrape(t *testing.T) {
+	base := readFixture(t, "vllm-v1-dp2.txt")
+	p := startMetricsPod(t, base)
+	restarts := make(chan *Endpoint, 8)
+	capacity := make(chan int, 8)
+	o := Options{
+		Health:     HealthConfig{Disabled: true},
+		Scrape:     ScrapeConfig{Interval: 5 * time.Millisecond, StaleAfter: 30 * time.Millisecond, Jitter: 0.01},
+		OnRestart:  func(e *Endpoint) { restarts <- e },
+		OnCapacity: func(_ *Endpoint, tokens int) { capacity <- tokens },
+	}
+	f, rec, eps := staticFleet(t, o, p.URL)
+	e := eps[0]
+	run(t, f)
+	rec.wait(t, 0, "scrape", e, 1)
+
+	s := e.Engine()
+	if s == nil || s.Running != 7 || s.Waiting != 3 || s.KVUsage != 0.5 || s.At.IsZero() {
+		t.Fatalf("Engine() = %+v", s)
+	}
+	if got := <-capacity; got != 255200 {
+		t.Errorf("OnCapacity(%d), want 255200", got)
+	}
+
+	for _, tc := range []struct {
+		name string
+		text []byte
+		// back: returning to the fixture is a restart too.
+		back bool
+	}{
+		{name: "new process start time", back: true,
+			text: bytes.Replace(base, []byte("process_start_time_seconds 1.77775786492e+09"), []byte("process_start_time_seconds 1.77775799e+09"), 1)},
+		{name: "counters reset, same start time (start time not exported)",
+			text: bytes.ReplaceAll(bytes.Replace(base, []byte("process_start_time_seconds 1.77775786492e+09\n"), nil, 1),
+				[]byte("} 3400.0"), []byte("} 10.0")), back: false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m := rec.mark()
+			p.serve(http.StatusOK, tc.text)
+			select {
+			case got := <-restarts:
+				if got != e {
+					t.Fatalf("OnRestart(%s)", got.URL)
+				}
+			case <-time.After(waitTimeout):
+				t.Fatal("restart not detected")
+			}
+			rec.wait(t, m, "scrape", e, 3)
+			if n := rec.count(m, "restart", e); n != 1 {
+				t.Errorf("%d restart events for one restart", n)
+			}
+			m = rec.mark()
+			p.serve(http.StatusOK, base)
+			if tc.back {
+				<-restarts
+			}
+			rec.wait(t, m, "scrape", e, 2)
+		})
+	}
+
+	t.Run("capacity change", func(t *testing.T) {
+		p.serve(http.StatusOK, bytes.ReplaceAll(base, []byte(`num_gpu_blocks="7975"`), []byte(`num_gpu_blocks="8000"`)))
+		if got := <-capacity; got != 2*16*8000 {
+			t.Errorf("OnCapacity(%d), want %d", got, 2*16*8000)
+		}
+	})
+
+	t.Run("stale values withdrawn", func(t *testing.T) {
+		m := rec.mark()
+		p.serve(http.StatusInternalServerError, nil)
+		rec.wait(t, m, "scrape-fail", e, 1)
+		rec.until(t, "Engine() is nil", func() bool { return e.Engine() == nil })
+		st := f.Endpoints()[0]
+		if st.Engine == nil || st.Engine.Fresh || st.Engine.AgeSec <= 0 {
+			t.Errorf("introspection engine = %+v, want the last scrape, not fresh, with its age", st.Engine)
+		}
+		if got := counterValue(t, f, "kvroute_discovery_scrape_failures_total"); got < 1 {
+			t.Errorf("scrape failures counted %v", got)
+		}
+		p.serve(http.StatusOK, base)
+		rec.until(t, "Engine() is back", func() bool { return e.Engine() != nil })
+	})
+}
+
+// parseWhole is expfmt over a whole scrape, without kvroute's line filter.
+func parseWhole(text []byte) (int, error) {
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := p.TextToMetricFamilies(bytes.NewReader(text))
+	return len(fams), err
+}
+
+func FuzzParseEngine(f *testing.F) {
+	for _, name := range []string{"vllm-v1-dp2.txt", "vllm-v0.txt", "sglang.txt", "sglang-dp2.txt", "not-an-engine.txt"} {
+		f.Add(readFixture(f, name))
+	}
+	f.Add([]byte("vllm:cache_config_info{block_size=\"1048575\",num_gpu_blocks=\"1099511627775\"} 1\n"))
+	f.Add([]byte("sglang:token_usage -Inf\nsglang:num_queue_reqs 1e300\n"))
+	var scratch []byte
+	f.Fuzz(func(t *testing.T, text []byte) {
+		s, sc, err := parseEngine(text, scratch)
+		scratch = sc
+		for _, line := range strings.SplitAfter(string(sc), "\n") {
+			if line == "" {
+				continue
+			}
+			n := strings.IndexAny(line, "{ \t\n")
+			if n < 0 {
+				n = len(line)
+			}
+			if !wanted([]byte(line[:n])) {
+				t.Fatalf("filter kept %q", line)
+			}
+		}
+		if err != nil {
+			if s.Engine != "" && !errors.Is(err, ErrBadMetrics) && !errors.Is(err, ErrNoEngineMetrics) {
+				t.Fatalf("unexpected error %v", err)
+			}
+			return
+		}
+		if s.Engine != "vllm" && s.Engine != "sglang" {
+			t.Fatalf("engine %q without error", s.Engine)
+		}
+		if s.Running < 0 || s.Waiting < 0 || s.KVCapacityTokens < 0 || !(s.KVUsage >= 0 && s.KVUsage <= 1) {
+			t.Fatalf("out of range: %+v", s)
+		}
+	})
+}
+
+// BenchmarkParseEngine parses one full vLLM scrape (the shared 0.19 sample
+// when present), with the line filter kvroute uses and, for comparison,
+// expfmt over the whole text.
+func BenchmarkParseEngine(b *testing.B) {
+	text := readFixture(b, "vllm-v1-dp2.txt")
+	for _, dir := range []string{"../../shared/vllm-wire", "../shared/vllm-wire"} {
+		if t, err := os.ReadFile(filepath.Join(dir, "vllm-metrics.txt")); err == nil {
+			text = t
+			break
+		}
+	}
+	b.Run("filtered", func(b *testing.B) {
+		b.ReportAllocs()
+		b.SetBytes(int64(len(text)))
+		var scratch []byte
+		for b.Loop() {
+			var err error
+			if _, scratch, err = parseEngine(text, scratch); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("expfmt-whole-text", func(b *testing.B) {
+		b.ReportAllocs()
+		b.SetBytes(int64(len(text)))
+		for b.Loop() {
+			if _, err := parseWhole(text); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}

@@ -385,7 +385,8 @@ func newFleet(cfg *Config, logger *zap.Logger, pfx *routing.Prefix) (*discovery.
 		}
 		if src.svc != "" {
 			if err := fleet.AddDNS(discovery.DNSConfig{Service: src.svc, Role: src.role, Scheme: cfg.ServiceScheme,
-				ResolvConf: cfg.DNSResolvConf, Server: cfg.DNSServer, Interval: cfg.DNSInterval}); err != nil {
+				ResolvConf: cfg.DNSResolvConf, Server: cfg.DNSServer, Interval: cfg.DNSInterval,
+				MinInterval: min(time.Second, cfg.DNSInterval)}); err != nil {
 				return nil, err
 			}
 		}

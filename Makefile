@@ -4,7 +4,7 @@ BIN      ?= bin
 IMAGE    ?= kvroute:dev
 PKGS     := ./...
 
-.PHONY: all build test vet fmt-check bench run docker clean sim
+.PHONY: all build test vet fmt-check bench run docker clean sim demo bench-e2e
 
 all: build
 
@@ -39,3 +39,19 @@ docker:
 
 clean:
 	rm -rf $(BIN)
+
+# The README's first command: the shared-prefix scenario on a simulated
+# 8-pod fleet behind an in-process kvroute, once per routing policy (about a
+# minute each); prints the results table and where the charts are
+# (bench/results/shared-prefix/). See BENCHMARKS.md.
+demo: build
+	$(GO) build -trimpath -o $(BIN)/kvbench ./bench/cmd/kvbench
+	./$(BIN)/kvbench --scenario shared-prefix
+
+# Every benchmark scenario (shared-prefix, multi-turn, random, hot-prefix,
+# the Mooncake trace replay when TRACE exists, overhead); results under
+# bench/results/<scenario>/.
+TRACE ?= /work/shared/traces/conversation_trace.jsonl
+bench-e2e: build
+	$(GO) build -trimpath -o $(BIN)/kvbench ./bench/cmd/kvbench
+	./$(BIN)/kvbench --scenario all $(if $(wildcard $(TRACE)),--trace $(TRACE))

@@ -1,0 +1,367 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/valyala/fasthttp"
+	"github.com/valyala/fastjson"
+)
+
+// Error kinds of RequestResult.Err.
+const (
+	// ErrKindConnection: no response headers (refused, reset, closed).
+	ErrKindConnection = "connection"
+	// ErrKindTimeout: the request timeout expired.
+	ErrKindTimeout = "timeout"
+	// ErrKindTruncated: the stream ended or broke before data: [DONE].
+	ErrKindTruncated = "truncated"
+	// ErrKindStream: the server sent an error event inside the stream.
+	ErrKindStream = "stream_error"
+	// ErrKindCanceled: the run was interrupted.
+	ErrKindCanceled = "canceled"
+	// ErrKindHTTP prefixes a non-200 status: "http_503".
+	ErrKindHTTP = "http_"
+)
+
+// RequestResult is what the generator measured for one request. Times are
+// in modelled seconds (wall × time scale).
+type RequestResult struct {
+	// Session indexes Workload.Sessions; Turn is the turn within it.
+	Session int `json:"session"`
+	Turn    int `json:"turn"`
+	// Stage is the load stage the request was sent in.
+	Stage int `json:"stage"`
+	// Start is when it was sent, from the start of the run.
+	Start float64 `json:"start_s"`
+	// TTFT is send → first streamed content; E2EL send → end of stream (or
+	// failure); TPOT = (E2EL − TTFT)/(OutputTokens − 1).
+	TTFT float64 `json:"ttft_s"`
+	TPOT float64 `json:"tpot_s"`
+	E2EL float64 `json:"e2el_s"`
+	// Token counts from the usage chunk (OutputTokens falls back to the
+	// number of content chunks when the server sends no usage).
+	PromptTokens int `json:"prompt_tokens"`
+	OutputTokens int `json:"output_tokens"`
+	CachedTokens int `json:"cached_tokens"`
+	// Status is the HTTP status (0 without response).
+	Status int `json:"status"`
+	// Err is "" on success, else one of the ErrKind values ("http_503").
+	Err string `json:"err,omitempty"`
+	// ITL holds every gap between consecutive content chunks, in modelled
+	// seconds. Not serialised.
+	ITL []float32 `json:"-"`
+}
+
+// client sends requests to one base URL over fasthttp with streamed
+// response bodies. Safe for concurrent use.
+type client struct {
+	hc      *fasthttp.HostClient
+	uri     string
+	timeout time.Duration
+	conns   connSet
+	parsers fastjson.ParserPool
+	bufs    sync.Pool // *exchange
+}
+
+// newClient returns a client for api requests to baseURL
+// ("http[s]://host[:port][/prefix]"). timeout bounds one request from send
+// to the end of its stream (wall time).
+func newClient(baseURL string, api API, timeout time.Duration) (*client, error) {
+	u, err := url.Parse(strings.TrimRight(baseURL, "/"))
+	if err != nil || u.Host == "" || (u.Scheme != "http" && u.Scheme != "https") {
+		return nil, fmt.Errorf("%w: base URL %q must be http(s)://host[:port][/prefix]", ErrConfig, baseURL)
+	}
+	addr := u.Host
+	if u.Port() == "" {
+		port := "80"
+		if u.Scheme == "https" {
+			port = "443"
+		}
+		addr = net.JoinHostPort(u.Hostname(), port)
+	}
+	c := &client{uri: u.Scheme + "://" + u.Host + u.EscapedPath() + api.Path(), timeout: timeout}
+	c.hc = &fasthttp.HostClient{
+		Addr:  addr,
+		IsTLS: u.Scheme == "https",
+		Name:  "kvbench",
+		Dial:  c.conns.dial,
+		// Every stream holds a connection; never refuse one.
+		MaxConns: 1 << 20,
+		// Below uvicorn's (hence vLLM's) 5 s keep-alive, so an idle
+		// connection is never reused just as the server closes it.
+		MaxIdleConnDuration:    3 * time.Second,
+		ReadBufferSize:         16 << 10,
+		WriteBufferSize:        16 << 10,
+		DisablePathNormalizing: true,
+		StreamResponseBody:     true,
+	}
+	c.bufs.New = func() any { return &exchange{buf: make([]byte, 32<<10)} }
+	return c, nil
+}
+
+// close closes every connection, idle or busy: reads blocked in a stream
+// return at once.
+func (c *client) close() {
+	c.hc.CloseIdleConnections()
+	c.conns.closeAll()
+}
+
+// connSet tracks a client's connections so an interrupted run can close
+// the busy ones too (fasthttp has no per-request cancellation).
+type connSet struct {
+	mu     sync.Mutex
+	m      map[*trackedConn]struct{}
+	closed bool
+}
+
+// dialTimeout bounds establishing one connection.
+const dialTimeout = 10 * time.Second
+
+func (s *connSet) dial(addr string) (net.Conn, error) {
+	c, err := net.DialTimeout("tcp", addr, dialTimeout)
+	if err != nil {
+		return nil, err
+	}
+	tc := &trackedConn{Conn: c, set: s}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		c.Close()
+		return nil, net.ErrClosed
+	}
+	if s.m == nil {
+		s.m = make(map[*trackedConn]struct{})
+	}
+	s.m[tc] = struct{}{}
+	return tc, nil
+}
+
+func (s *connSet) closeAll() {
+	s.mu.Lock()
+	s.closed = true
+	conns := make([]*trackedConn, 0, len(s.m))
+	for c := range s.m {
+		conns = append(conns, c)
+	}
+	s.mu.Unlock()
+	for _, c := range conns {
+		c.Close()
+	}
+}
+
+type trackedConn struct {
+	net.Conn
+	set  *connSet
+	once sync.Once
+}
+
+func (c *trackedConn) Close() error {
+	err := c.Conn.Close()
+	c.once.Do(func() {
+		c.set.mu.Lock()
+		delete(c.set.m, c)
+		c.set.mu.Unlock()
+	})
+	return err
+}
+
+// exchange is one request's scratch space, pooled.
+type exchange struct {
+	body    []byte
+	buf     []byte // read buffer
+	pending []byte // bytes of an incomplete line
+	answer  []byte
+}
+
+// do sends body and measures the streamed response into res (times scaled
+// by scale). When keepAnswer is set it returns the generated text. ctx only
+// tells a cancelled run from a timeout; cancellation itself works by
+// closing the connections (see close).
+func (c *client) do(ctx context.Context, body []byte, keepAnswer bool, scale float64, res *RequestResult) string {
+	x := c.bufs.Get().(*exchange)
+	defer c.bufs.Put(x)
+	x.pending, x.answer = x.pending[:0], x.answer[:0]
+
+	req := fasthttp.AcquireRequest()
+	resp := fasthttp.AcquireResponse()
+	defer fasthttp.ReleaseRequest(req)
+	defer fasthttp.ReleaseResponse(resp)
+	req.Header.SetMethod(fasthttp.MethodPost)
+	req.SetRequestURI(c.uri)
+	req.Header.SetContentType("application/json")
+	req.SetBodyRaw(body)
+	if c.timeout > 0 {
+		req.SetTimeout(c.timeout)
+	}
+	since := func(start time.Time, t time.Time) float64 { return t.Sub(start).Seconds() * scale }
+
+	start := time.Now()
+	err := c.hc.Do(req, resp)
+	fail := func(kind string) string {
+		res.Err = kind
+		res.E2EL = since(start, time.Now())
+		return ""
+	}
+	if err != nil {
+		return fail(classify(ctx, err, ErrKindConnection))
+	}
+	defer resp.CloseBodyStream() //nolint:errcheck // the stream is done either way
+	res.Status = resp.StatusCode()
+	stream := resp.BodyStream()
+	if res.Status != fasthttp.StatusOK {
+		if stream != nil {
+			_, _ = io.Copy(io.Discard, io.LimitReader(stream, 64<<10))
+		}
+		return fail(ErrKindHTTP + strconv.Itoa(res.Status))
+	}
+	if stream == nil {
+		stream = bytes.NewReader(resp.Body())
+	}
+
+	p := c.parsers.Get()
+	defer c.parsers.Put(p)
+	var first, last time.Time
+	var chunks int
+	var done bool
+	var streamErr bool
+	for !done {
+		n, rerr := stream.Read(x.buf)
+		now := time.Now()
+		if n > 0 {
+			x.pending = append(x.pending, x.buf[:n]...)
+			consumed := 0
+			for {
+				i := bytes.IndexByte(x.pending[consumed:], '\n')
+				if i < 0 {
+					break
+				}
+				line := bytes.TrimRight(x.pending[consumed:consumed+i], "\r")
+				consumed += i + 1
+				payload, ok := bytes.CutPrefix(line, []byte("data:"))
+				if !ok {
+					continue // blank line, comment or another SSE field
+				}
+				payload = bytes.TrimLeft(payload, " ")
+				if string(payload) == "[DONE]" {
+					done = true
+					break
+				}
+				ev := parseEvent(p, payload)
+				switch {
+				case ev.err:
+					streamErr = true
+				case len(ev.text) > 0:
+					if first.IsZero() {
+						first = now
+					} else {
+						res.ITL = append(res.ITL, float32(since(last, now)))
+					}
+					last = now
+					chunks++
+					if keepAnswer {
+						x.answer = append(x.answer, ev.text...)
+					}
+				}
+				if ev.usage {
+					res.PromptTokens, res.OutputTokens, res.CachedTokens = ev.prompt, ev.completion, ev.cached
+				}
+			}
+			x.pending = append(x.pending[:0], x.pending[consumed:]...)
+		}
+		if done {
+			res.E2EL = since(start, now)
+			// Read the end of the chunked body so the connection is reused.
+			_, _ = io.Copy(io.Discard, io.LimitReader(stream, 64<<10))
+			break
+		}
+		if rerr != nil {
+			if rerr == io.EOF {
+				return fail(ErrKindTruncated)
+			}
+			return fail(classify(ctx, rerr, ErrKindTruncated))
+		}
+	}
+	if streamErr {
+		return fail(ErrKindStream)
+	}
+	if first.IsZero() {
+		first = time.Now()
+	}
+	res.TTFT = since(start, first)
+	if res.OutputTokens == 0 {
+		res.OutputTokens = chunks
+	}
+	if res.OutputTokens > 1 {
+		res.TPOT = (res.E2EL - res.TTFT) / float64(res.OutputTokens-1)
+	}
+	if keepAnswer {
+		return string(x.answer)
+	}
+	return ""
+}
+
+// classify names a transport error: a cancelled run, a timeout, or other.
+func classify(ctx context.Context, err error, other string) string {
+	if ctx.Err() != nil {
+		return ErrKindCanceled
+	}
+	var ne net.Error
+	if errors.Is(err, fasthttp.ErrTimeout) || errors.Is(err, os.ErrDeadlineExceeded) ||
+		errors.As(err, &ne) && ne.Timeout() {
+		return ErrKindTimeout
+	}
+	return other
+}
+
+// event is what one SSE data payload carried.
+type event struct {
+	text                       []byte // generated text (completions text, chat delta content or reasoning)
+	usage                      bool
+	prompt, completion, cached int
+	err                        bool
+}
+
+// parseEvent reads one OpenAI streaming chunk. Unparseable payloads count as
+// stream errors.
+func parseEvent(p *fastjson.Parser, payload []byte) event {
+	var ev event
+	v, err := p.ParseBytes(payload)
+	if err != nil || v.Type() != fastjson.TypeObject {
+		ev.err = true
+		return ev
+	}
+	if v.Get("error") != nil || string(v.GetStringBytes("object")) == "error" {
+		ev.err = true
+		return ev
+	}
+	if ch := v.GetArray("choices"); len(ch) > 0 {
+		c := ch[0]
+		if t := c.GetStringBytes("text"); len(t) > 0 {
+			ev.text = t
+		} else if d := c.Get("delta"); d != nil {
+			if t := d.GetStringBytes("content"); len(t) > 0 {
+				ev.text = t
+			} else if t := d.GetStringBytes("reasoning_content"); len(t) > 0 {
+				ev.text = t
+			}
+		}
+	}
+	if u := v.Get("usage"); u != nil && u.Type() == fastjson.TypeObject {
+		ev.usage = true
+		ev.prompt = u.GetInt("prompt_tokens")
+		ev.completion = u.GetInt("completion_tokens")
+		ev.cached = u.GetInt("prompt_tokens_details", "cached_tokens")
+	}
+	return ev
+}

@@ -1,0 +1,498 @@
+// Command kvbench measures LLM serving the way vLLM's `bench serve` does
+// (TTFT, ITL, TPOT, E2E latency, throughput, goodput, engine prefix-cache
+// hit rate), with seeded shared-prefix, multi-turn, random, hot-prefix and
+// Mooncake-trace workloads.
+//
+// Two modes:
+//
+//	kvbench --scenario shared-prefix           # simulated fleet behind an in-process kvroute, per policy
+//	kvbench --scenario all --trace FILE        # every scenario, results under bench/results/
+//	kvbench --base-url http://kvroute:8000 --pod-urls http://pod-a:8000,http://pod-b:8000 \
+//	        --workload shared-prefix --rate 8  # any OpenAI-compatible server, e.g. real vLLM
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net/http"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"runtime/pprof"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/spf13/pflag"
+
+	"github.com/kvroute/kvroute/bench"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr, isTerminal(os.Stderr)); err != nil {
+		if errors.Is(err, pflag.ErrHelp) {
+			return
+		}
+		fmt.Fprintln(os.Stderr, "kvbench:", err)
+		os.Exit(1)
+	}
+}
+
+// isTerminal reports whether f is a character device (a terminal), so the
+// progress line may redraw itself with carriage returns.
+func isTerminal(f *os.File) bool {
+	st, err := f.Stat()
+	return err == nil && st.Mode()&os.ModeCharDevice != 0
+}
+
+// options are kvbench's flags.
+type options struct {
+	// Scenario mode.
+	scenarios []string
+	policies  []string
+	full      bool
+	pods      int
+	timeScale float64
+	out       string
+	trace     string
+
+	// Direct mode.
+	baseURL   string
+	podURLs   []string
+	model     string
+	api       string
+	workload  bench.WorkloadConfig
+	turns     string
+	userLen   string
+	answerLen string
+	arrival   string
+	rate      string
+	load      bench.Load
+	stages    string
+	duration  time.Duration
+	sloTTFT   time.Duration
+	sloTPOT   time.Duration
+	sloE2EL   time.Duration
+	timeout   time.Duration
+	jsonOut   string
+	rawOut    string
+
+	// Both.
+	seed       uint64
+	quiet      bool
+	serve      string
+	cpuProfile string
+}
+
+type flagGroup struct {
+	title string
+	fs    *pflag.FlagSet
+}
+
+func newFlags(o *options) (*pflag.FlagSet, []flagGroup) {
+	g := func(title string) flagGroup {
+		fs := pflag.NewFlagSet(title, pflag.ContinueOnError)
+		fs.SortFlags = false
+		return flagGroup{title, fs}
+	}
+	sc, tgt, wl, ld, out := g("Scenarios (simulated fleet behind an in-process kvroute)"), g("Target (direct mode)"),
+		g("Workload (direct mode; lengths in tokens)"), g("Load (direct mode)"), g("Output and misc")
+
+	sc.fs.StringSliceVar(&o.scenarios, "scenario", nil, "scenarios to run: "+strings.Join(bench.ScenarioNames(), ", ")+", or all (default shared-prefix without --base-url)")
+	sc.fs.StringSliceVar(&o.policies, "policies", nil, "policies to compare (default all: "+strings.Join(policyNames(), ", ")+")")
+	sc.fs.BoolVar(&o.full, "full", false, "published sizes (SGLang/llm-d/vLLM presets) instead of the few-minute defaults")
+	sc.fs.IntVar(&o.pods, "pods", 0, "simulated pods per fleet (0: 8)")
+	sc.fs.Float64Var(&o.timeScale, "time-scale", 0, "simulated time runs this many times faster than real time (0: each scenario's; direct mode: the target kvsim's --time-scale, so latencies are reported in modelled time)")
+	sc.fs.StringVar(&o.out, "out", "bench/results", "directory for scenario results (one subdirectory per scenario)")
+	sc.fs.StringVar(&o.trace, "trace", "", "Mooncake JSONL trace for the trace scenario and --workload trace")
+
+	tgt.fs.StringVar(&o.baseURL, "base-url", "", "OpenAI-compatible base URL to drive (kvroute, a pod, vLLM); selects direct mode")
+	tgt.fs.StringSliceVar(&o.podURLs, "pod-urls", nil, "engine base URLs whose /metrics give the prefix-cache hit rate (vllm:prefix_cache_hits/queries)")
+	tgt.fs.StringVar(&o.model, "model", "", "model name (default: the first of GET /v1/models)")
+	tgt.fs.StringVar(&o.api, "api", "completions", "completions or chat")
+	tgt.fs.DurationVar(&o.timeout, "timeout", 30*time.Minute, "limit per request, send to end of stream")
+
+	w := &o.workload
+	wl.fs.StringVar(&w.Kind, "workload", bench.KindSharedPrefix, "workload: "+strings.Join(bench.Kinds(), ", "))
+	wl.fs.IntVar(&w.Groups, "groups", 0, "shared-prefix: prefix groups (default 64)")
+	wl.fs.IntVar(&w.PromptsPerGroup, "prompts-per-group", 0, "shared-prefix: prompts per group (default 16)")
+	wl.fs.IntVar(&w.SystemTokens, "system-len", 0, "shared-prefix, hot-prefix: system prompt length (default 2048)")
+	wl.fs.IntVar(&w.QuestionTokens, "question-len", 0, "shared-prefix, hot-prefix: question length (default 128)")
+	wl.fs.IntVar(&w.OutputTokens, "output-len", 0, "shared-prefix, hot-prefix, random: output length (default 256; random 128)")
+	wl.fs.IntVar(&w.InputTokens, "input-len", 0, "random: prompt length (default 1024)")
+	wl.fs.IntVar(&w.Requests, "num-prompts", 0, "random, hot-prefix: distinct prompts (default 1024)")
+	wl.fs.IntVar(&w.Conversations, "conversations", 0, "multi-turn: conversations (default 64)")
+	wl.fs.IntVar(&w.PrefixTokens, "prefix-len", 0, "multi-turn: common prefix of all conversations (default 500)")
+	wl.fs.StringVar(&o.turns, "turns", "", "multi-turn: turns per conversation, min-max (default 12-18)")
+	wl.fs.StringVar(&o.userLen, "user-len", "", "multi-turn: user turn length, min-max (default 120-160)")
+	wl.fs.StringVar(&o.answerLen, "answer-len", "", "multi-turn: answer length, min-max (default 80-120)")
+	wl.fs.IntVar(&w.TraceLimit, "trace-limit", 0, "trace: replay only the first N requests (0: all)")
+	wl.fs.Float64Var(&w.TraceSpeedup, "trace-speedup", 1, "trace: divide timestamps by this")
+	wl.fs.IntVar(&w.TraceMaxInput, "trace-max-input", 0, "trace: cut longer prompts to this many tokens (0: no limit)")
+	wl.fs.IntVar(&w.TraceMaxOutput, "trace-max-output", 0, "trace: cap output lengths (0: no limit)")
+
+	ld.fs.StringVar(&o.arrival, "arrival", "poisson", "poisson (gamma with --burstiness), constant, closed (fixed concurrency) or trace (timestamps)")
+	ld.fs.StringVar(&o.rate, "rate", "inf", "requests/s of an open loop, or inf (everything at once)")
+	ld.fs.Float64Var(&o.load.Burstiness, "burstiness", 1, "gamma shape of the gaps: 1 Poisson, < 1 burstier")
+	ld.fs.IntVar(&o.load.Concurrency, "concurrency", 0, "closed loop: requests kept in flight")
+	ld.fs.IntVar(&o.load.MaxConcurrency, "max-concurrency", 0, "open loop: cap on requests in flight (0: none)")
+	ld.fs.StringVar(&o.stages, "stages", "", "rising-rate stages rate:requests,… (e.g. 4:200,8:200,16:200); each drains before the next")
+	ld.fs.IntVar(&o.load.Requests, "requests", 0, "requests to send (0: the workload once; single-turn workloads repeat)")
+	ld.fs.DurationVar(&o.duration, "duration", 0, "stop sending after this long (0: no limit)")
+	ld.fs.DurationVar(&o.sloTTFT, "slo-ttft", 0, "goodput objective on TTFT (0: none)")
+	ld.fs.DurationVar(&o.sloTPOT, "slo-tpot", 0, "goodput objective on TPOT")
+	ld.fs.DurationVar(&o.sloE2EL, "slo-e2el", 0, "goodput objective on E2E latency")
+
+	out.fs.Uint64Var(&o.seed, "seed", 1, "seed of workloads and arrivals")
+	out.fs.StringVar(&o.jsonOut, "json", "", "direct mode: write the result (summary, stages, engine, CPU) as JSON here")
+	out.fs.StringVar(&o.rawOut, "raw", "", "direct mode: write per-request records as JSON here")
+	out.fs.BoolVar(&o.quiet, "quiet", false, "no progress line even on a terminal")
+	out.fs.StringVar(&o.serve, "serve-instant", "", "serve the overhead scenario's instant backend on this address until interrupted (for wrk)")
+	out.fs.StringVar(&o.cpuProfile, "cpu-profile", "", "write a Go CPU profile of the whole run here")
+
+	all := pflag.NewFlagSet("kvbench", pflag.ContinueOnError)
+	groups := []flagGroup{sc, tgt, wl, ld, out}
+	for _, gr := range groups {
+		all.AddFlagSet(gr.fs)
+	}
+	return all, groups
+}
+
+func policyNames() []string {
+	var n []string
+	for _, p := range bench.Policies() {
+		n = append(n, p.Name)
+	}
+	return n
+}
+
+func writeUsage(w io.Writer, groups []flagGroup) {
+	fmt.Fprint(w, `kvbench: load generator and routing-policy benchmark for kvroute.
+
+Usage:
+  kvbench [--scenario NAME,...] [--full]          simulated 8-pod fleet behind kvroute, one run per policy
+  kvbench --base-url URL [--pod-urls URL,...] ...   drive any OpenAI-compatible server (kvroute, vLLM)
+  kvbench --serve-instant 127.0.0.1:8200           the overhead scenario's instant backend, for wrk
+`)
+	for _, g := range groups {
+		fmt.Fprintf(w, "\n%s:\n%s", g.title, g.fs.FlagUsages())
+	}
+}
+
+// run is kvbench's body: it parses args and runs the mode they select.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer, tty bool) error {
+	o := &options{}
+	fs, groups := newFlags(o)
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, pflag.ErrHelp) {
+			writeUsage(stdout, groups)
+		}
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	if o.cpuProfile != "" {
+		f, err := os.Create(o.cpuProfile)
+		if err != nil {
+			return err
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			f.Close()
+			return err
+		}
+		defer func() { pprof.StopCPUProfile(); f.Close() }()
+	}
+	var progress io.Writer
+	if tty && !o.quiet {
+		progress = stderr
+	}
+	switch {
+	case o.serve != "":
+		return serveInstant(ctx, o.serve, stdout)
+	case o.baseURL != "":
+		if len(o.scenarios) > 0 {
+			return errors.New("--scenario and --base-url exclude each other")
+		}
+		return direct(ctx, o, stdout, progress)
+	default:
+		return scenarios(ctx, o, stdout, stderr, progress)
+	}
+}
+
+// scenarios runs the named built-in scenarios and writes their results.
+func scenarios(ctx context.Context, o *options, stdout, stderr, progress io.Writer) error {
+	names := o.scenarios
+	if len(names) == 0 {
+		names = []string{bench.ScenarioSharedPrefix}
+	}
+	if slices.Contains(names, "all") {
+		names = bench.ScenarioNames()
+	}
+	pols, err := bench.SelectPolicies(o.policies)
+	if err != nil {
+		return err
+	}
+	preset := bench.Preset{Full: o.full, Pods: o.pods, TimeScale: o.timeScale, TracePath: o.trace, Seed: o.seed}
+	byName := map[string]bench.Scenario{}
+	for _, sc := range bench.Scenarios(preset) {
+		byName[sc.Name] = sc
+	}
+	start := time.Now()
+	for _, name := range names {
+		dir := filepath.Join(o.out, name)
+		var files []string
+		switch sc, ok := byName[name]; {
+		case name == bench.ScenarioOverhead:
+			cfg := bench.OverheadConfig{Seed: o.seed}
+			if o.full {
+				cfg.Duration, cfg.Concurrency = 20*time.Second, []int{1, 32, 64}
+			}
+			fmt.Fprintf(stderr, "overhead: instant backend, direct vs through kvroute\n")
+			rep, err := bench.RunOverhead(ctx, cfg)
+			if err != nil {
+				return fmt.Errorf("overhead: %w", err)
+			}
+			if files, err = bench.WriteOverhead(dir, rep); err != nil {
+				return err
+			}
+			fmt.Fprintf(stdout, "\n%s", bench.MarkdownOverhead(rep))
+		case name == bench.ScenarioTrace && !ok:
+			fmt.Fprintln(stderr, "trace: skipped, no --trace file (the Mooncake traces are not in the repository)")
+			continue
+		case !ok:
+			return fmt.Errorf("unknown scenario %q (want %s or all)", name, strings.Join(bench.ScenarioNames(), ", "))
+		default:
+			rep, err := bench.RunScenario(ctx, sc, bench.RunOptions{Policies: pols, Progress: progress, Log: stderr})
+			if rep != nil && len(rep.Runs) > 0 {
+				var werr error
+				files, werr = bench.WriteReport(dir, rep)
+				err = errors.Join(err, werr)
+				fmt.Fprintf(stdout, "\n%s", bench.MarkdownReport(rep))
+			}
+			if err != nil {
+				return err
+			}
+		}
+		var charts []string
+		for _, f := range files {
+			if strings.HasSuffix(f, ".png") {
+				charts = append(charts, f)
+			}
+		}
+		fmt.Fprintf(stdout, "\nResults in %s", dir)
+		if len(charts) > 0 {
+			fmt.Fprintf(stdout, "; charts: %s", strings.Join(charts, ", "))
+		}
+		fmt.Fprintln(stdout)
+	}
+	fmt.Fprintf(stderr, "done in %s\n", time.Since(start).Round(time.Second))
+	return nil
+}
+
+// direct drives o.baseURL and prints a `bench serve`-style summary.
+func direct(ctx context.Context, o *options, stdout, progress io.Writer) error {
+	api, err := bench.ParseAPI(o.api)
+	if err != nil {
+		return err
+	}
+	w := o.workload
+	w.Seed, w.TracePath = o.seed, o.trace
+	for _, r := range []struct {
+		flag, v string
+		lo, hi  *int
+	}{
+		{"--turns", o.turns, &w.TurnsMin, &w.TurnsMax},
+		{"--user-len", o.userLen, &w.UserMin, &w.UserMax},
+		{"--answer-len", o.answerLen, &w.AnswerMin, &w.AnswerMax},
+	} {
+		if r.v == "" {
+			continue
+		}
+		if *r.lo, *r.hi, err = parseRange(r.v); err != nil {
+			return fmt.Errorf("%s: %w", r.flag, err)
+		}
+	}
+	wl, err := w.Build()
+	if err != nil {
+		return err
+	}
+	l := o.load
+	if l.Arrival, err = bench.ParseArrival(o.arrival); err != nil {
+		return err
+	}
+	if w.Kind == bench.KindTrace && o.arrival == "poisson" && o.stages == "" && o.rate == "inf" {
+		l.Arrival = bench.ArrivalTrace // a trace replays its own timestamps unless told otherwise
+	}
+	if l.Concurrency > 0 && o.arrival == "poisson" {
+		l.Arrival = bench.ArrivalClosed
+	}
+	if l.Rate, err = bench.ParseRate(o.rate); err != nil {
+		return err
+	}
+	if l.Stages, err = bench.ParseStages(o.stages); err != nil {
+		return err
+	}
+	l.Duration = o.duration
+	model := o.model
+	if model == "" {
+		model = discoverModel(ctx, o.baseURL)
+	}
+	res, err := bench.Run(ctx, bench.Config{
+		BaseURL: o.baseURL, PodURLs: o.podURLs, Model: model, API: api, Workload: wl, Load: l,
+		SLO:       bench.SLO{TTFT: ms(o.sloTTFT), TPOT: ms(o.sloTPOT), E2EL: ms(o.sloE2EL)},
+		TimeScale: o.timeScale, Timeout: o.timeout, Seed: o.seed, Label: o.baseURL, Progress: progress,
+	})
+	if res == nil {
+		return err
+	}
+	printSummary(stdout, res, wl)
+	if o.jsonOut != "" {
+		b, jerr := json.MarshalIndent(res, "", "  ")
+		if jerr == nil {
+			jerr = os.WriteFile(o.jsonOut, append(b, '\n'), 0o644)
+		}
+		err = errors.Join(err, jerr)
+	}
+	if o.rawOut != "" {
+		b, jerr := json.Marshal(res.Requests)
+		if jerr == nil {
+			jerr = os.WriteFile(o.rawOut, append(b, '\n'), 0o644)
+		}
+		err = errors.Join(err, jerr)
+	}
+	return err
+}
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// parseRange parses "lo-hi" or "n".
+func parseRange(s string) (int, int, error) {
+	a, b, ok := strings.Cut(s, "-")
+	if !ok {
+		b = a
+	}
+	lo, err1 := strconv.Atoi(strings.TrimSpace(a))
+	hi, err2 := strconv.Atoi(strings.TrimSpace(b))
+	if err1 != nil || err2 != nil || lo < 1 || hi < lo {
+		return 0, 0, fmt.Errorf("%q: want min-max with 1 ≤ min ≤ max", s)
+	}
+	return lo, hi, nil
+}
+
+// discoverModel returns the first model id of GET /v1/models, or "" (the
+// body then leaves "model" out).
+func discoverModel(ctx context.Context, base string) string {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimRight(base, "/")+"/v1/models", nil)
+	if err != nil {
+		return ""
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return ""
+	}
+	defer resp.Body.Close()
+	var body struct {
+		Data []struct {
+			ID string `json:"id"`
+		} `json:"data"`
+	}
+	if resp.StatusCode != http.StatusOK || json.NewDecoder(resp.Body).Decode(&body) != nil || len(body.Data) == 0 {
+		return ""
+	}
+	return body.Data[0].ID
+}
+
+// printSummary prints a vLLM `bench serve`-style summary.
+func printSummary(w io.Writer, r *bench.Result, wl *bench.Workload) {
+	s := r.Summary
+	line := func(k string, v any) { fmt.Fprintf(w, "%-40s %v\n", k+":", v) }
+	f2 := func(v float64) string { return strconv.FormatFloat(v, 'f', 2, 64) }
+	fmt.Fprintln(w, "============ Serving Benchmark Result ============")
+	line("Workload", fmt.Sprintf("%s (%s API), %d requests", wl.Config.Kind, r.API, s.Requests))
+	line("Successful requests", s.Completed)
+	line("Failed requests", s.Failed)
+	for k, n := range s.Errors {
+		line("  "+k, n)
+	}
+	line("Benchmark duration (s)", f2(s.Duration))
+	line("Total input tokens", s.PromptTokens)
+	line("Total generated tokens", s.OutputTokens)
+	line("Request throughput (req/s)", f2(s.RequestThroughput))
+	line("Output token throughput (tok/s)", f2(s.OutputThroughput))
+	line("Input token throughput (tok/s)", f2(s.InputThroughput))
+	if !s.SLO.IsZero() {
+		line("Request goodput (req/s)", f2(s.Goodput))
+	}
+	for _, d := range []struct {
+		name string
+		d    bench.Dist
+	}{{"Time to First Token", s.TTFT}, {"Time per Output Token (excl. 1st token)", s.TPOT},
+		{"Inter-token Latency", s.ITL}, {"End-to-end Latency", s.E2EL}} {
+		fmt.Fprintf(w, "%s\n", center(d.name))
+		for _, p := range []struct {
+			k string
+			v float64
+		}{{"Mean", d.d.Mean}, {"P50", d.d.P50}, {"P90", d.d.P90}, {"P99", d.d.P99}} {
+			line(fmt.Sprintf("%s %s (ms)", p.k, strings.Split(d.name, " (")[0]), f2(p.v))
+		}
+	}
+	fmt.Fprintf(w, "%s\n", center("Prefix cache"))
+	line("Ideal hit rate (infinite cache)", pct(r.IdealHitRate))
+	if s.CachedTokens > 0 {
+		line("Cached tokens reported (usage)", pct(s.CachedRate))
+	}
+	if r.Engine != nil {
+		line("Engine hit rate (Δhits/Δqueries)", fmt.Sprintf("%s over %d pods", pct(r.Engine.HitRate), r.Engine.Pods))
+	} else if r.EngineErr != "" {
+		line("Engine hit rate", r.EngineErr)
+	}
+	for _, st := range r.Stages {
+		hit := ""
+		if st.Engine != nil {
+			hit = ", hit " + pct(st.Engine.HitRate)
+		}
+		line(fmt.Sprintf("Stage %s req/s", st.Rate), fmt.Sprintf("%s req/s, %s tok/s, p90 TTFT %s ms%s",
+			f2(st.Summary.RequestThroughput), f2(st.Summary.OutputThroughput), f2(st.Summary.TTFT.P90), hit))
+	}
+	if r.CPU.MachineIdle >= 0 {
+		line("Machine CPU idle", fmt.Sprintf("%s (min %s), kvbench %.2f cores", pct(r.CPU.MachineIdle), pct(r.CPU.MachineIdleMin), r.CPU.ProcessCores))
+	}
+	fmt.Fprintln(w, strings.Repeat("=", 50))
+}
+
+func center(s string) string {
+	s = " " + s + " "
+	pad := max(0, 50-len(s))
+	return strings.Repeat("-", pad/2) + s + strings.Repeat("-", pad-pad/2)
+}
+
+func pct(v float64) string {
+	if math.IsNaN(v) {
+		return "–"
+	}
+	return fmt.Sprintf("%.1f%%", 100*v)
+}
+
+// serveInstant runs the instant backend until ctx ends.
+func serveInstant(ctx context.Context, addr string, stdout io.Writer) error {
+	b, err := bench.StartInstantBackend(addr, 4)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintln(stdout, b.URL)
+	<-ctx.Done()
+	return b.Close()
+}

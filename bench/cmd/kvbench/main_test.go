@@ -1,0 +1,107 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/spf13/pflag"
+
+	"github.com/kvroute/kvroute/bench"
+	"github.com/kvroute/kvroute/bench/sim"
+)
+
+func TestHelpAndBadArgs(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		args    []string
+		wantErr string
+		wantOut string
+	}{
+		{name: "help", args: []string{"--help"}, wantErr: pflag.ErrHelp.Error(), wantOut: "--base-url"},
+		{name: "unknown flag", args: []string{"--nope"}, wantErr: "unknown flag"},
+		{name: "stray argument", args: []string{"extra"}, wantErr: "unexpected arguments"},
+		{name: "unknown scenario", args: []string{"--scenario", "nope"}, wantErr: "unknown scenario"},
+		{name: "unknown policy", args: []string{"--policies", "nope"}, wantErr: "unknown policy"},
+		{name: "both modes", args: []string{"--scenario", "random", "--base-url", "http://x"}, wantErr: "exclude"},
+		{name: "bad range", args: []string{"--base-url", "http://127.0.0.1:1", "--workload", "multi-turn", "--turns", "5-2"}, wantErr: "--turns"},
+		{name: "bad rate", args: []string{"--base-url", "http://127.0.0.1:1", "--rate", "-3"}, wantErr: "rate"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var out, errOut strings.Builder
+			err := run(context.Background(), tc.args, &out, &errOut, false)
+			if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+				t.Fatalf("err = %v, want it to contain %q", err, tc.wantErr)
+			}
+			if !strings.Contains(out.String(), tc.wantOut) {
+				t.Fatalf("output lacks %q:\n%s", tc.wantOut, out.String())
+			}
+		})
+	}
+}
+
+func TestParseRange(t *testing.T) {
+	for _, tc := range []struct {
+		in     string
+		lo, hi int
+		ok     bool
+	}{
+		{in: "12-18", lo: 12, hi: 18, ok: true},
+		{in: "7", lo: 7, hi: 7, ok: true},
+		{in: " 3 - 4 ", lo: 3, hi: 4, ok: true},
+		{in: "4-3"},
+		{in: "0-3"},
+		{in: "a-b"},
+	} {
+		t.Run(tc.in, func(t *testing.T) {
+			lo, hi, err := parseRange(tc.in)
+			if (err == nil) != tc.ok || tc.ok && (lo != tc.lo || hi != tc.hi) {
+				t.Fatalf("parseRange(%q) = %d, %d, %v", tc.in, lo, hi, err)
+			}
+		})
+	}
+}
+
+// Direct mode against one simulated pod: the summary is printed, the JSON
+// written, and the model discovered from /v1/models.
+func TestDirectMode(t *testing.T) {
+	fleet, err := sim.StartFleet(1, sim.Config{TimeScale: 100, Seed: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fleet.Close()
+	dir := t.TempDir()
+	jsonPath, rawPath := filepath.Join(dir, "r.json"), filepath.Join(dir, "raw.json")
+	var out, errOut strings.Builder
+	args := []string{"--base-url", fleet.URL(0), "--pod-urls", fleet.URL(0), "--time-scale", "100",
+		"--workload", "shared-prefix", "--groups", "2", "--prompts-per-group", "3", "--system-len", "64",
+		"--question-len", "8", "--output-len", "4", "--rate", "inf", "--slo-ttft", "5s",
+		"--json", jsonPath, "--raw", rawPath}
+	if err := run(context.Background(), args, &out, &errOut, false); err != nil {
+		t.Fatalf("%v\n%s", err, errOut.String())
+	}
+	for _, want := range []string{"Successful requests:", "Engine hit rate", "Ideal hit rate", "Request goodput"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("summary lacks %q:\n%s", want, out.String())
+		}
+	}
+	var res bench.Result
+	b, err := os.ReadFile(jsonPath)
+	if err == nil {
+		err = json.Unmarshal(b, &res)
+	}
+	if err != nil || res.Summary.Completed != 6 || res.Engine == nil {
+		t.Fatalf("JSON result: %v %+v", err, res.Summary)
+	}
+	var raw []bench.RequestResult
+	if b, err = os.ReadFile(rawPath); err == nil {
+		err = json.Unmarshal(b, &raw)
+	}
+	if err != nil || len(raw) != 6 {
+		t.Fatalf("raw records: %d, %v", len(raw), errors.Join(err))
+	}
+}

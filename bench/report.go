@@ -1,0 +1,338 @@
+package bench
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+)
+
+// Output file names inside a scenario's directory.
+const (
+	FileTable      = "table.md"
+	FileResults    = "results.json"
+	FileTTFTCDF    = "ttft-cdf.png"
+	FileThroughput = "throughput-vs-rate.png"
+	FileTTFTRate   = "ttft-p90-vs-rate.png"
+	// raw-<policy>.json holds per-request records (not committed).
+	rawPrefix = "raw-"
+)
+
+// WriteReport writes rep under dir (created if needed): the Markdown table,
+// results.json (everything but per-request records), raw-<policy>.json per
+// policy (one request per line), and the charts. It returns the paths
+// written.
+func WriteReport(dir string, rep *Report) ([]string, error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	var files []string
+	write := func(name string, b []byte) error {
+		p := filepath.Join(dir, name)
+		files = append(files, p)
+		return os.WriteFile(p, b, 0o644)
+	}
+	if err := write(FileTable, []byte(MarkdownReport(rep))); err != nil {
+		return files, err
+	}
+	b, err := json.MarshalIndent(rep, "", "  ")
+	if err != nil {
+		return files, err
+	}
+	if err := write(FileResults, append(b, '\n')); err != nil {
+		return files, err
+	}
+	for _, r := range rep.Runs {
+		p := filepath.Join(dir, rawPrefix+fileSafe(r.Label)+".json")
+		if err := writeRaw(p, r.Requests); err != nil {
+			return files, err
+		}
+		files = append(files, p)
+	}
+	charts, err := writeCharts(dir, rep)
+	return append(files, charts...), err
+}
+
+// writeRaw writes records as a JSON array, one record per line.
+func writeRaw(path string, rs []RequestResult) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	w := bufio.NewWriter(f)
+	w.WriteString("[")
+	for i := range rs {
+		if i > 0 {
+			w.WriteString(",")
+		}
+		w.WriteString("\n")
+		b, err := json.Marshal(&rs[i])
+		if err != nil {
+			f.Close()
+			return err
+		}
+		w.Write(b)
+	}
+	w.WriteString("\n]\n")
+	if err := w.Flush(); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+func fileSafe(s string) string {
+	return strings.Map(func(r rune) rune {
+		if r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_' || r == '.' {
+			return r
+		}
+		return '_'
+	}, s)
+}
+
+// MarkdownReport renders rep: a heading, a line on the setup, the policy
+// table, and a per-stage table when the load had stages.
+func MarkdownReport(rep *Report) string {
+	var b strings.Builder
+	sc := &rep.Scenario
+	fmt.Fprintf(&b, "### %s\n\n", sc.Name)
+	if sc.Description != "" {
+		fmt.Fprintf(&b, "%s\n\n", sc.Description)
+	}
+	f := sc.Fleet
+	fmt.Fprintf(&b, "%d simulated pods (%s cost model, %d KV blocks × %d tokens = %s tokens per pod",
+		sc.Pods, f.Model, f.NumGPUBlocks, f.BlockSize, thousands(f.KVTokensPerPod))
+	if f.WorkingSetShare > 0 {
+		fmt.Fprintf(&b, "; prefix working set %s tokens = %.0f%% of the fleet's KV, %.1f× one pod's",
+			thousands(sc.WorkingSet), 100*f.WorkingSetShare, f.WorkingSetShare*float64(sc.Pods))
+	}
+	fmt.Fprintf(&b, "), time scale %g. Workload: %s. Load: %s. Ideal hit rate (infinite cache): %s.\n\n",
+		f.TimeScale, describeWorkload(sc.Workload, sc.API), describeLoad(sc.Load), pct(rep.IdealHitRate))
+	if slo := sc.SLO; !slo.IsZero() {
+		fmt.Fprintf(&b, "Goodput counts requests/s meeting %s.\n\n", describeSLO(slo))
+	}
+	b.WriteString(PolicyTable(rep.Runs))
+	if cpu := cpuLine(rep.Runs); cpu != "" {
+		fmt.Fprintf(&b, "\n%s\n", cpu)
+	}
+	if st := StageTable(rep.Runs); st != "" {
+		fmt.Fprintf(&b, "\nBy stage (offered rate in requests/s):\n\n%s", st)
+	}
+	return b.String()
+}
+
+// PolicyTable renders one row per run: throughputs, TTFT and ITL
+// percentiles, engine hit rate, errors, and the throughput and p90 TTFT
+// ratios to the baseline run (round-robin) when present.
+func PolicyTable(runs []*Result) string {
+	var b strings.Builder
+	b.WriteString("| policy | req/s | goodput | output tok/s | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p99 | engine hit rate | errors | throughput vs RR | p90 TTFT vs RR |\n")
+	b.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	var base *Result
+	for _, r := range runs {
+		if r.Label == Baseline {
+			base = r
+		}
+	}
+	for _, r := range runs {
+		s := &r.Summary
+		hit := "–"
+		if r.Engine != nil {
+			hit = pct(r.Engine.HitRate)
+		}
+		tput, ttft := "–", "–"
+		if base != nil && base.Summary.OutputThroughput > 0 {
+			tput = fmt.Sprintf("%.2f×", s.OutputThroughput/base.Summary.OutputThroughput)
+		}
+		if base != nil && base.Summary.TTFT.P90 > 0 {
+			ttft = fmt.Sprintf("%.2f×", s.TTFT.P90/base.Summary.TTFT.P90)
+		}
+		good := "–"
+		if !s.SLO.IsZero() {
+			good = fmt.Sprintf("%.2f", s.Goodput)
+		}
+		fmt.Fprintf(&b, "| %s | %.2f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n",
+			r.Label, s.RequestThroughput, good, thousands(int(math.Round(s.OutputThroughput))),
+			ms(s.TTFT.P50), ms(s.TTFT.P90), ms(s.TTFT.P99), ms(s.ITL.P50), ms(s.ITL.P99),
+			hit, errorsCell(s), tput, ttft)
+	}
+	return b.String()
+}
+
+// StageTable renders per-stage rows (policy × offered rate); "" when the
+// runs had no stages.
+func StageTable(runs []*Result) string {
+	has := false
+	for _, r := range runs {
+		has = has || len(r.Stages) > 0
+	}
+	if !has {
+		return ""
+	}
+	var b strings.Builder
+	b.WriteString("| policy | offered | req/s | output tok/s | TTFT p50 | TTFT p90 | TTFT p99 | engine hit rate | errors |\n")
+	b.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	for _, r := range runs {
+		for _, st := range r.Stages {
+			s := &st.Summary
+			hit := "–"
+			if st.Engine != nil {
+				hit = pct(st.Engine.HitRate)
+			}
+			fmt.Fprintf(&b, "| %s | %s | %.2f | %s | %s | %s | %s | %s | %s |\n",
+				r.Label, st.Rate, s.RequestThroughput, thousands(int(math.Round(s.OutputThroughput))),
+				ms(s.TTFT.P50), ms(s.TTFT.P90), ms(s.TTFT.P99), hit, errorsCell(s))
+		}
+	}
+	return b.String()
+}
+
+// cpuLine reports the machine's idle CPU over the runs.
+func cpuLine(runs []*Result) string {
+	var parts []string
+	for _, r := range runs {
+		c := r.CPU
+		if c.MachineIdle < 0 {
+			continue
+		}
+		parts = append(parts, fmt.Sprintf("%s %.0f%% (min %.0f%%, kvbench process %.2f cores)",
+			r.Label, 100*c.MachineIdle, 100*c.MachineIdleMin, c.ProcessCores))
+	}
+	if len(parts) == 0 {
+		return ""
+	}
+	return fmt.Sprintf("Machine CPU idle during each run (%d cores): %s.", runs[0].CPU.Cores, strings.Join(parts, "; "))
+}
+
+func errorsCell(s *Summary) string {
+	if s.Failed == 0 {
+		return "0"
+	}
+	keys := make([]string, 0, len(s.Errors))
+	for k := range s.Errors {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	parts := make([]string, len(keys))
+	for i, k := range keys {
+		parts[i] = fmt.Sprintf("%s %d", k, s.Errors[k])
+	}
+	return fmt.Sprintf("%d (%s)", s.Failed, strings.Join(parts, ", "))
+}
+
+// ms formats milliseconds: "850 ms", "12.3 s"; "–" for none.
+func ms(v float64) string {
+	switch {
+	case v == 0 || math.IsNaN(v):
+		return "–"
+	case v < 10:
+		return fmt.Sprintf("%.1f ms", v)
+	case v < 1000:
+		return fmt.Sprintf("%.0f ms", v)
+	case v < 10000:
+		return fmt.Sprintf("%.2f s", v/1000)
+	}
+	return fmt.Sprintf("%.1f s", v/1000)
+}
+
+func pct(v float64) string { return fmt.Sprintf("%.1f%%", 100*v) }
+
+// thousands formats n with comma separators.
+func thousands(n int) string {
+	s := fmt.Sprint(n)
+	neg := strings.HasPrefix(s, "-")
+	s = strings.TrimPrefix(s, "-")
+	var b strings.Builder
+	for i, c := range s {
+		if i > 0 && (len(s)-i)%3 == 0 {
+			b.WriteByte(',')
+		}
+		b.WriteRune(c)
+	}
+	if neg {
+		return "-" + b.String()
+	}
+	return b.String()
+}
+
+func describeWorkload(c WorkloadConfig, api API) string {
+	var s string
+	switch c.Kind {
+	case KindSharedPrefix:
+		s = fmt.Sprintf("shared-prefix, %d groups × %d prompts, system %d + question %d tokens, output %d",
+			c.Groups, c.PromptsPerGroup, c.SystemTokens, c.QuestionTokens, c.OutputTokens)
+	case KindHotPrefix:
+		s = fmt.Sprintf("hot-prefix, %d requests sharing one %d-token system prompt, question %d, output %d",
+			c.Requests, c.SystemTokens, c.QuestionTokens, c.OutputTokens)
+	case KindRandom:
+		s = fmt.Sprintf("random, %d requests, %d in / %d out, nothing shared", c.Requests, c.InputTokens, c.OutputTokens)
+	case KindMultiTurn:
+		s = fmt.Sprintf("multi-turn, %d conversations of %d–%d turns, common prefix %d, user %d–%d, answers %d–%d tokens",
+			c.Conversations, c.TurnsMin, c.TurnsMax, c.PrefixTokens, c.UserMin, c.UserMax, c.AnswerMin, c.AnswerMax)
+	case KindTrace:
+		s = fmt.Sprintf("Mooncake trace %s", filepath.Base(c.TracePath))
+		if c.TraceLimit > 0 {
+			s += fmt.Sprintf(", first %d requests", c.TraceLimit)
+		}
+		if c.TraceSpeedup != 1 {
+			s += fmt.Sprintf(", %g× speed", c.TraceSpeedup)
+		}
+		if c.TraceMaxInput > 0 {
+			s += fmt.Sprintf(", prompts cut at %d tokens", c.TraceMaxInput)
+		}
+		if c.TraceMaxOutput > 0 {
+			s += fmt.Sprintf(", outputs cut at %d", c.TraceMaxOutput)
+		}
+	default:
+		s = c.Kind
+	}
+	return s + ", " + api.String() + " API, seed " + fmt.Sprint(c.Seed)
+}
+
+func describeSLO(s SLO) string {
+	var parts []string
+	for _, p := range []struct {
+		name string
+		v    float64
+	}{{"TTFT", s.TTFT}, {"TPOT", s.TPOT}, {"E2E latency", s.E2EL}} {
+		if p.v > 0 {
+			parts = append(parts, fmt.Sprintf("%s ≤ %s", p.name, ms(p.v)))
+		}
+	}
+	return strings.Join(parts, " and ")
+}
+
+func describeLoad(l Load) string {
+	var s string
+	switch {
+	case l.Arrival == ArrivalClosed:
+		s = fmt.Sprintf("closed loop, %d concurrent", l.Concurrency)
+	case l.Arrival == ArrivalTrace:
+		s = "trace timestamps"
+	case len(l.Stages) > 0:
+		parts := make([]string, len(l.Stages))
+		for i, st := range l.Stages {
+			parts[i] = fmt.Sprintf("%s/s×%d", st.Rate, st.Requests)
+		}
+		s = fmt.Sprintf("%s stages %s", l.Arrival, strings.Join(parts, ", "))
+	default:
+		s = fmt.Sprintf("%s at %s req/s", l.Arrival, l.Rate)
+	}
+	if l.Burstiness != 0 && l.Burstiness != 1 {
+		s += fmt.Sprintf(", burstiness %g", l.Burstiness)
+	}
+	if l.MaxConcurrency > 0 {
+		s += fmt.Sprintf(", at most %d in flight", l.MaxConcurrency)
+	}
+	if l.Requests > 0 {
+		s += fmt.Sprintf(", %d requests", l.Requests)
+	}
+	if l.Duration > 0 {
+		s += fmt.Sprintf(", %s", l.Duration)
+	}
+	return s
+}

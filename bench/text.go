@@ -1,0 +1,204 @@
+package bench
+
+import (
+	"strconv"
+	"unicode/utf8"
+
+	"github.com/kvroute/kvroute/bench/sim"
+)
+
+// Prompt rendering. A session's turn k is rendered so that it extends turn
+// k−1's prompt followed by turn k−1's answer, token for token, which is what
+// lets an engine's prefix cache reuse a conversation's history:
+//
+//	completions: [system "\n\n"] user₀ answer₀ "\n\n" user₁ answer₁ … "\n\n" userₖ
+//	chat:        [system] user₀ assistant(answer₀) … userₖ
+//
+// Synthetic words start with a space, so an answer (which does too) joins
+// the user text at a token boundary.
+
+// promptSep separates the system prompt from the first question and one
+// exchange from the next (SGLang's generated-shared-prefix uses "\n\n").
+const promptSep = "\n\n"
+
+// appendUserText appends turn t's user text, unescaped.
+func appendUserText(b []byte, t *Turn) []byte {
+	if t.Blocks == nil {
+		return append(b, t.User...)
+	}
+	for _, blk := range t.Blocks {
+		b = append(b, sim.SyntheticText(blk.Tokens, blk.Seed)...)
+	}
+	return b
+}
+
+// appendCompletionPrompt appends the completions prompt of turn k of s,
+// unescaped; answers holds the answers of turns 0…k−1.
+func appendCompletionPrompt(b []byte, s *Session, k int, answers []string) []byte {
+	if s.System != "" {
+		b = append(b, s.System...)
+		b = append(b, promptSep...)
+	}
+	for i := 0; i <= k; i++ {
+		if i > 0 {
+			b = append(b, answers[i-1]...)
+			b = append(b, promptSep...)
+		}
+		b = appendUserText(b, &s.Turns[i])
+	}
+	return b
+}
+
+// Llama 3 chat template markers, as the simulator renders chat messages
+// (bench/sim request.go). Only IdealHitRate uses them: a real server
+// applies its own template.
+const (
+	chatBOS    = "<|begin_of_text|>"
+	chatStart  = "<|start_header_id|>"
+	chatEnd    = "<|end_header_id|>\n\n"
+	chatEOT    = "<|eot_id|>"
+	chatGenHdr = chatStart + "assistant" + chatEnd
+)
+
+// appendChatPrompt appends the simulator's rendering of the chat messages of
+// turn k of s, generation header included.
+func appendChatPrompt(b []byte, s *Session, k int, answers []string) []byte {
+	b = append(b, chatBOS...)
+	msg := func(role string, content func([]byte) []byte) {
+		b = append(b, chatStart...)
+		b = append(b, role...)
+		b = append(b, chatEnd...)
+		b = content(b)
+		b = append(b, chatEOT...)
+	}
+	if s.System != "" {
+		msg("system", func(b []byte) []byte { return append(b, s.System...) })
+	}
+	for i := 0; i <= k; i++ {
+		if i > 0 {
+			msg("assistant", func(b []byte) []byte { return append(b, answers[i-1]...) })
+		}
+		msg("user", func(b []byte) []byte { return appendUserText(b, &s.Turns[i]) })
+	}
+	return append(b, chatGenHdr...)
+}
+
+// appendPrompt appends the prompt of turn k as the simulated engine sees it.
+func appendPrompt(b []byte, api API, s *Session, k int, answers []string) []byte {
+	if api == APIChat {
+		return appendChatPrompt(b, s, k, answers)
+	}
+	return appendCompletionPrompt(b, s, k, answers)
+}
+
+// appendBody appends the JSON body of turn k of s: streaming with a usage
+// chunk, max_tokens = the turn's output length, ignore_eos so exactly that
+// many tokens are generated. model "" leaves the field out (the server's
+// default model).
+func appendBody(b []byte, api API, model string, s *Session, k int, answers []string) []byte {
+	b = append(b, '{')
+	if model != "" {
+		b = append(b, `"model":"`...)
+		b = appendEscaped(b, model)
+		b = append(b, `",`...)
+	}
+	if api == APIChat {
+		b = append(b, `"messages":[`...)
+		first := true
+		msg := func(role string, text func([]byte) []byte) {
+			if !first {
+				b = append(b, ',')
+			}
+			first = false
+			b = append(b, `{"role":"`...)
+			b = append(b, role...)
+			b = append(b, `","content":"`...)
+			b = text(b)
+			b = append(b, `"}`...)
+		}
+		if s.System != "" {
+			msg("system", func(b []byte) []byte { return appendEscaped(b, s.System) })
+		}
+		for i := 0; i <= k; i++ {
+			if i > 0 {
+				msg("assistant", func(b []byte) []byte { return appendEscaped(b, answers[i-1]) })
+			}
+			msg("user", func(b []byte) []byte { return appendEscapedUser(b, &s.Turns[i]) })
+		}
+		b = append(b, "],"...)
+	} else {
+		b = append(b, `"prompt":"`...)
+		if s.System != "" {
+			b = appendEscaped(b, s.System)
+			b = appendEscaped(b, promptSep)
+		}
+		for i := 0; i <= k; i++ {
+			if i > 0 {
+				b = appendEscaped(b, answers[i-1])
+				b = appendEscaped(b, promptSep)
+			}
+			b = appendEscapedUser(b, &s.Turns[i])
+		}
+		b = append(b, `",`...)
+	}
+	b = append(b, `"max_tokens":`...)
+	b = strconv.AppendInt(b, int64(s.Turns[k].OutputTokens), 10)
+	return append(b, `,"stream":true,"stream_options":{"include_usage":true},"ignore_eos":true}`...)
+}
+
+// appendEscapedUser appends turn t's user text escaped for a JSON string.
+func appendEscapedUser(b []byte, t *Turn) []byte {
+	if t.Blocks == nil {
+		return appendEscaped(b, t.User)
+	}
+	for _, blk := range t.Blocks {
+		b = appendEscaped(b, sim.SyntheticText(blk.Tokens, blk.Seed))
+	}
+	return b
+}
+
+const hexDigits = "0123456789abcdef"
+
+// appendEscaped appends s escaped for the inside of a JSON string literal;
+// invalid UTF-8 becomes U+FFFD.
+func appendEscaped(b []byte, s string) []byte {
+	start := 0
+	for i := 0; i < len(s); {
+		c := s[i]
+		if c >= utf8.RuneSelf {
+			r, n := utf8.DecodeRuneInString(s[i:])
+			if r == utf8.RuneError && n == 1 {
+				b = append(b, s[start:i]...)
+				b = append(b, `\ufffd`...)
+				i++
+				start = i
+				continue
+			}
+			i += n
+			continue
+		}
+		if c >= 0x20 && c != '"' && c != '\\' {
+			i++
+			continue
+		}
+		b = append(b, s[start:i]...)
+		switch c {
+		case '"':
+			b = append(b, `\"`...)
+		case '\\':
+			b = append(b, `\\`...)
+		case '\n':
+			b = append(b, `\n`...)
+		case '\r':
+			b = append(b, `\r`...)
+		case '\t':
+			b = append(b, `\t`...)
+		default:
+			b = append(b, `\u00`...)
+			b = append(b, hexDigits[c>>4], hexDigits[c&0xf])
+		}
+		i++
+		start = i
+	}
+	return append(b, s[start:]...)
+}

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -17,9 +18,11 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
+	"github.com/kvroute/kvroute/bench/peers"
 	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/discovery"
 	"github.com/kvroute/kvroute/metrics"
+	"github.com/kvroute/kvroute/prefix"
 	"github.com/kvroute/kvroute/proxy"
 	"github.com/kvroute/kvroute/routing"
 )
@@ -52,7 +55,38 @@ func Policies() []Policy {
 			New: func(*discovery.Pool) proxy.Picker { return routing.NewRandom(seededIntn(policySeed)) }},
 		{Name: "least-request", About: "fewer in-flight of two random pods",
 			New: func(*discovery.Pool) proxy.Picker { return routing.NewLeastRequest(seededIntn(policySeed)) }},
+		{Name: "prefix", About: "kvroute: prefix-aware, sticky until saturated",
+			New: func(*discovery.Pool) proxy.Picker {
+				idx := prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1760, MaxEntries: 4_000_000, TTL: 30 * time.Minute})
+				params, _ := PrefixParams() // checked by kvbench at start-up
+				return routing.NewPrefix(idx, 1024, params)
+			}},
+		{Name: "sglang-cache-aware", About: "SGLang router cache_aware (emulated)",
+			New: func(*discovery.Pool) proxy.Picker { return peers.NewCacheAware() }},
+		{Name: "gie-blend", About: "GIE classic scorer blend (emulated)",
+			New: func(*discovery.Pool) proxy.Picker { return peers.NewBlend(policySeed) }},
+		{Name: "llm-d-sticky", About: "llm-d sticky-until-saturated (emulated)",
+			New: func(*discovery.Pool) proxy.Picker { return peers.NewSticky(1024, 1760) }},
 	}
+}
+
+// PrefixParams are the prefix policy's parameters in the benchmark: the
+// defaults, overridden by KVBENCH_PREFIX_PARAMS (the JSON of
+// routing.PrefixParams, any subset), so parameters can be explored without
+// a rebuild.
+// kvbench checks the variable at start-up; the policy table then uses the
+// defaults if it is invalid.
+func PrefixParams() (routing.PrefixParams, error) {
+	p := routing.DefaultPrefixParams()
+	if js := os.Getenv("KVBENCH_PREFIX_PARAMS"); js != "" {
+		if err := json.Unmarshal([]byte(js), &p); err != nil {
+			return routing.DefaultPrefixParams(), fmt.Errorf("KVBENCH_PREFIX_PARAMS: %w", err)
+		}
+		if err := p.Validate(); err != nil {
+			return routing.DefaultPrefixParams(), fmt.Errorf("KVBENCH_PREFIX_PARAMS: %w", err)
+		}
+	}
+	return p, nil
 }
 
 // policySeed seeds the randomised policies, so that a rerun draws the same
@@ -248,26 +282,44 @@ const (
 // Router is an in-process kvroute on a loopback listener.
 type Router struct {
 	// URL is the router's base URL (http://127.0.0.1:port).
-	URL    string
-	Pool   *discovery.Pool
-	srv    *proxy.Server
-	served chan error
+	URL       string
+	Pool      *discovery.Pool
+	srv       *proxy.Server
+	served    chan error
+	stopFleet context.CancelFunc
+	fleetDone chan struct{}
 }
 
 // StartRouter starts kvroute on 127.0.0.1:0 in front of backends with the
-// policy p, its own Prometheus registry and a discovery pool published
-// with the backends. Stop it with Close.
+// policy p, its own Prometheus registry, and discovery as main wires it:
+// a static pool with health probes and engine scraping, whose scraped KV
+// capacity sizes a prefix-aware policy's index and whose removals and
+// restarts make it forget. Stop it with Close.
 func StartRouter(p Policy, backends []string) (*Router, error) {
-	pool := &discovery.Pool{}
-	eps := make([]*discovery.Endpoint, 0, len(backends))
-	for _, b := range backends {
-		ep, err := discovery.NewEndpoint(b, discovery.RoleMixed)
-		if err != nil {
-			return nil, err
+	var idx *prefix.Index // set before the fleet runs
+	blockBytes := 1024
+	forget := func(e *discovery.Endpoint) {
+		if idx != nil {
+			idx.Forget(e.ID)
 		}
-		eps = append(eps, ep)
 	}
-	pool.Publish(eps)
+	fleet, err := discovery.New(discovery.Options{
+		Logger:    zap.NewNop(),
+		OnRemove:  forget,
+		OnRestart: forget,
+		OnCapacity: func(e *discovery.Endpoint, tokens int) {
+			if idx != nil {
+				idx.SetCapacity(e.ID, max(1, tokens*4/blockBytes))
+			}
+		},
+	})
+	if err != nil {
+		return nil, err
+	}
+	if err := fleet.AddStatic(discovery.RoleMixed, backends); err != nil {
+		return nil, err
+	}
+	pool := fleet.Pool()
 	opt := proxy.Options{
 		Picker:                p.New(pool),
 		Pool:                  pool,
@@ -280,16 +332,27 @@ func StartRouter(p Policy, backends []string) (*Router, error) {
 		UpstreamIdleTimeout:   routerUpstreamIdle,
 		ClientIdleTimeout:     routerClientIdle,
 		MaxConnsPerEndpoint:   routerMaxConns,
+		BlockSize:             blockBytes,
 	}
 	if p.Configure != nil {
 		p.Configure(&opt)
+	}
+	blockBytes = opt.BlockSize
+	if ix, ok := opt.Picker.(interface{ Index() *prefix.Index }); ok {
+		idx = ix.Index()
+	}
+	if l, ok := opt.Picker.(proxy.Learner); ok {
+		opt.Learner = l
 	}
 	srv := proxy.New(opt)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, err
 	}
-	r := &Router{URL: "http://" + ln.Addr().String(), Pool: pool, srv: srv, served: make(chan error, 1)}
+	ctx, stop := context.WithCancel(context.Background())
+	r := &Router{URL: "http://" + ln.Addr().String(), Pool: pool, srv: srv, served: make(chan error, 1),
+		stopFleet: stop, fleetDone: make(chan struct{})}
+	go func() { defer close(r.fleetDone); _ = fleet.Run(ctx) }()
 	go func() { r.served <- srv.Serve(ln) }()
 	return r, nil
 }
@@ -299,7 +362,10 @@ func (r *Router) Close() error {
 	ctx, cancel := context.WithTimeout(context.Background(), routerShutdownGrace)
 	defer cancel()
 	err := r.srv.Shutdown(ctx)
-	return errors.Join(err, <-r.served)
+	err = errors.Join(err, <-r.served)
+	r.stopFleet()
+	<-r.fleetDone
+	return err
 }
 
 // runPolicy runs one policy of sc on a fresh fleet and router.

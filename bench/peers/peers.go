@@ -137,17 +137,32 @@ func (p *CacheAware) Pick(r *routing.Request, set *discovery.Set) routing.Decisi
 //
 // Differences from the original: GIE hashes 64-byte blocks (≤ 256 per
 // request, an LRU of 31,250 per pod); this emulation uses kvroute's 1 KiB
-// blocks with the same bytes per pod (1,953 blocks). GIE reads the queue and
-// KV usage from engine metrics polled every 50 ms; until kvroute scrapes
-// engines, the queue is the router's own in-flight count per endpoint and
-// the KV score is a constant (it cannot change the ranking then).
+// blocks with the same bytes per pod (1,953 blocks). GIE polls engine
+// metrics every 50 ms; here they are kvroute's scrapes (every second by
+// default), and when none is fresh the queue is the router's own in-flight
+// count and the KV score a constant.
 type Blend struct {
 	idx                  *prefix.Index
 	PrefixW, QueueW, KVW float64
 	mu                   sync.Mutex
 	rnd                  *rand.Rand
-	kvUsage              func(*discovery.Endpoint) (float64, bool)
-	queue                func(*discovery.Endpoint) float64
+}
+
+// queue is the engine's waiting queue when freshly scraped, else the
+// router's own in-flight count.
+func (p *Blend) queue(e *discovery.Endpoint) float64 {
+	if s := e.Engine(); s != nil {
+		return float64(s.Waiting)
+	}
+	return float64(e.InFlight.Load())
+}
+
+// kvUsage is the engine's KV-cache usage when freshly scraped.
+func (p *Blend) kvUsage(e *discovery.Endpoint) (float64, bool) {
+	if s := e.Engine(); s != nil {
+		return s.KVUsage, true
+	}
+	return 0, false
 }
 
 // NewBlend returns GIE's classic blend with weights prefix 3, queue 2, KV 2.
@@ -156,9 +171,7 @@ func NewBlend(seed uint64) *Blend {
 	return &Blend{
 		idx:     prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 31_250 * 64 / 1024, MaxEntries: 1 << 24}),
 		PrefixW: 3, QueueW: 2, KVW: 2,
-		rnd:     rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)),
-		queue:   func(e *discovery.Endpoint) float64 { return float64(e.InFlight.Load()) },
-		kvUsage: func(*discovery.Endpoint) (float64, bool) { return 0, false },
+		rnd: rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)),
 	}
 }
 

@@ -202,6 +202,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, tty bool)
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments: %q", fs.Args())
 	}
+	if _, err := bench.PrefixParams(); err != nil {
+		return err
+	}
 	if o.cpuProfile != "" {
 		f, err := os.Create(o.cpuProfile)
 		if err != nil {

@@ -4,13 +4,14 @@ BIN      ?= bin
 IMAGE    ?= kvroute:dev
 PKGS     := ./...
 
-.PHONY: all build test vet fmt-check bench run docker clean sim demo bench-e2e
+.PHONY: all build test vet fmt-check bench run docker clean demo bench-e2e
 
 all: build
 
 build:
 	$(GO) build -trimpath -o $(BIN)/kvroute .
 	$(GO) build -trimpath -o $(BIN)/kvsim ./bench/cmd/kvsim
+	$(GO) build -trimpath -o $(BIN)/kvbench ./bench/cmd/kvbench
 
 # The README's test command: vet, formatting, and the race-enabled suite.
 test: vet fmt-check
@@ -45,13 +46,11 @@ clean:
 # minute each); prints the results table and where the charts are
 # (bench/results/shared-prefix/). See BENCHMARKS.md.
 demo: build
-	$(GO) build -trimpath -o $(BIN)/kvbench ./bench/cmd/kvbench
 	./$(BIN)/kvbench --scenario shared-prefix
 
 # Every benchmark scenario (shared-prefix, multi-turn, random, hot-prefix,
 # the Mooncake trace replay when TRACE exists, overhead); results under
 # bench/results/<scenario>/.
-TRACE ?= /work/shared/traces/conversation_trace.jsonl
+TRACE ?= ../shared/traces/conversation_trace.jsonl
 bench-e2e: build
-	$(GO) build -trimpath -o $(BIN)/kvbench ./bench/cmd/kvbench
 	./$(BIN)/kvbench --scenario all $(if $(wildcard $(TRACE)),--trace $(TRACE))

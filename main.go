@@ -347,7 +347,7 @@ func picker(c *Config) (proxy.Picker, *routing.Prefix) {
 func newFleet(cfg *Config, logger *zap.Logger, pfx *routing.Prefix) (*discovery.Fleet, error) {
 	forget := func(e *discovery.Endpoint) {
 		if pfx != nil {
-			pfx.Index().Forget(e.ID)
+			pfx.Forget(e.ID)
 		}
 	}
 	fleet, err := discovery.New(discovery.Options{
@@ -362,7 +362,7 @@ func newFleet(cfg *Config, logger *zap.Logger, pfx *routing.Prefix) (*discovery.
 		OnRestart:  forget,
 		OnCapacity: func(e *discovery.Endpoint, tokens int) {
 			if pfx != nil {
-				pfx.Index().SetCapacity(e.ID, max(1, tokens*4/cfg.PrefixBlockBytes))
+				pfx.SetCapacityTokens(e.ID, tokens)
 			}
 		},
 	})

@@ -296,11 +296,10 @@ type Router struct {
 // capacity sizes a prefix-aware policy's index and whose removals and
 // restarts make it forget. Stop it with Close.
 func StartRouter(p Policy, backends []string) (*Router, error) {
-	var idx *prefix.Index // set before the fleet runs
-	blockBytes := 1024
+	var pfx *routing.Prefix // set before the fleet runs
 	forget := func(e *discovery.Endpoint) {
-		if idx != nil {
-			idx.Forget(e.ID)
+		if pfx != nil {
+			pfx.Forget(e.ID)
 		}
 	}
 	fleet, err := discovery.New(discovery.Options{
@@ -308,8 +307,8 @@ func StartRouter(p Policy, backends []string) (*Router, error) {
 		OnRemove:  forget,
 		OnRestart: forget,
 		OnCapacity: func(e *discovery.Endpoint, tokens int) {
-			if idx != nil {
-				idx.SetCapacity(e.ID, max(1, tokens*4/blockBytes))
+			if pfx != nil {
+				pfx.SetCapacityTokens(e.ID, tokens)
 			}
 		},
 	})
@@ -332,15 +331,11 @@ func StartRouter(p Policy, backends []string) (*Router, error) {
 		UpstreamIdleTimeout:   routerUpstreamIdle,
 		ClientIdleTimeout:     routerClientIdle,
 		MaxConnsPerEndpoint:   routerMaxConns,
-		BlockSize:             blockBytes,
 	}
 	if p.Configure != nil {
 		p.Configure(&opt)
 	}
-	blockBytes = opt.BlockSize
-	if ix, ok := opt.Picker.(interface{ Index() *prefix.Index }); ok {
-		idx = ix.Index()
-	}
+	pfx, _ = opt.Picker.(*routing.Prefix)
 	if l, ok := opt.Picker.(proxy.Learner); ok {
 		opt.Learner = l
 	}

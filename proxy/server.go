@@ -31,11 +31,13 @@ type Picker interface {
 	Pick(r *routing.Request, set *discovery.Set) routing.Decision
 }
 
-// Learner is a policy that learns from the engine's report of the prompt
-// tokens it served from its prefix cache (usage.prompt_tokens_details.
-// cached_tokens). Learn returns the tokens the policy had estimated.
+// Learner is a policy that learns from the engine's usage report: the
+// prompt tokens (0 when absent) and those it served from its prefix cache
+// (usage.prompt_tokens_details.cached_tokens) of a request decided as d,
+// whose canonical rendering was promptBytes long. Learn returns the cached
+// tokens the policy had estimated.
 type Learner interface {
-	Learn(d routing.Decision, engineCachedTokens int) (estimated int)
+	Learn(d routing.Decision, promptBytes, enginePromptTokens, engineCachedTokens int) (estimated int)
 }
 
 // Classes are the path-class labels of the metrics, indexed by routing.Kind.
@@ -214,7 +216,7 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		if attempt > 0 {
 			s.opt.Metrics.Retry()
 		}
-		s.opt.Metrics.Decision(d.Reason, st.req.PromptTokens, st.req.PromptTokens-d.Prefill)
+		s.opt.Metrics.Decision(d.Reason, d.PromptTokens, d.PromptTokens-d.Prefill)
 		st.req.Tried = append(st.req.Tried, ep)
 		heldPrefill = int64(d.Prefill)
 		ep.InFlight.Add(1)
@@ -332,7 +334,9 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 	b.decision = d
 	b.learn = s.opt.Learner != nil && b.status == fasthttp.StatusOK &&
 		(st.req.Kind == routing.KindCompletions || st.req.Kind == routing.KindChat || st.req.Kind == routing.KindResponses)
-	b.usage.reset()
+	b.promptBytes = st.req.PromptBytes
+	b.cached.reset(patCachedTokens)
+	b.prompt.reset(patPromptTokens)
 	b.reqID = append(b.reqID[:0], reqID...)
 	b.method = append(b.method[:0], ctx.Method()...)
 	b.path = append(b.path[:0], ctx.Path()...)
@@ -365,24 +369,26 @@ func isEventStream(resp *fasthttp.Response) bool {
 // endpoint's connection and in-flight count and records the request. It
 // never touches the RequestCtx, which fasthttp may have reset by then.
 type upstreamBody struct {
-	s         *Server
-	resp      *fasthttp.Response
-	rd        io.Reader
-	ep        *discovery.Endpoint
-	start     time.Time
-	class     int
-	status    int
-	attempts  int
-	prefill   int64 // tokens added to ep.InFlightPrefill, released at the first byte
-	decision  routing.Decision
-	learn     bool // scan the body for the engine's cached_tokens
-	usage     usageScanner
-	firstByte bool
-	bytes     int64
-	readErr   error
-	reqID     []byte
-	method    []byte
-	path      []byte
+	s           *Server
+	resp        *fasthttp.Response
+	rd          io.Reader
+	ep          *discovery.Endpoint
+	start       time.Time
+	class       int
+	status      int
+	attempts    int
+	prefill     int64 // tokens added to ep.InFlightPrefill, released at the first byte
+	decision    routing.Decision
+	learn       bool // scan the body for the engine's usage
+	cached      numScanner
+	prompt      numScanner
+	promptBytes int
+	firstByte   bool
+	bytes       int64
+	readErr     error
+	reqID       []byte
+	method      []byte
+	path        []byte
 }
 
 // Read implements io.Reader.
@@ -394,7 +400,8 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 		}
 		b.bytes += int64(n)
 		if b.learn {
-			b.usage.feed(p[:n])
+			b.cached.feed(p[:n])
+			b.prompt.feed(p[:n])
 		}
 	}
 	if err != nil && err != io.EOF {
@@ -436,9 +443,9 @@ func (b *upstreamBody) CloseWithError(err error) error {
 		s.opt.Logger.Info("client closed the connection", zap.ByteString("request_id", b.reqID),
 			zap.String("endpoint", b.ep.URL), zap.Int64("bytes", b.bytes), zap.NamedError("cause", err))
 	}
-	if b.learn && err == nil && b.readErr == nil && b.usage.Found {
-		est := s.opt.Learner.Learn(b.decision, b.usage.Value)
-		s.opt.Metrics.CacheReport(est, b.usage.Value)
+	if b.learn && err == nil && b.readErr == nil && b.cached.Found {
+		est := s.opt.Learner.Learn(b.decision, b.promptBytes, b.prompt.Value, b.cached.Value)
+		s.opt.Metrics.CacheReport(est, b.cached.Value)
 	}
 	d := time.Since(b.start)
 	s.opt.Metrics.Request(b.class, status, d.Seconds())

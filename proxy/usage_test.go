@@ -18,7 +18,7 @@ func reference(body []byte) (int, bool) {
 	return v, true
 }
 
-func TestUsageScanner(t *testing.T) {
+func TestNumScanner(t *testing.T) {
 	stream := "data: {\"choices\":[{\"delta\":{\"content\":\"cached_tokens\"}}]}\n\n" +
 		"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":2048,\"completion_tokens\":8,\"prompt_tokens_details\":{\"cached_tokens\":2032}}}\n\ndata: [DONE]\n\n"
 	tests := []struct {
@@ -36,7 +36,8 @@ func TestUsageScanner(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			for split := 1; split <= len(tc.body); split++ { // every chunk size
-				var sc usageScanner
+				var sc numScanner
+				sc.reset(patCachedTokens)
 				b := []byte(tc.body)
 				for len(b) > 0 {
 					n := min(split, len(b))
@@ -51,12 +52,13 @@ func TestUsageScanner(t *testing.T) {
 	}
 }
 
-func FuzzUsageScanner(f *testing.F) {
+func FuzzNumScanner(f *testing.F) {
 	f.Add([]byte(`{"prompt_tokens_details":{"cached_tokens":123}}`), uint8(7))
 	f.Add([]byte(`"cached_tokens""cached_tokens":5"cached_tokens": 9x`), uint8(3))
 	f.Fuzz(func(t *testing.T, body []byte, split uint8) {
 		n := int(split)%16 + 1
-		var sc usageScanner
+		var sc numScanner
+		sc.reset(patCachedTokens)
 		for b := body; len(b) > 0; {
 			k := min(n, len(b))
 			sc.feed(b[:k])

@@ -43,7 +43,7 @@ func (p *RoundRobin) Pick(r *Request, set *discovery.Set) Decision {
 	for i := 0; i < n; i++ {
 		e := set.Mixed[(start+i)%n]
 		if usable(r, e) {
-			return Decision{Endpoint: e, Reason: ReasonRoundRobin, Prefill: r.PromptTokens}
+			return Decision{Endpoint: e, Reason: ReasonRoundRobin, Prefill: r.PromptTokens, PromptTokens: r.PromptTokens}
 		}
 	}
 	return Decision{Reason: ReasonRoundRobin}
@@ -73,7 +73,7 @@ func (p *Random) Pick(r *Request, set *discovery.Set) Decision {
 	for i := 0; i < n; i++ {
 		e := set.Mixed[(start+i)%n]
 		if usable(r, e) {
-			return Decision{Endpoint: e, Reason: ReasonRandom, Prefill: r.PromptTokens}
+			return Decision{Endpoint: e, Reason: ReasonRandom, Prefill: r.PromptTokens, PromptTokens: r.PromptTokens}
 		}
 	}
 	return Decision{Reason: ReasonRandom}
@@ -122,5 +122,5 @@ func (p *LeastRequest) Pick(r *Request, set *discovery.Set) Decision {
 	if b != nil && b.InFlight.Load() < a.InFlight.Load() {
 		a = b
 	}
-	return Decision{Endpoint: a, Reason: ReasonLeastRequest, Prefill: r.PromptTokens}
+	return Decision{Endpoint: a, Reason: ReasonLeastRequest, Prefill: r.PromptTokens, PromptTokens: r.PromptTokens}
 }

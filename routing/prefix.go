@@ -1,6 +1,7 @@
 package routing
 
 import (
+	"math"
 	"math/rand/v2"
 	"sync"
 	"sync/atomic"
@@ -107,13 +108,31 @@ type Prefix struct {
 	blockBytes int
 	params     atomic.Pointer[PrefixParams]
 	scratch    sync.Pool // *[]prefix.Match
+	// bpt is the rendering's bytes per engine token (math.Float64bits),
+	// learned from the engines' prompt_tokens; 4 until then.
+	bpt atomic.Uint64
+
+	capMu     sync.Mutex
+	capTokens map[uint64]int // scraped KV capacity per endpoint, in tokens
+	capBPT    float64        // bpt the index capacities were sized with
 }
+
+// Bytes per token: REFERENCE §1's rule of thumb for English until the
+// engines' reports say otherwise; learning is bounded to a plausible range
+// and moves by a twentieth of each report.
+const (
+	initialBytesPerToken = 4.0
+	minBytesPerToken     = 1.0
+	maxBytesPerToken     = 16.0
+	bptLearningRate      = 0.05
+)
 
 // NewPrefix returns the policy over index, whose blocks are blockBytes of
 // the canonical rendering (≈ blockBytes/4 tokens).
 func NewPrefix(index *prefix.Index, blockBytes int, p PrefixParams) *Prefix {
-	pp := &Prefix{index: index, blockBytes: blockBytes}
+	pp := &Prefix{index: index, blockBytes: blockBytes, capTokens: make(map[uint64]int), capBPT: initialBytesPerToken}
 	pp.params.Store(&p)
+	pp.bpt.Store(math.Float64bits(initialBytesPerToken))
 	pp.scratch.New = func() any { s := make([]prefix.Match, 0, 16); return &s }
 	return pp
 }
@@ -133,6 +152,60 @@ func (p *Prefix) SetParams(pp PrefixParams) error {
 // Index returns the policy's index.
 func (p *Prefix) Index() *prefix.Index { return p.index }
 
+// BytesPerToken returns the learned bytes of rendering per engine token.
+func (p *Prefix) BytesPerToken() float64 { return math.Float64frombits(p.bpt.Load()) }
+
+// SetCapacityTokens sizes endpoint id's index LRU from its engine's KV
+// capacity in tokens (scraped), converted with the learned bytes per token;
+// the conversion is redone when that estimate moves.
+func (p *Prefix) SetCapacityTokens(id uint64, tokens int) {
+	p.capMu.Lock()
+	defer p.capMu.Unlock()
+	p.capTokens[id] = tokens
+	p.index.SetCapacity(id, p.blocksFor(tokens, p.capBPT))
+}
+
+// Forget drops endpoint id from the index and its capacity record (it left,
+// or its engine restarted).
+func (p *Prefix) Forget(id uint64) {
+	p.capMu.Lock()
+	delete(p.capTokens, id)
+	p.capMu.Unlock()
+	p.index.Forget(id)
+}
+
+func (p *Prefix) blocksFor(tokens int, bpt float64) int {
+	return max(1, int(float64(tokens)*bpt/float64(p.blockBytes)))
+}
+
+// learnBytesPerToken folds one engine report (a rendering of promptBytes
+// that the engine counted as promptTokens) into the estimate, and resizes
+// the index once the estimate moved by more than 5%.
+func (p *Prefix) learnBytesPerToken(promptBytes, promptTokens int) {
+	if promptBytes <= 0 || promptTokens <= 0 {
+		return
+	}
+	sample := min(max(float64(promptBytes)/float64(promptTokens), minBytesPerToken), maxBytesPerToken)
+	for {
+		old := p.bpt.Load()
+		v := math.Float64frombits(old)
+		v += bptLearningRate * (sample - v)
+		if p.bpt.CompareAndSwap(old, math.Float64bits(v)) {
+			break
+		}
+	}
+	bpt := p.BytesPerToken()
+	p.capMu.Lock()
+	defer p.capMu.Unlock()
+	if math.Abs(bpt-p.capBPT) <= 0.05*p.capBPT {
+		return
+	}
+	p.capBPT = bpt
+	for id, tokens := range p.capTokens {
+		p.index.SetCapacity(id, p.blocksFor(tokens, bpt))
+	}
+}
+
 // Pick implements the policy and records the pick in the index.
 func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 	d := p.decide(r, set, nil)
@@ -150,16 +223,18 @@ func (p *Prefix) Explain(r *Request, set *discovery.Set) (Decision, []Term) {
 	return d, terms
 }
 
-// Learn takes the engine's report of the prompt tokens it served from cache
-// for a request decided as d, and returns the tokens the policy had
-// estimated. When the engine held at least a block less than estimated and
-// nothing else was prefilling there at pick time, the index over-claimed:
-// the engine evicted earlier than modelled, and the endpoint's modelled
-// capacity shrinks (prefix.Index.Correct). An accurate report lets it grow
-// back.
-func (p *Prefix) Learn(d Decision, engineCached int) (estimated int) {
-	tokensPerBlock := p.blockBytes / 4
-	estimated = d.MatchedBlocks * tokensPerBlock
+// Learn takes the engine's report for a request decided as d, whose
+// rendering was promptBytes long: its prompt tokens (0 if unreported) and
+// the prompt tokens it served from cache. It returns the cached tokens the
+// policy had estimated. The prompt tokens calibrate bytes per token. When
+// the engine held at least a block less than estimated and nothing else was
+// prefilling there at pick time, the index over-claimed: the engine evicted
+// earlier than modelled, and the endpoint's modelled capacity shrinks
+// (prefix.Index.Correct). An accurate report lets it grow back.
+func (p *Prefix) Learn(d Decision, promptBytes, enginePrompt, engineCached int) (estimated int) {
+	p.learnBytesPerToken(promptBytes, enginePrompt)
+	tokensPerBlock := int(float64(p.blockBytes) / p.BytesPerToken())
+	estimated = min(d.MatchedBlocks*tokensPerBlock, max(enginePrompt, d.PromptTokens))
 	over := engineCached+tokensPerBlock <= estimated
 	if d.Endpoint != nil && (!over || !d.Contended) {
 		p.index.Correct(d.Endpoint.ID, over)
@@ -190,7 +265,12 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	defer func() { *sp = matches[:0]; p.scratch.Put(sp) }()
 
 	key := rendezvousKey(r.Hashes, prm.MinMatchBlocks)
-	tokensPerBlock := float64(p.blockBytes) / 4
+	bpt := p.BytesPerToken()
+	tokensPerBlock := float64(p.blockBytes) / bpt
+	promptTokens := r.PromptTokens
+	if r.PromptBytes > 0 {
+		promptTokens = int(float64(r.PromptBytes) / bpt)
+	}
 	var best, warm *discovery.Endpoint
 	var bestWait, warmWait float64
 	var bestScore, warmScore uint64
@@ -218,7 +298,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		if !isWarm {
 			blocks = 0 // too short a match to count, for warmth or for cost
 		}
-		uncached := r.PromptTokens - int(float64(blocks)*tokensPerBlock)
+		uncached := promptTokens - int(float64(blocks)*tokensPerBlock)
 		if uncached < 0 {
 			uncached = 0
 		}
@@ -258,11 +338,11 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	case best == nil:
 		return Decision{Reason: ReasonCold}
 	case warm == nil:
-		return Decision{Endpoint: best, Reason: ReasonCold, Prefill: bestUncached, MatchedBlocks: bestBlocks, Contended: bestPending > 0}
+		return Decision{Endpoint: best, Reason: ReasonCold, Prefill: bestUncached, MatchedBlocks: bestBlocks, Contended: bestPending > 0, PromptTokens: promptTokens}
 	case warmWait <= bestWait+prm.SpillMarginSec:
-		return Decision{Endpoint: warm, Reason: ReasonWarm, Prefill: warmUncached, MatchedBlocks: warmDepth, Contended: warmPending > 0}
+		return Decision{Endpoint: warm, Reason: ReasonWarm, Prefill: warmUncached, MatchedBlocks: warmDepth, Contended: warmPending > 0, PromptTokens: promptTokens}
 	default:
-		return Decision{Endpoint: best, Reason: ReasonSpill, Prefill: bestUncached, MatchedBlocks: bestBlocks, Contended: bestPending > 0}
+		return Decision{Endpoint: best, Reason: ReasonSpill, Prefill: bestUncached, MatchedBlocks: bestBlocks, Contended: bestPending > 0, PromptTokens: promptTokens}
 	}
 }
 

@@ -243,3 +243,26 @@ func BenchmarkPick(b *testing.B) {
 		})
 	}
 }
+
+// The engines' prompt_tokens calibrate bytes per token, which converts the
+// scraped KV capacity into index blocks.
+func TestLearnsBytesPerToken(t *testing.T) {
+	p := newTestPrefix(DefaultPrefixParams())
+	p.SetCapacityTokens(1, 25600)
+	if got := p.Index().Correct(1, false); got != 25600*4/testBlock {
+		t.Fatalf("capacity %d blocks at 4 bytes/token", got)
+	}
+	for i := 0; i < 200; i++ {
+		p.Learn(Decision{}, 5000, 1000, 0) // the engine counts 5 bytes per token
+	}
+	if bpt := p.BytesPerToken(); bpt < 4.9 || bpt > 5.0 {
+		t.Fatalf("learned %.2f bytes/token, want ≈ 5", bpt)
+	}
+	if got := p.Index().Correct(1, false); got < 25600*49/10/testBlock || got > 25600*5/testBlock {
+		t.Fatalf("capacity %d blocks after learning 5 bytes/token", got)
+	}
+	p.Learn(Decision{}, 1<<30, 1, 0) // absurd reports are clamped
+	if bpt := p.BytesPerToken(); bpt > 16 {
+		t.Fatalf("bytes/token %.1f", bpt)
+	}
+}

@@ -93,6 +93,8 @@ type Decision struct {
 	Prefill int
 	// MatchedBlocks is the prefix blocks the endpoint is believed to hold.
 	MatchedBlocks int
+	// PromptTokens is the policy's estimate of the prompt's engine tokens.
+	PromptTokens int
 	// Contended is true when the endpoint was already computing other
 	// prompts of this router's at pick time: the engine's cached-token
 	// report for this request may then reflect that race, not evictions.

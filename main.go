@@ -151,6 +151,7 @@ func newFlags(c *Config) (*pflag.FlagSet, []flagGroup) {
 	pfx.fs.Float64Var(&c.Prefix.PrefillTokensPerSec, "prefix-prefill-tokens-per-sec", d.PrefillTokensPerSec, "an endpoint's prefill rate, turning uncached tokens into seconds of wait")
 	pfx.fs.Float64Var(&c.Prefix.DecodeCostSec, "prefix-decode-cost", d.DecodeCostSec, "seconds of wait one in-flight request adds to a new request's first token")
 	pfx.fs.Float64Var(&c.Prefix.SpillMarginSec, "prefix-spill-margin", d.SpillMarginSec, "seconds the warm endpoint's wait may exceed the best alternative's before the request spills")
+	pfx.fs.Float64Var(&c.Prefix.SpillRatio, "prefix-spill-ratio", d.SpillRatio, "the warm endpoint keeps a request while its wait is at most this × the best wait + the spill margin")
 	pfx.fs.IntVar(&c.Prefix.MinMatchBlocks, "prefix-min-match-blocks", d.MinMatchBlocks, "least matched blocks that make an endpoint warm (a short shared system prompt must not pin the fleet)")
 	pfx.fs.Float64Var(&c.Prefix.TieSec, "prefix-tie", d.TieSec, "waits closer than this are ties, broken by rendezvous hashing")
 	pfx.fs.Float64Var(&c.Prefix.QueueCostSec, "prefix-queue-cost", d.QueueCostSec, "seconds of wait per request queued in the engine (scraped)")

@@ -79,9 +79,10 @@ func Scenarios(p Preset) []Scenario {
 	// Poisson stages of rising rate; --full uses llm-d's preset
 	// (150 groups × 5, 6,000 + 1,200 → 1,000, 3 → 60 req/s).
 	sp := WorkloadConfig{Kind: KindSharedPrefix, Seed: p.Seed}.Defaults()
-	// Eight seconds per stage, 960 requests in all; round-robin's knee is
-	// near 26 req/s on this fleet.
-	spStages := []Stage{{8, 64}, {16, 128}, {24, 192}, {32, 256}, {40, 320}}
+	// Eight seconds per stage, 1,856 requests in all; round-robin's knee is
+	// near 26 req/s on this fleet, the prefix policy's near 48, so the last
+	// stages measure throughput at saturation.
+	spStages := []Stage{{8, 64}, {16, 128}, {24, 192}, {32, 256}, {40, 320}, {48, 384}, {64, 512}}
 	spScale := 1.0
 	if p.Full {
 		// 20 s per stage. A quarter of real time keeps the wall token rate

@@ -29,15 +29,30 @@ type PrefixParams struct {
 	// for an 8B model on one H100 (REFERENCE §6). It turns prompt tokens
 	// still to compute into seconds.
 	PrefillTokensPerSec float64 `json:"prefill_tokens_per_sec"`
-	// DecodeCostSec is the wait one in-flight request adds to a new one's
-	// first token: a decode step grows by ≈ 0.135 ms per running sequence
-	// (6.5 ms at batch 1, 15 ms at 64, REFERENCE §6) and a new request
-	// waits out about ten steps while queued and prefilling: 1.5 ms.
+	// DecodeCostSec is the cost of one more in-flight request on an
+	// endpoint. Each running sequence makes every decode step ≈ 0.12–0.23 ms
+	// longer (2k–4k-token contexts, REFERENCE §6), so a new request both
+	// waits longer for its first token and slows every other stream by that
+	// much per output token — 30–60 ms over a 256-token answer. 10 ms
+	// weighs that against prefill seconds; measured on the shared-prefix
+	// and hot-prefix scenarios (1.5 ms kept hot prefixes on one pod too
+	// long).
 	DecodeCostSec float64 `json:"decode_cost_sec"`
 	// SpillMarginSec is how much longer the wait behind the warm endpoint
-	// may be than the best alternative's (recompute included) before the
-	// request spills. Larger is stickier: more hits, longer queues.
+	// may be than the best idle endpoint's (recompute included) before the
+	// request spills there. Larger is stickier: more hits, longer queues.
+	// 50 ms (with SpillRatio 1.25) met the hot-prefix TTFT target while
+	// keeping the shared-prefix hit rate; 100 ms and 1.5 did not.
 	SpillMarginSec float64 `json:"spill_margin_sec"`
+	// SpillRatio makes the margin grow with load: the warm endpoint keeps
+	// the request while its wait is at most SpillRatio × the best idle
+	// endpoint's wait + SpillMarginSec. Only idle endpoints (nothing
+	// queued: scraped num_requests_waiting 0, or without a fresh scrape
+	// less than SpillMarginSec of prefill pending) take spills, so when
+	// every endpoint queues nothing spills — a spill then only adds a
+	// recompute (the affinity collapse of routers that flip to least-load
+	// under load).
+	SpillRatio float64 `json:"spill_ratio"`
 	// MinMatchBlocks is the least match that makes an endpoint warm, so one
 	// short shared system prompt cannot pin the fleet to one endpoint. It
 	// is also the depth of the block that keys rendezvous hashing.
@@ -60,8 +75,9 @@ type PrefixParams struct {
 func DefaultPrefixParams() PrefixParams {
 	return PrefixParams{
 		PrefillTokensPerSec: 20000,
-		DecodeCostSec:       0.0015,
-		SpillMarginSec:      0.1,
+		DecodeCostSec:       0.01,
+		SpillMarginSec:      0.05,
+		SpillRatio:          1.25,
 		MinMatchBlocks:      2,
 		TieSec:              0.001,
 		QueueCostSec:        0.1,
@@ -74,6 +90,8 @@ func (p PrefixParams) Validate() error {
 	switch {
 	case !(p.PrefillTokensPerSec > 0):
 		return errBadParam("prefill_tokens_per_sec must be positive")
+	case !(p.SpillRatio >= 1):
+		return errBadParam("spill_ratio must be at least 1")
 	case p.DecodeCostSec < 0 || p.SpillMarginSec < 0 || p.TieSec < 0 || p.QueueCostSec < 0 || p.KVCostSec < 0:
 		return errBadParam("decode_cost_sec, spill_margin_sec, tie_sec, queue_cost_sec and kv_cost_sec must not be negative")
 	case p.MinMatchBlocks < 1:
@@ -97,10 +115,10 @@ func (e errBadParam) Error() string { return "routing: " + string(e) }
 //
 // where the engine terms count only when freshly scraped (else the
 // router's own counters stand alone), and the uncached tokens are the prompt
-// minus the prefix the index believes the endpoint holds. The warm endpoint (deepest useful match,
-// lowest wait) wins unless its wait exceeds the best endpoint's by more
-// than the spill margin; then the request spills to the best endpoint, whose
-// cache becomes warm too. Ties go to the rendezvous-hash winner of the
+// minus the prefix the index believes the endpoint holds. The warm
+// endpoint (deepest useful match, lowest wait) wins unless its wait exceeds
+// SpillRatio × the best idle endpoint's + SpillMarginSec; then the request
+// spills to that idle endpoint, whose cache becomes warm too. Ties go to the rendezvous-hash winner of the
 // prefix. The pick is recorded in the index at once, so a burst of
 // same-prefix requests follows the first. Safe for concurrent use.
 type Prefix struct {
@@ -247,6 +265,7 @@ type Term struct {
 	Endpoint         string   `json:"endpoint"`
 	MatchedBlocks    int      `json:"matched_blocks"`
 	Warm             bool     `json:"warm"`
+	Idle             bool     `json:"idle"`
 	UncachedTokens   int      `json:"uncached_tokens"`
 	InFlightPrefill  int64    `json:"in_flight_prefill_tokens"`
 	InFlightRequests int64    `json:"in_flight_requests"`
@@ -271,11 +290,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	if r.PromptBytes > 0 {
 		promptTokens = int(float64(r.PromptBytes) / bpt)
 	}
-	var best, warm *discovery.Endpoint
-	var bestWait, warmWait float64
-	var bestScore, warmScore uint64
-	var bestUncached, warmUncached, bestBlocks, warmDepth int
-	var bestPending, warmPending int64
+	var best, warm, free candidate
 	for _, e := range set.Mixed {
 		if !usable(r, e) {
 			if terms != nil {
@@ -287,25 +302,24 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 			}
 			continue
 		}
-		blocks := 0
+		c := candidate{e: e, score: rendezvous(key, e.ID), pending: e.InFlightPrefill.Load()}
 		for _, m := range matches {
 			if m.ID == e.ID {
-				blocks = m.Blocks
+				c.blocks = m.Blocks
 				break
 			}
 		}
-		isWarm := blocks >= prm.MinMatchBlocks
+		isWarm := c.blocks >= prm.MinMatchBlocks
 		if !isWarm {
-			blocks = 0 // too short a match to count, for warmth or for cost
+			c.blocks = 0 // too short a match to count, for warmth or for cost
 		}
-		uncached := promptTokens - int(float64(blocks)*tokensPerBlock)
-		if uncached < 0 {
-			uncached = 0
-		}
-		pending := e.InFlightPrefill.Load()
+		c.uncached = max(0, promptTokens-int(float64(c.blocks)*tokensPerBlock))
 		inflight := e.InFlight.Load()
-		queueWait := float64(pending) / prm.PrefillTokensPerSec
+		queueWait := float64(c.pending) / prm.PrefillTokensPerSec
 		var kvWait float64
+		// An endpoint takes spills only while nothing queues there: when
+		// every endpoint queues, a spill just adds a recompute.
+		idle := queueWait <= prm.SpillMarginSec
 		eng := e.Engine() // nil unless freshly scraped
 		if eng != nil {
 			// The engine also sees other routers' requests; the router's
@@ -313,37 +327,63 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 			inflight = max(inflight, eng.Running+eng.Waiting)
 			queueWait = max(queueWait, float64(eng.Waiting)*prm.QueueCostSec)
 			kvWait = eng.KVUsage * prm.KVCostSec
+			idle = eng.Waiting == 0
 		}
-		wait := queueWait + float64(uncached)/prm.PrefillTokensPerSec + float64(inflight)*prm.DecodeCostSec + kvWait
-		score := rendezvous(key, e.ID)
+		c.wait = queueWait + float64(c.uncached)/prm.PrefillTokensPerSec + float64(inflight)*prm.DecodeCostSec + kvWait
 		if terms != nil {
-			t := Term{Endpoint: e.URL, MatchedBlocks: blocks, Warm: isWarm,
-				UncachedTokens: uncached, InFlightPrefill: pending, InFlightRequests: e.InFlight.Load(),
-				WaitSec: wait, Rendezvous: score}
+			t := Term{Endpoint: e.URL, MatchedBlocks: c.blocks, Warm: isWarm, Idle: idle,
+				UncachedTokens: c.uncached, InFlightPrefill: c.pending, InFlightRequests: e.InFlight.Load(),
+				WaitSec: c.wait, Rendezvous: c.score}
 			if eng != nil {
 				t.EngineWaiting, t.EngineRunning, t.EngineKVUsage = &eng.Waiting, &eng.Running, &eng.KVUsage
 			}
 			*terms = append(*terms, t)
 		}
-		if best == nil || better(wait, score, bestWait, bestScore, prm.TieSec) {
-			best, bestWait, bestScore, bestUncached, bestBlocks, bestPending = e, wait, score, uncached, blocks, pending
+		if c.beats(best, prm.TieSec) {
+			best = c
+		}
+		if idle && c.beats(free, prm.TieSec) {
+			free = c
 		}
 		// The warm candidate: the deepest match, then the shortest wait.
-		if isWarm && (warm == nil || blocks > warmDepth ||
-			blocks == warmDepth && better(wait, score, warmWait, warmScore, prm.TieSec)) {
-			warm, warmWait, warmScore, warmUncached, warmDepth, warmPending = e, wait, score, uncached, blocks, pending
+		if isWarm && (warm.e == nil || c.blocks > warm.blocks || c.blocks == warm.blocks && c.beats(warm, prm.TieSec)) {
+			warm = c
 		}
 	}
 	switch {
-	case best == nil:
+	case best.e == nil:
 		return Decision{Reason: ReasonCold}
-	case warm == nil:
-		return Decision{Endpoint: best, Reason: ReasonCold, Prefill: bestUncached, MatchedBlocks: bestBlocks, Contended: bestPending > 0, PromptTokens: promptTokens}
-	case warmWait <= bestWait+prm.SpillMarginSec:
-		return Decision{Endpoint: warm, Reason: ReasonWarm, Prefill: warmUncached, MatchedBlocks: warmDepth, Contended: warmPending > 0, PromptTokens: promptTokens}
+	case warm.e == nil:
+		return best.decision(ReasonCold, promptTokens)
+	case free.e == nil || warm.wait <= free.wait*prm.SpillRatio+prm.SpillMarginSec:
+		return warm.decision(ReasonWarm, promptTokens)
 	default:
-		return Decision{Endpoint: best, Reason: ReasonSpill, Prefill: bestUncached, MatchedBlocks: bestBlocks, Contended: bestPending > 0, PromptTokens: promptTokens}
+		return free.decision(ReasonSpill, promptTokens)
 	}
+}
+
+// candidate is one endpoint's terms in a decision.
+type candidate struct {
+	e        *discovery.Endpoint
+	wait     float64
+	score    uint64
+	uncached int
+	blocks   int
+	pending  int64
+}
+
+// beats reports whether c is a better pick than o (an empty o loses): a
+// wait shorter by more than tie, or a tie won on rendezvous score.
+func (c candidate) beats(o candidate, tie float64) bool {
+	if o.e == nil {
+		return true
+	}
+	return better(c.wait, c.score, o.wait, o.score, tie)
+}
+
+func (c candidate) decision(reason string, promptTokens int) Decision {
+	return Decision{Endpoint: c.e, Reason: reason, Prefill: c.uncached, MatchedBlocks: c.blocks,
+		Contended: c.pending > 0, PromptTokens: promptTokens}
 }
 
 // better reports whether (wait, score) beats (bw, bs): a wait shorter by

@@ -38,6 +38,9 @@ type Policy struct {
 	// runner's defaults (e.g. the prefix hashing a policy needs); nil
 	// leaves them.
 	Configure func(*proxy.Options)
+	// Replicas > 1 runs that many independent routers with this policy,
+	// each given a random share of the traffic (no shared state).
+	Replicas int
 }
 
 // Baseline is the policy results are compared against: round-robin is what
@@ -55,12 +58,9 @@ func Policies() []Policy {
 			New: func(*discovery.Pool) proxy.Picker { return routing.NewRandom(seededIntn(policySeed)) }},
 		{Name: "least-request", About: "fewer in-flight of two random pods",
 			New: func(*discovery.Pool) proxy.Picker { return routing.NewLeastRequest(seededIntn(policySeed)) }},
-		{Name: "prefix", About: "kvroute: prefix-aware, sticky until saturated",
-			New: func(*discovery.Pool) proxy.Picker {
-				idx := prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1760, MaxEntries: 4_000_000, TTL: 30 * time.Minute})
-				params, _ := PrefixParams() // checked by kvbench at start-up
-				return routing.NewPrefix(idx, 1024, params)
-			}},
+		{Name: "prefix", About: "kvroute: prefix-aware, sticky until saturated", New: newPrefixPolicy},
+		{Name: "prefix-3-replicas", About: "three independent kvroute replicas (prefix), a random third of the traffic each",
+			Replicas: 3, New: newPrefixPolicy},
 		{Name: "sglang-cache-aware", About: "SGLang router cache_aware (emulated)",
 			New: func(*discovery.Pool) proxy.Picker { return peers.NewCacheAware() }},
 		{Name: "gie-blend", About: "GIE classic scorer blend (emulated)",
@@ -68,6 +68,14 @@ func Policies() []Policy {
 		{Name: "llm-d-sticky", About: "llm-d sticky-until-saturated (emulated)",
 			New: func(*discovery.Pool) proxy.Picker { return peers.NewSticky(1024, 1760) }},
 	}
+}
+
+// newPrefixPolicy is the prefix policy with main's defaults (its index
+// capacity follows the engines' scraped KV capacity once the router runs).
+func newPrefixPolicy(*discovery.Pool) proxy.Picker {
+	idx := prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1760, MaxEntries: 4_000_000, TTL: 30 * time.Minute})
+	params, _ := PrefixParams() // checked by kvbench at start-up
+	return routing.NewPrefix(idx, 1024, params)
 }
 
 // PrefixParams are the prefix policy's parameters in the benchmark: the
@@ -370,7 +378,25 @@ func runPolicy(ctx context.Context, sc Scenario, wl *Workload, p Policy, progres
 		return nil, err
 	}
 	defer func() { err = errors.Join(err, fleet.Close()) }()
-	rt, err := StartRouter(p, fleet.URLs())
+	backends := fleet.URLs()
+	if p.Replicas > 1 {
+		// Independent replicas, each its own router and state over the
+		// fleet; in front of them a random-policy kvroute hands each a
+		// random share of the traffic, as a Service in front of several
+		// router pods would.
+		var replicas []string
+		for i := 0; i < p.Replicas; i++ {
+			inner, err := StartRouter(p, fleet.URLs())
+			if err != nil {
+				return nil, err
+			}
+			defer func() { err = errors.Join(err, inner.Close()) }()
+			replicas = append(replicas, inner.URL)
+		}
+		backends = replicas
+		p = Policy{Name: p.Name, New: func(*discovery.Pool) proxy.Picker { return routing.NewRandom(seededIntn(policySeed)) }}
+	}
+	rt, err := StartRouter(p, backends)
 	if err != nil {
 		return nil, err
 	}

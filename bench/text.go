@@ -2,7 +2,6 @@ package bench
 
 import (
 	"strconv"
-	"unicode/utf8"
 
 	"github.com/kvroute/kvroute/bench/sim"
 )
@@ -99,7 +98,7 @@ func appendBody(b []byte, api API, model string, s *Session, k int, answers []st
 	b = append(b, '{')
 	if model != "" {
 		b = append(b, `"model":"`...)
-		b = appendEscaped(b, model)
+		b = sim.AppendJSONEscaped(b, model)
 		b = append(b, `",`...)
 	}
 	if api == APIChat {
@@ -117,11 +116,11 @@ func appendBody(b []byte, api API, model string, s *Session, k int, answers []st
 			b = append(b, `"}`...)
 		}
 		if s.System != "" {
-			msg("system", func(b []byte) []byte { return appendEscaped(b, s.System) })
+			msg("system", func(b []byte) []byte { return sim.AppendJSONEscaped(b, s.System) })
 		}
 		for i := 0; i <= k; i++ {
 			if i > 0 {
-				msg("assistant", func(b []byte) []byte { return appendEscaped(b, answers[i-1]) })
+				msg("assistant", func(b []byte) []byte { return sim.AppendJSONEscaped(b, answers[i-1]) })
 			}
 			msg("user", func(b []byte) []byte { return appendEscapedUser(b, &s.Turns[i]) })
 		}
@@ -129,13 +128,13 @@ func appendBody(b []byte, api API, model string, s *Session, k int, answers []st
 	} else {
 		b = append(b, `"prompt":"`...)
 		if s.System != "" {
-			b = appendEscaped(b, s.System)
-			b = appendEscaped(b, promptSep)
+			b = sim.AppendJSONEscaped(b, s.System)
+			b = sim.AppendJSONEscaped(b, promptSep)
 		}
 		for i := 0; i <= k; i++ {
 			if i > 0 {
-				b = appendEscaped(b, answers[i-1])
-				b = appendEscaped(b, promptSep)
+				b = sim.AppendJSONEscaped(b, answers[i-1])
+				b = sim.AppendJSONEscaped(b, promptSep)
 			}
 			b = appendEscapedUser(b, &s.Turns[i])
 		}
@@ -149,56 +148,10 @@ func appendBody(b []byte, api API, model string, s *Session, k int, answers []st
 // appendEscapedUser appends turn t's user text escaped for a JSON string.
 func appendEscapedUser(b []byte, t *Turn) []byte {
 	if t.Blocks == nil {
-		return appendEscaped(b, t.User)
+		return sim.AppendJSONEscaped(b, t.User)
 	}
 	for _, blk := range t.Blocks {
-		b = appendEscaped(b, sim.SyntheticText(blk.Tokens, blk.Seed))
+		b = sim.AppendJSONEscaped(b, sim.SyntheticText(blk.Tokens, blk.Seed))
 	}
 	return b
-}
-
-const hexDigits = "0123456789abcdef"
-
-// appendEscaped appends s escaped for the inside of a JSON string literal;
-// invalid UTF-8 becomes U+FFFD.
-func appendEscaped(b []byte, s string) []byte {
-	start := 0
-	for i := 0; i < len(s); {
-		c := s[i]
-		if c >= utf8.RuneSelf {
-			r, n := utf8.DecodeRuneInString(s[i:])
-			if r == utf8.RuneError && n == 1 {
-				b = append(b, s[start:i]...)
-				b = append(b, `\ufffd`...)
-				i++
-				start = i
-				continue
-			}
-			i += n
-			continue
-		}
-		if c >= 0x20 && c != '"' && c != '\\' {
-			i++
-			continue
-		}
-		b = append(b, s[start:i]...)
-		switch c {
-		case '"':
-			b = append(b, `\"`...)
-		case '\\':
-			b = append(b, `\\`...)
-		case '\n':
-			b = append(b, `\n`...)
-		case '\r':
-			b = append(b, `\r`...)
-		case '\t':
-			b = append(b, `\t`...)
-		default:
-			b = append(b, `\u00`...)
-			b = append(b, hexDigits[c>>4], hexDigits[c&0xf])
-		}
-		i++
-		start = i
-	}
-	return append(b, s[start:]...)
 }

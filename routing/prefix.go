@@ -290,7 +290,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	if r.PromptBytes > 0 {
 		promptTokens = int(float64(r.PromptBytes) / bpt)
 	}
-	var best, warm, free candidate
+	var best, warm, free, home candidate
 	for _, e := range set.Mixed {
 		if !usable(r, e) {
 			if terms != nil {
@@ -342,6 +342,9 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		if c.beats(best, prm.TieSec) {
 			best = c
 		}
+		if home.e == nil || c.score > home.score {
+			home = c
+		}
 		if idle && c.beats(free, prm.TieSec) {
 			free = c
 		}
@@ -354,6 +357,13 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	case best.e == nil:
 		return Decision{Reason: ReasonCold}
 	case warm.e == nil:
+		// A cold prefix goes to its rendezvous home unless the home is
+		// loaded beyond the spill rule: a prefix the index forgot (or never
+		// saw) then returns where it lived, instead of moving to whichever
+		// endpoint is least loaded and being duplicated there.
+		if home.wait <= best.wait*prm.SpillRatio+prm.SpillMarginSec {
+			return home.decision(ReasonCold, promptTokens)
+		}
 		return best.decision(ReasonCold, promptTokens)
 	case free.e == nil || warm.wait <= free.wait*prm.SpillRatio+prm.SpillMarginSec:
 		return warm.decision(ReasonWarm, promptTokens)

@@ -15,6 +15,14 @@ const hexDigits = "0123456789abcdef"
 // appendJSONString appends s as a JSON string literal.
 func appendJSONString(b []byte, s string) []byte {
 	b = append(b, '"')
+	b = AppendJSONEscaped(b, s)
+	return append(b, '"')
+}
+
+// AppendJSONEscaped appends s escaped for the inside of a JSON string
+// literal (no quotes); invalid UTF-8 becomes U+FFFD. The load generator
+// builds its request bodies with it too.
+func AppendJSONEscaped(b []byte, s string) []byte {
 	start := 0
 	for i := 0; i < len(s); {
 		c := s[i]
@@ -53,8 +61,7 @@ func appendJSONString(b []byte, s string) []byte {
 		i++
 		start = i
 	}
-	b = append(b, s[start:]...)
-	return append(b, '"')
+	return append(b, s[start:]...)
 }
 
 // appendErrorBody appends vLLM's (≥ v0.10.1) nested error envelope.

@@ -127,9 +127,8 @@ func (o *owners) set(i int, r ref) {
 // lru is one endpoint's list of hashes, most recent at head, in a slab.
 type lru struct {
 	id         uint64
-	cap        int  // configured capacity
-	eff        int  // effective capacity: cap, lowered by Correct when the engine holds less
-	capSet     bool // cap came from SetCapacity
+	cap        int // configured capacity
+	eff        int // effective capacity: cap, lowered by Correct when the engine holds less
 	nodes      []node
 	head, tail int32
 	free       int32
@@ -287,7 +286,7 @@ func (x *Index) SetCapacity(id uint64, blocks int) {
 	defer x.mu.Unlock()
 	s := x.slot(id)
 	l := x.slots[s]
-	l.cap, l.eff, l.capSet = blocks, blocks, true
+	l.cap, l.eff = blocks, blocks
 	for l.n > x.capOf(l) {
 		x.evictTail(s)
 	}

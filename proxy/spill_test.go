@@ -1,0 +1,91 @@
+package proxy
+
+import (
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvroute/kvroute/bench/sim"
+	"github.com/kvroute/kvroute/prefix"
+	"github.com/kvroute/kvroute/routing"
+)
+
+// Under a hot prefix the prefix policy keeps requests on the pod that
+// caches the prefix until that pod saturates, then spills to an idle pod,
+// where the prefix becomes warm too. The saturation is made deterministic:
+// the warm pod holds every request it gets (a stall fault) until the test
+// releases them, so its in-flight count only grows.
+func TestHotPrefixSpillsOnSimulatedPods(t *testing.T) {
+	cfg := sim.DefaultConfig()
+	cfg.TimeScale = 100
+	fleet, err := sim.StartFleet(3, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = fleet.Close() })
+	policy := routing.NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1000}), 1024, routing.DefaultPrefixParams())
+	h := startProxy(t, policy, Options{Learner: policy}, fleet.URLs()...)
+
+	system := strings.Repeat("You are the support assistant of a large company; follow the policy. ", 120) // ≈ 2k tokens
+	send := func(i int) {
+		body := fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":8}`, cfg.Model, system+fmt.Sprintf(" Question %d?", i))
+		resp := post(t, h.url+"/v1/completions", body)
+		if got := readAll(t, resp); resp.StatusCode != 200 {
+			t.Errorf("status %d: %s", resp.StatusCode, got)
+		}
+	}
+	send(0) // the prefix's home pod caches it
+	var home int
+	for i, e := range h.pool.Load().Endpoints {
+		if e.Requests.Load() == 1 {
+			home = i
+		}
+	}
+	if err := fleet.Pod(home).SetFaults(sim.Faults{StallUntilRelease: true}); err != nil {
+		t.Fatal(err)
+	}
+
+	var wg sync.WaitGroup
+	for i := 1; i <= 40; i++ {
+		wg.Add(1)
+		go func() { defer wg.Done(); send(i) }()
+	}
+	// Every request not stalled at home completes; wait for those.
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		held := h.pool.Load().Endpoints[home].InFlight.Load()
+		done := int64(0)
+		for i, e := range h.pool.Load().Endpoints {
+			if i != home {
+				done += int64(e.Requests.Load()) - e.InFlight.Load()
+			}
+		}
+		if held+done == 40 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d held at home, %d done elsewhere, of 40", held, done)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	fleet.Pod(home).ReleaseStalls()
+	_ = fleet.Pod(home).SetFaults(sim.Faults{})
+	wg.Wait()
+	h.waitIdle(t)
+
+	reasons := map[string]float64{}
+	for _, r := range []string{routing.ReasonWarm, routing.ReasonSpill, routing.ReasonCold} {
+		reasons[r] = counterValue(t, h.reg, "kvroute_routing_decisions_total", map[string]string{"reason": r})
+	}
+	atHome := h.pool.Load().Endpoints[home].Requests.Load() - 1
+	if reasons[routing.ReasonSpill] == 0 || atHome >= 40 || atHome < 10 {
+		t.Fatalf("reasons %v, %d of 40 at the saturated home", reasons, atHome)
+	}
+	if reasons[routing.ReasonWarm] < 35 {
+		t.Fatalf("after the spill the prefix should be warm on the new pod: reasons %v", reasons)
+	}
+	t.Logf("reasons %v; %d of 40 stayed on the saturated home", reasons, atHome)
+}
+

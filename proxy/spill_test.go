@@ -88,4 +88,3 @@ func TestHotPrefixSpillsOnSimulatedPods(t *testing.T) {
 	}
 	t.Logf("reasons %v; %d of 40 stayed on the saturated home", reasons, atHome)
 }
-

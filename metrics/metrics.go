@@ -43,7 +43,7 @@ type Metrics struct {
 	ttfbByCls     []prometheus.Observer
 
 	decisions     *prometheus.CounterVec
-	decisionCache sync.Map // reason string → prometheus.Counter
+	decisionCache sync.Map // reason string → prometheus.Counter (label children, resolved once)
 	hitTokens     prometheus.Counter
 	promptTokens  prometheus.Counter
 	estTokens     prometheus.Counter
@@ -52,8 +52,7 @@ type Metrics struct {
 	estUnder      prometheus.Counter
 	estExact      prometheus.Counter
 
-	mu       sync.RWMutex
-	reqCache map[reqKey]prometheus.Counter
+	reqCache sync.Map // reqKey → prometheus.Counter
 }
 
 type reqKey struct {
@@ -114,7 +113,6 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 			Namespace: Namespace, Name: "prefix_engine_cached_tokens_total",
 			Help: "Cached prompt tokens the engines reported (usage.prompt_tokens_details.cached_tokens).",
 		}),
-		reqCache: make(map[reqKey]prometheus.Counter),
 	}
 	est := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: Namespace, Name: "prefix_estimates_total",
@@ -147,16 +145,11 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 // Request records one answered request of class index class.
 func (m *Metrics) Request(class, code int, seconds float64) {
 	k := reqKey{class, code}
-	m.mu.RLock()
-	c, ok := m.reqCache[k]
-	m.mu.RUnlock()
+	c, ok := m.reqCache.Load(k)
 	if !ok {
-		c = m.requests.WithLabelValues(m.classes[class], strconv.Itoa(code))
-		m.mu.Lock()
-		m.reqCache[k] = c
-		m.mu.Unlock()
+		c, _ = m.reqCache.LoadOrStore(k, m.requests.WithLabelValues(m.classes[class], strconv.Itoa(code)))
 	}
-	c.Inc()
+	c.(prometheus.Counter).Inc()
 	m.durationByCls[class].Observe(seconds)
 }
 

@@ -83,14 +83,6 @@ func (h *Hasher) WriteString(s string) (int, error) {
 	return h.Write(unsafeBytes(s))
 }
 
-// WriteByte adds one byte.
-func (h *Hasher) WriteByte(c byte) error {
-	var b [1]byte
-	b[0] = c
-	_, _ = h.Write(b[:])
-	return nil
-}
-
 // push chains one block: the parent's hash and the block's unseeded xxh3
 // are combined by a bijective 64-bit mixer (SplitMix64's finaliser).
 // Seeding xxh3 with the parent instead costs a 192-byte secret derivation

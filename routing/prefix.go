@@ -385,27 +385,18 @@ type candidate struct {
 // beats reports whether c is a better pick than o (an empty o loses): a
 // wait shorter by more than tie, or a tie won on rendezvous score.
 func (c candidate) beats(o candidate, tie float64) bool {
-	if o.e == nil {
+	switch {
+	case o.e == nil || c.wait < o.wait-tie:
 		return true
+	case c.wait > o.wait+tie:
+		return false
 	}
-	return better(c.wait, c.score, o.wait, o.score, tie)
+	return c.score > o.score
 }
 
 func (c candidate) decision(reason string, promptTokens int) Decision {
 	return Decision{Endpoint: c.e, Reason: reason, Prefill: c.uncached, MatchedBlocks: c.blocks,
 		Contended: c.pending > 0, PromptTokens: promptTokens}
-}
-
-// better reports whether (wait, score) beats (bw, bs): a wait shorter by
-// more than tie, or a tie won on rendezvous score.
-func better(wait float64, score uint64, bw float64, bs uint64, tie float64) bool {
-	if wait < bw-tie {
-		return true
-	}
-	if wait > bw+tie {
-		return false
-	}
-	return score > bs
 }
 
 // rendezvousKey is the hash of the block at depth minMatch (or the last

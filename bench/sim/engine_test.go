@@ -300,7 +300,10 @@ func TestQueueingWhenFull(t *testing.T) {
 
 func TestStepTimeGrowsWithBatch(t *testing.T) {
 	rec := newStepRecorder(nil)
-	p, url := servePod(t, Config{TimeScale: 200, OnStep: rec.record})
+	// TimeScale 20 keeps the 64 prefills running for ≈ 0.3 s of wall time, so
+	// a request whose handler the race detector or a busy machine delays still
+	// joins the batch before the first ones finish decoding.
+	p, url := servePod(t, Config{TimeScale: 20, OnStep: rec.record})
 	c := newClient(t)
 	// run sends n requests at once: a stall fault gathers them first, so they
 	// reach the engine together and the batch really holds n sequences.

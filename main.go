@@ -152,10 +152,12 @@ func newFlags(c *Config) (*pflag.FlagSet, []flagGroup) {
 	pfx.fs.Float64Var(&c.Prefix.DecodeCostSec, "prefix-decode-cost", d.DecodeCostSec, "seconds of wait one in-flight request adds to a new request's first token")
 	pfx.fs.Float64Var(&c.Prefix.SpillMarginSec, "prefix-spill-margin", d.SpillMarginSec, "seconds the warm endpoint's wait may exceed the best alternative's before the request spills")
 	pfx.fs.Float64Var(&c.Prefix.SpillRatio, "prefix-spill-ratio", d.SpillRatio, "the warm endpoint keeps a request while its wait is at most this × the best wait + the spill margin")
+	pfx.fs.Float64Var(&c.Prefix.SpillMaxKVUsage, "prefix-spill-max-kv-usage", d.SpillMaxKVUsage, "an endpoint takes spills only while its scraped KV usage is below this (a fuller cache would evict the prefixes homed there)")
 	pfx.fs.IntVar(&c.Prefix.MinMatchBlocks, "prefix-min-match-blocks", d.MinMatchBlocks, "least matched blocks that make an endpoint warm (a short shared system prompt must not pin the fleet)")
 	pfx.fs.Float64Var(&c.Prefix.TieSec, "prefix-tie", d.TieSec, "waits closer than this are ties, broken by rendezvous hashing")
 	pfx.fs.Float64Var(&c.Prefix.QueueCostSec, "prefix-queue-cost", d.QueueCostSec, "seconds of wait per request queued in the engine (scraped)")
 	pfx.fs.Float64Var(&c.Prefix.KVCostSec, "prefix-kv-cost", d.KVCostSec, "seconds of wait at a full KV cache (scraped usage 1.0), linear in usage")
+	pfx.fs.Float64Var(&c.Prefix.HomeLoadFactor, "prefix-home-load-factor", d.HomeLoadFactor, "a new prefix is homed on its rendezvous winner among endpoints homing fewer than this × the mean number of prefixes")
 
 	upstream.fs.DurationVar(&c.ConnectTimeout, "connect-timeout", 5*time.Second, "timeout for connecting to a model server")
 	upstream.fs.DurationVar(&c.ResponseHeaderTimeout, "response-header-timeout", 10*time.Minute, "timeout from sending a request to the first response byte (0: none); non-streaming requests answer only after generation")

@@ -347,6 +347,10 @@ type IndexStats struct {
 	Expiries  uint64 // hashes expired by TTL
 }
 
+// TTL returns how long a block nobody was routed to is remembered (0:
+// forever).
+func (x *Index) TTL() time.Duration { return x.ttl }
+
 // Stats returns the index's current size and counters.
 func (x *Index) Stats() IndexStats {
 	x.mu.Lock()

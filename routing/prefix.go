@@ -253,14 +253,12 @@ func (p *Prefix) learnBytesPerToken(promptBytes, promptTokens int) {
 
 // Pick implements the policy and records the pick in the index.
 func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
-	d, key, homeless := p.decide(r, set, nil)
+	d, key, homeID, assign := p.decide(r, set, nil)
 	if d.Endpoint != nil {
 		p.index.Record(d.Endpoint.ID, r.Hashes)
-		if homeless {
-			// The prefix lives where it went, also when its assigned
-			// home was too loaded to take it.
-			p.homes.assign(key, d.Endpoint.ID)
-		}
+	}
+	if assign {
+		p.homes.assign(key, homeID)
 	}
 	return d
 }
@@ -269,7 +267,7 @@ func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 // recording anything.
 func (p *Prefix) Explain(r *Request, set *discovery.Set) (Decision, []Term) {
 	var terms []Term
-	d, _, _ := p.decide(r, set, &terms)
+	d, _, _, _ := p.decide(r, set, &terms)
 	return d, terms
 }
 
@@ -310,9 +308,9 @@ type Term struct {
 }
 
 // decide returns the decision and, when the request has a prefix key
-// (MinMatchBlocks blocks or more) without a home yet, the key and homeless
-// true, for Pick to assign.
-func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (d Decision, key uint64, homeless bool) {
+// (MinMatchBlocks blocks or more) without a home yet, the key and the home
+// chosen for it with assign true, for Pick to record.
+func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (d Decision, key, newHome uint64, assign bool) {
 	prm := p.params.Load()
 	sp := p.scratch.Get().(*[]prefix.Match)
 	matches := p.index.Match(r.Hashes, *sp)
@@ -328,7 +326,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (d Decisi
 		homeID, hasHome, total = p.homes.lookup(key)
 		bound = homeBound(prm.HomeLoadFactor, total, len(set.Mixed))
 	}
-	homeless = keyed && !hasHome
+	homeless := keyed && !hasHome
 	bpt := p.BytesPerToken()
 	tokensPerBlock := float64(p.blockBytes) / bpt
 	promptTokens := r.PromptTokens
@@ -337,7 +335,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (d Decisi
 	}
 	// home: the key's home, or for a new key the bounded-load rendezvous
 	// winner; top: the plain rendezvous winner (keys too short to share).
-	var best, warm, free, home, top candidate
+	var warm, free, home, top candidate
 	for _, e := range set.Mixed {
 		if !usable(r, e) {
 			if terms != nil {
@@ -391,9 +389,6 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (d Decisi
 			}
 			*terms = append(*terms, t)
 		}
-		if c.beats(best, prm.TieSec) {
-			best = c
-		}
 		if top.e == nil || c.score > top.score {
 			top = c
 		}
@@ -415,6 +410,9 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (d Decisi
 			warm = c
 		}
 	}
+	if top.e == nil {
+		return Decision{Reason: ReasonCold}, 0, 0, false
+	}
 	if home.e == nil {
 		home = top // the home is not usable now, or every endpoint is at the bound
 	}
@@ -425,23 +423,27 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (d Decisi
 	if warm.e != nil && home.e != warm.e && home.blocks == warm.blocks && home.wait <= warm.wait*prm.SpillRatio+prm.SpillMarginSec {
 		warm = home
 	}
-	switch {
-	case best.e == nil:
-		return Decision{Reason: ReasonCold}, key, false
-	case warm.e == nil:
-		// A cold prefix goes to its home unless the home is loaded beyond
-		// the spill rule: a prefix the index forgot then returns where it
-		// lived, instead of moving to whichever endpoint is least loaded
-		// and being duplicated there.
-		if home.wait <= best.wait*prm.SpillRatio+prm.SpillMarginSec {
-			return home.decision(ReasonCold, promptTokens), key, homeless
-		}
-		return best.decision(ReasonCold, promptTokens), key, homeless
-	case free.e == nil || warm.wait <= free.wait*prm.SpillRatio+prm.SpillMarginSec:
-		return warm.decision(ReasonWarm, promptTokens), key, homeless
-	default:
-		return free.decision(ReasonSpill, promptTokens), key, homeless
+	target, reason := warm, ReasonWarm
+	if warm.e == nil {
+		// A cold prefix goes to its home: a prefix the index forgot
+		// returns where it lived, and replicas that never saw it agree on
+		// where that is.
+		target, reason = home, ReasonCold
 	}
+	if free.e != nil && target.wait > free.wait*prm.SpillRatio+prm.SpillMarginSec {
+		target = free
+		if reason == ReasonWarm {
+			reason = ReasonSpill
+		}
+	}
+	d = target.decision(reason, promptTokens)
+	if !homeless {
+		return d, 0, 0, false
+	}
+	// A new prefix is homed on its home candidate even when it went
+	// elsewhere this once: the assignment must not depend on this
+	// router's load view, or replicas would disagree.
+	return d, key, home.e.ID, true
 }
 
 // candidate is one endpoint's terms in a decision.

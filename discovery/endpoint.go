@@ -203,6 +203,14 @@ func (e *Endpoint) ReportResult(ok bool) {
 // concurrent use.
 func (e *Endpoint) Engine() *EngineStats { return e.fresh.Load() }
 
+// SetEngine records st as the endpoint's latest engine metrics, fresh until
+// the scraper finds them older than its stale-after limit. The scraper calls
+// it; so may an embedder with its own metrics source, and tests.
+func (e *Endpoint) SetEngine(st *EngineStats) {
+	e.last.Store(st)
+	e.fresh.Store(st)
+}
+
 // NewEndpoint parses a base URL ("http://host:port[/base]", or "host:port",
 // which means http) into an Endpoint with zeroed counters.
 func NewEndpoint(raw string, role Role) (*Endpoint, error) {

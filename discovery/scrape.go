@@ -387,8 +387,7 @@ func (w *scrapeWorker) scrape(ctx context.Context, e *Endpoint) {
 		mem.capacity = s.KVCapacityTokens
 	}
 	st := &s
-	e.last.Store(st)
-	e.fresh.Store(st)
+	e.SetEngine(st)
 	if restarted {
 		f.m.restarts[r].Inc()
 		f.log.Info("engine restarted; forgetting its cache", zap.String("endpoint", e.URL))

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvroute/kvroute/discovery"
 	"github.com/kvroute/kvroute/prefix"
@@ -264,5 +265,75 @@ func TestLearnsBytesPerToken(t *testing.T) {
 	p.Learn(Decision{}, 1<<30, 1, 0) // absurd reports are clamped
 	if bpt := p.BytesPerToken(); bpt > 16 {
 		t.Fatalf("bytes/token %.1f", bpt)
+	}
+}
+
+// New prefixes are homed evenly: of 64 groups on 8 endpoints none gets more
+// than ⌈1.1 × 8⌉ = 9, where rendezvous hashing alone gives some endpoint
+// half again the mean (and a cache it cannot hold).
+func TestNewPrefixesAreHomedEvenly(t *testing.T) {
+	set := testSet(t, 8)
+	p := newTestPrefix(DefaultPrefixParams())
+	homes := map[*discovery.Endpoint]int{}
+	for g := range 64 {
+		d := p.Pick(request(system(500+g, 8192)+"q"), set)
+		if d.Reason != ReasonCold {
+			t.Fatalf("group %d: %+v", g, d)
+		}
+		homes[d.Endpoint]++
+	}
+	for e, n := range homes {
+		if n > 9 {
+			t.Errorf("%s homes %d of 64 prefixes, want at most 9", e, n)
+		}
+	}
+	if len(homes) != 8 {
+		t.Errorf("%d endpoints used", len(homes))
+	}
+}
+
+// A prefix the index forgot (its blocks aged out of the capacity model)
+// returns to its home, not to the least-loaded endpoint, while the home is
+// within the spill rule; forgetting the endpoint itself re-homes it.
+func TestForgottenPrefixReturnsHome(t *testing.T) {
+	set := testSet(t, 4)
+	p := newTestPrefix(DefaultPrefixParams())
+	sys := system(20, 8192)
+	home := p.Pick(request(sys+"a"), set).Endpoint
+	p.Index().Forget(home.ID)
+	home.InFlight.Add(3) // busier than the others, not saturated
+	defer home.InFlight.Add(-3)
+	if d := p.Pick(request(sys+"b"), set); d.Endpoint != home || d.Reason != ReasonCold {
+		t.Fatalf("forgotten prefix went to %s (%s), want its home %s", d.Endpoint, d.Reason, home)
+	}
+	p.Forget(home.ID) // the endpoint left, or its engine restarted
+	if _, ok, _ := p.homes.lookup(rendezvousKey(request(sys).Hashes, 2)); ok {
+		t.Fatal("the prefix kept a forgotten endpoint as its home")
+	}
+}
+
+// A saturated warm endpoint spills only to an endpoint whose engine has KV
+// room: spilling into a full cache evicts the prefixes homed there.
+func TestSpillNeedsKVRoom(t *testing.T) {
+	set := testSet(t, 3)
+	p := newTestPrefix(DefaultPrefixParams())
+	sys := system(30, 16384)
+	warm := p.Pick(request(sys+"a"), set).Endpoint
+	warm.InFlight.Add(50)
+	warm.InFlightPrefill.Add(40_000) // two seconds of prefill queued
+	defer func() { warm.InFlight.Add(-50); warm.InFlightPrefill.Add(-40_000) }()
+	var others []*discovery.Endpoint
+	for _, e := range set.Endpoints {
+		if e != warm {
+			others = append(others, e)
+			e.SetEngine(&discovery.EngineStats{Engine: "vllm", KVUsage: 0.95, At: time.Now()})
+		}
+	}
+	if d := p.Pick(request(sys+"b"), set); d.Endpoint != warm || d.Reason != ReasonWarm {
+		t.Fatalf("spilled into a full cache: %+v", d)
+	}
+	others[1].SetEngine(&discovery.EngineStats{Engine: "vllm", KVUsage: 0.3, At: time.Now()})
+	if d := p.Pick(request(sys+"c"), set); d.Endpoint != others[1] || d.Reason != ReasonSpill {
+		t.Fatalf("did not spill to the endpoint with room: %+v", d)
 	}
 }

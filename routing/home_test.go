@@ -1,0 +1,48 @@
+package routing
+
+import (
+	"testing"
+	"time"
+)
+
+func TestHomesExpireAndForget(t *testing.T) {
+	now := time.Unix(1_000_000, 0)
+	h := newHomes(time.Minute, func() time.Time { return now })
+	h.assign(1, 10)
+	h.assign(2, 10)
+	h.assign(3, 20)
+	h.assign(1, 30) // a key keeps its first home
+	if ep, ok, _ := h.lookup(1); !ok || ep != 10 {
+		t.Fatalf("lookup(1) = %d, %v", ep, ok)
+	}
+	if h.load(10) != 2 || h.load(20) != 1 || h.load(30) != 0 {
+		t.Fatalf("loads %d %d %d", h.load(10), h.load(20), h.load(30))
+	}
+	now = now.Add(50 * time.Second)
+	h.lookup(2) // refreshes 2 only
+	now = now.Add(20 * time.Second)
+	if _, ok, total := h.lookup(1); ok || total != 1 {
+		t.Fatalf("key 1 outlived its TTL (ok %v, %d live)", ok, total)
+	}
+	if h.load(10) != 1 || h.load(20) != 0 {
+		t.Fatalf("after expiry: loads %d %d", h.load(10), h.load(20))
+	}
+	h.forget(10)
+	if _, ok, total := h.lookup(2); ok || total != 0 || h.load(10) != 0 {
+		t.Fatalf("forgotten endpoint kept its homes (ok %v, %d live)", ok, total)
+	}
+}
+
+func TestHomeBound(t *testing.T) {
+	for _, tc := range []struct {
+		factor   float64
+		total, n int
+		want     int
+	}{
+		{1.1, 0, 8, 1}, {1.1, 63, 8, 9}, {1, 63, 8, 8}, {1.25, 99, 10, 13}, {1.1, 5, 0, 7},
+	} {
+		if got := homeBound(tc.factor, tc.total, tc.n); got != tc.want {
+			t.Errorf("homeBound(%v, %d, %d) = %d, want %d", tc.factor, tc.total, tc.n, got, tc.want)
+		}
+	}
+}

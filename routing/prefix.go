@@ -424,13 +424,20 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (d Decisi
 		warm = home
 	}
 	target, reason := warm, ReasonWarm
+	spillTest := warm.wait
 	if warm.e == nil {
 		// A cold prefix goes to its home: a prefix the index forgot
 		// returns where it lived, and replicas that never saw it agree on
-		// where that is.
-		target, reason = home, ReasonCold
+		// where that is. An established home leaves the request only when
+		// it is saturated as a warm endpoint would be (its wait without
+		// the recompute): the index forgetting is no evidence that the
+		// engine did, and another router may keep the prefix there.
+		target, reason, spillTest = home, ReasonCold, home.wait
+		if hasHome && home.e.ID == homeID {
+			spillTest -= float64(home.uncached) / prm.PrefillTokensPerSec
+		}
 	}
-	if free.e != nil && target.wait > free.wait*prm.SpillRatio+prm.SpillMarginSec {
+	if free.e != nil && spillTest > free.wait*prm.SpillRatio+prm.SpillMarginSec {
 		target = free
 		if reason == ReasonWarm {
 			reason = ReasonSpill

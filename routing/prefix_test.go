@@ -293,16 +293,21 @@ func TestNewPrefixesAreHomedEvenly(t *testing.T) {
 }
 
 // A prefix the index forgot (its blocks aged out of the capacity model)
-// returns to its home, not to the least-loaded endpoint, while the home is
-// within the spill rule; forgetting the endpoint itself re-homes it.
+// returns to its home, not to the least-loaded endpoint, unless the home is
+// saturated as a warm endpoint would be: forgetting is no evidence that the
+// engine evicted, and another router may keep the prefix there. Forgetting
+// the endpoint itself re-homes the prefix.
 func TestForgottenPrefixReturnsHome(t *testing.T) {
 	set := testSet(t, 4)
 	p := newTestPrefix(DefaultPrefixParams())
 	sys := system(20, 8192)
 	home := p.Pick(request(sys+"a"), set).Endpoint
 	p.Index().Forget(home.ID)
-	home.InFlight.Add(3) // busier than the others, not saturated
-	defer home.InFlight.Add(-3)
+	// Busier than the others, not saturated: 0.1 s of prefill queued, which
+	// with the recompute would send a truly cold prefix to an idle endpoint.
+	home.InFlight.Add(3)
+	home.InFlightPrefill.Add(2000)
+	defer func() { home.InFlight.Add(-3); home.InFlightPrefill.Add(-2000) }()
 	if d := p.Pick(request(sys+"b"), set); d.Endpoint != home || d.Reason != ReasonCold {
 		t.Fatalf("forgotten prefix went to %s (%s), want its home %s", d.Endpoint, d.Reason, home)
 	}

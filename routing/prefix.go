@@ -139,12 +139,22 @@ func (e errBadParam) Error() string { return "routing: " + string(e) }
 //
 // where the engine terms count only when freshly scraped (else the
 // router's own counters stand alone), and the uncached tokens are the prompt
-// minus the prefix the index believes the endpoint holds. The warm
-// endpoint (deepest useful match, lowest wait) wins unless its wait exceeds
-// SpillRatio × the best idle endpoint's + SpillMarginSec; then the request
-// spills to that idle endpoint, whose cache becomes warm too. Ties go to the rendezvous-hash winner of the
-// prefix. The pick is recorded in the index at once, so a burst of
-// same-prefix requests follows the first. Safe for concurrent use.
+// minus the prefix the index believes the endpoint holds.
+//
+// Every prefix key (the block at depth MinMatchBlocks) has a home, assigned
+// when the key is first seen by bounded-load rendezvous hashing (homes) and
+// kept apart from the index, so that the index forgetting blocks never moves
+// a prefix. The target is the warm endpoint (deepest useful match; among
+// equal matches the home while its wait is within the spill rule, then the
+// lowest wait), or for a prefix warm nowhere its home. The target keeps the
+// request unless its wait exceeds SpillRatio × the best idle endpoint's +
+// SpillMarginSec (an established home is tested without the recompute, as
+// if warm); then the request spills to that idle endpoint, whose cache
+// becomes warm too. Idle means nothing queued there in the router's view
+// and, when scraped, the engine's, with KV usage below SpillMaxKVUsage.
+// Ties go to the rendezvous-hash winner. The pick is recorded in the index
+// at once, so a burst of same-prefix requests follows the first. Safe for
+// concurrent use.
 type Prefix struct {
 	index      *prefix.Index
 	homes      *homes

@@ -348,12 +348,7 @@ func picker(c *Config) (proxy.Picker, *routing.Prefix) {
 // Endpoints that leave, or whose engine restarts, are forgotten by the
 // prefix index; a scraped KV capacity sizes the endpoint's index LRU.
 func newFleet(cfg *Config, logger *zap.Logger, pfx *routing.Prefix) (*discovery.Fleet, error) {
-	forget := func(e *discovery.Endpoint) {
-		if pfx != nil {
-			pfx.Forget(e.ID)
-		}
-	}
-	fleet, err := discovery.New(discovery.Options{
+	o := discovery.Options{
 		Logger: logger.Named("discovery"),
 		Health: discovery.HealthConfig{Disabled: cfg.HealthInterval == 0, Interval: cfg.HealthInterval,
 			Timeout: cfg.HealthTimeout, FailThreshold: cfg.HealthFailThreshold, RiseThreshold: cfg.HealthRiseThreshold},
@@ -361,14 +356,11 @@ func newFleet(cfg *Config, logger *zap.Logger, pfx *routing.Prefix) (*discovery.
 			Cooldown: cfg.EjectCooldown, MaxCooldown: cfg.EjectMaxCooldown},
 		Scrape:     discovery.ScrapeConfig{Disabled: cfg.ScrapeInterval == 0, Interval: cfg.ScrapeInterval, Timeout: cfg.ScrapeTimeout},
 		DrainLimit: cfg.EndpointDrainLimit,
-		OnRemove:   forget,
-		OnRestart:  forget,
-		OnCapacity: func(e *discovery.Endpoint, tokens int) {
-			if pfx != nil {
-				pfx.SetCapacityTokens(e.ID, tokens)
-			}
-		},
-	})
+	}
+	var events routing.FleetEvents
+	events.Set(pfx)
+	events.Wire(&o)
+	fleet, err := discovery.New(o)
 	if err != nil {
 		return nil, err
 	}

@@ -304,22 +304,10 @@ type Router struct {
 // capacity sizes a prefix-aware policy's index and whose removals and
 // restarts make it forget. Stop it with Close.
 func StartRouter(p Policy, backends []string) (*Router, error) {
-	var pfx *routing.Prefix // set before the fleet runs
-	forget := func(e *discovery.Endpoint) {
-		if pfx != nil {
-			pfx.Forget(e.ID)
-		}
-	}
-	fleet, err := discovery.New(discovery.Options{
-		Logger:    zap.NewNop(),
-		OnRemove:  forget,
-		OnRestart: forget,
-		OnCapacity: func(e *discovery.Endpoint, tokens int) {
-			if pfx != nil {
-				pfx.SetCapacityTokens(e.ID, tokens)
-			}
-		},
-	})
+	var events routing.FleetEvents // the policy is set before the fleet runs
+	o := discovery.Options{Logger: zap.NewNop()}
+	events.Wire(&o)
+	fleet, err := discovery.New(o)
 	if err != nil {
 		return nil, err
 	}
@@ -343,7 +331,9 @@ func StartRouter(p Policy, backends []string) (*Router, error) {
 	if p.Configure != nil {
 		p.Configure(&opt)
 	}
-	pfx, _ = opt.Picker.(*routing.Prefix)
+	if pfx, ok := opt.Picker.(*routing.Prefix); ok {
+		events.Set(pfx)
+	}
 	if l, ok := opt.Picker.(proxy.Learner); ok {
 		opt.Learner = l
 	}

@@ -511,3 +511,28 @@ func rendezvous(key, id uint64) uint64 {
 	z = (z ^ (z >> 27)) * 0x94d049bb133111eb
 	return z ^ (z >> 31)
 }
+
+// FleetEvents relays a discovery fleet's events to a prefix policy: an
+// endpoint that left, or whose engine restarted with an empty cache, is
+// forgotten (index and homes), and a scraped KV capacity sizes the
+// endpoint's index. The policy may be set after the fleet is built (a
+// policy may need the fleet's pool first), or never (another policy).
+type FleetEvents struct{ p atomic.Pointer[Prefix] }
+
+// Set makes p receive the events from now on.
+func (f *FleetEvents) Set(p *Prefix) { f.p.Store(p) }
+
+// Wire sets o's OnRemove, OnRestart and OnCapacity to relay to the policy.
+func (f *FleetEvents) Wire(o *discovery.Options) {
+	forget := func(e *discovery.Endpoint) {
+		if p := f.p.Load(); p != nil {
+			p.Forget(e.ID)
+		}
+	}
+	o.OnRemove, o.OnRestart = forget, forget
+	o.OnCapacity = func(e *discovery.Endpoint, tokens int) {
+		if p := f.p.Load(); p != nil {
+			p.SetCapacityTokens(e.ID, tokens)
+		}
+	}
+}

@@ -342,3 +342,27 @@ func TestSpillNeedsKVRoom(t *testing.T) {
 		t.Fatalf("did not spill to the endpoint with room: %+v", d)
 	}
 }
+
+func TestFleetEventsReachThePolicy(t *testing.T) {
+	set := testSet(t, 2)
+	e := set.Endpoints[0]
+	var events FleetEvents
+	var o discovery.Options
+	events.Wire(&o)
+	o.OnCapacity(e, 1000) // no policy yet: nothing happens
+	o.OnRemove(e)
+
+	p := newTestPrefix(DefaultPrefixParams())
+	events.Set(p)
+	// 1,024 tokens at 4 bytes a token is 4 one-KiB blocks.
+	o.OnCapacity(e, 1024)
+	p.Index().Record(e.ID, request(system(40, 16*testBlock)).Hashes)
+	if n := p.Index().Stats().Entries; n != 4 {
+		t.Fatalf("%d entries after recording 16 blocks on a 4-block endpoint", n)
+	}
+	p.homes.assign(7, e.ID)
+	o.OnRestart(e)
+	if n := p.Index().Stats().Entries; n != 0 || p.homes.load(e.ID) != 0 {
+		t.Fatalf("restart: %d entries and %d homes left", n, p.homes.load(e.ID))
+	}
+}

@@ -1,6 +1,7 @@
 package routing
 
 import (
+	"encoding/binary"
 	"fmt"
 	"strings"
 	"testing"
@@ -223,25 +224,41 @@ func TestSetParamsValidates(t *testing.T) {
 
 // BenchmarkPick measures a whole routing decision for a 128 KiB prompt:
 // hashing the rendering, matching, costing every endpoint, recording.
+// BenchmarkPick: a whole decision for a 128 KiB prompt, hashing included;
+// "new-prefix" makes every prompt's first block distinct, so each pick
+// also assigns a home and inserts 128 blocks into the index.
 func BenchmarkPick(b *testing.B) {
 	text := system(1, 128<<10)
 	for _, n := range []int{8, 64, 1000} {
-		b.Run(fmt.Sprintf("endpoints-%d", n), func(b *testing.B) {
-			set := testSet(b, n)
-			p := NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 100_000}), testBlock, DefaultPrefixParams())
-			var h prefix.Hasher
-			r := &Request{Kind: KindCompletions, Model: "m"}
-			b.ReportAllocs()
-			b.SetBytes(int64(len(text)))
-			for i := 0; i < b.N; i++ {
-				h.Reset(testBlock, 512, prefix.Seed("m", ""))
-				_, _ = h.WriteString(text)
-				r.Hashes, r.PromptBytes, r.PromptTokens = h.Hashes, h.Len(), h.Len()/4
-				if d := p.Pick(r, set); d.Endpoint == nil {
-					b.Fatal("no pick")
-				}
+		for _, fresh := range []bool{false, true} {
+			name := fmt.Sprintf("endpoints-%d", n)
+			if fresh {
+				name += "/new-prefix"
 			}
-		})
+			b.Run(name, func(b *testing.B) { benchmarkPick(b, n, fresh, text) })
+		}
+	}
+}
+
+func benchmarkPick(b *testing.B, n int, fresh bool, text string) {
+	set := testSet(b, n)
+	p := NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 100_000}), testBlock, DefaultPrefixParams())
+	var h prefix.Hasher
+	var head [8]byte
+	r := &Request{Kind: KindCompletions, Model: "m"}
+	b.ReportAllocs()
+	b.SetBytes(int64(len(text)))
+	for i := 0; i < b.N; i++ {
+		h.Reset(testBlock, 512, prefix.Seed("m", ""))
+		if fresh {
+			binary.LittleEndian.PutUint64(head[:], uint64(i))
+			_, _ = h.Write(head[:])
+		}
+		_, _ = h.WriteString(text)
+		r.Hashes, r.PromptBytes, r.PromptTokens = h.Hashes, h.Len(), h.Len()/4
+		if d := p.Pick(r, set); d.Endpoint == nil {
+			b.Fatal("no pick")
+		}
 	}
 }
 

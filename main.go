@@ -456,11 +456,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready cha
 	if pfx != nil {
 		srv.HandleExplain(mux, pfx)
 		proxy.HandleParams(mux, pfx)
-		idx := pfx.Index()
 		metrics.RegisterIndex(reg, func() metrics.IndexSample {
-			s := idx.Stats()
+			s := pfx.Index().Stats()
 			return metrics.IndexSample{Endpoints: s.Endpoints, Hashes: s.Hashes, Entries: s.Entries,
-				Bytes: s.Bytes, Evictions: s.Evictions, Expiries: s.Expiries}
+				Bytes: s.Bytes, Evictions: s.Evictions, Expiries: s.Expiries, Homes: pfx.Homes()}
 		})
 	}
 	admin := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}

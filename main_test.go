@@ -121,6 +121,17 @@ func TestGracefulDrain(t *testing.T) {
 	if get("/readyz") != 200 || get("/livez") != 200 || get("/metrics") != 200 {
 		t.Fatal("admin endpoints not healthy before the drain")
 	}
+	mresp, err := http.Get("http://" + addrs.Admin + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	exposition, _ := io.ReadAll(mresp.Body)
+	mresp.Body.Close()
+	for _, name := range []string{"kvroute_prefix_index_entries ", "kvroute_prefix_homes ", "llm_router_cache_hit_ratio "} {
+		if !strings.Contains(string(exposition), name) {
+			t.Errorf("/metrics lacks %s", name)
+		}
+	}
 
 	resp, err := http.Post("http://"+addrs.API+"/v1/completions", "application/json",
 		strings.NewReader(`{"model":"m","prompt":"x","stream":true}`))

@@ -203,6 +203,7 @@ func readCounter(c prometheus.Counter) float64 {
 type IndexSample struct {
 	Endpoints, Hashes, Entries, Bytes int
 	Evictions, Expiries               uint64
+	Homes                             int // prefix keys with a home endpoint
 }
 
 // RegisterIndex reports the prefix index through read at each scrape.
@@ -216,6 +217,7 @@ var (
 	descIndexBytes     = prometheus.NewDesc(Namespace+"_prefix_index_bytes", "Estimated heap bytes of the prefix index.", nil, nil)
 	descIndexEvictions = prometheus.NewDesc(Namespace+"_prefix_index_evictions_total", "Entries evicted by an endpoint's capacity.", nil, nil)
 	descIndexExpiries  = prometheus.NewDesc(Namespace+"_prefix_index_expiries_total", "Blocks expired by the TTL.", nil, nil)
+	descHomes          = prometheus.NewDesc(Namespace+"_prefix_homes", "Prefix keys with an assigned home endpoint.", nil, nil)
 )
 
 type indexCollector struct{ read func() IndexSample }
@@ -226,6 +228,7 @@ func (c *indexCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descIndexBytes
 	ch <- descIndexEvictions
 	ch <- descIndexExpiries
+	ch <- descHomes
 }
 
 func (c *indexCollector) Collect(ch chan<- prometheus.Metric) {
@@ -235,6 +238,7 @@ func (c *indexCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descIndexBytes, prometheus.GaugeValue, float64(s.Bytes))
 	ch <- prometheus.MustNewConstMetric(descIndexEvictions, prometheus.CounterValue, float64(s.Evictions))
 	ch <- prometheus.MustNewConstMetric(descIndexExpiries, prometheus.CounterValue, float64(s.Expiries))
+	ch <- prometheus.MustNewConstMetric(descHomes, prometheus.GaugeValue, float64(s.Homes))
 }
 
 // Retry counts one retry.

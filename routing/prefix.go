@@ -203,6 +203,13 @@ func (p *Prefix) SetParams(pp PrefixParams) error {
 	return nil
 }
 
+// Homes returns how many prefix keys have a home endpoint.
+func (p *Prefix) Homes() int {
+	p.homes.mu.Lock()
+	defer p.homes.mu.Unlock()
+	return p.homes.lru.Len()
+}
+
 // Index returns the policy's index.
 func (p *Prefix) Index() *prefix.Index { return p.index }
 

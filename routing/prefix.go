@@ -84,8 +84,8 @@ type PrefixParams struct {
 	// seen for the first time goes to its rendezvous winner among the
 	// endpoints homing fewer than HomeLoadFactor × the mean (see homes).
 	// 1 balances exactly and lets replicas disagree most; rendezvous alone
-	// is the limit of a large factor. 1.1 keeps 64 prefixes on 8 endpoints
-	// within 8–9 each.
+	// is the limit of a large factor. 1.1 puts at most 9 of 64 prefixes on
+	// any of 8 endpoints, where rendezvous alone put 13 on one.
 	HomeLoadFactor float64 `json:"home_load_factor"`
 }
 
@@ -312,6 +312,7 @@ type Term struct {
 	Endpoint         string   `json:"endpoint"`
 	MatchedBlocks    int      `json:"matched_blocks"`
 	Warm             bool     `json:"warm"`
+	Home             bool     `json:"home"`
 	Idle             bool     `json:"idle"`
 	UncachedTokens   int      `json:"uncached_tokens"`
 	InFlightPrefill  int64    `json:"in_flight_prefill_tokens"`
@@ -432,6 +433,11 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (d Decisi
 	}
 	if home.e == nil {
 		home = top // the home is not usable now, or every endpoint is at the bound
+	}
+	if terms != nil {
+		for i := range *terms {
+			(*terms)[i].Home = (*terms)[i].Endpoint == home.e.URL
+		}
 	}
 	// Among equally deep matches the home comes first while its wait is
 	// within the spill rule of the others: copies a spill left elsewhere

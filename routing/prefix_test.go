@@ -188,8 +188,11 @@ func TestExplainMatchesPickWithoutRecording(t *testing.T) {
 	if len(terms) != 3 || d.Endpoint == nil || d.Reason != ReasonCold {
 		t.Fatalf("explain %+v %+v", d, terms)
 	}
-	if st := p.Index().Stats(); st.Entries != 0 {
+	if st := p.Index().Stats(); st.Entries != 0 || p.Homes() != 0 {
 		t.Fatal("explain recorded the request")
+	}
+	if !terms[indexOf(set, d.Endpoint)].Home {
+		t.Fatalf("the cold pick is not marked as the prefix's home: %+v", terms)
 	}
 	if got := p.Pick(r, set); got.Endpoint != d.Endpoint {
 		t.Fatalf("pick %s, explain said %s", got.Endpoint, d.Endpoint)

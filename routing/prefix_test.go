@@ -227,7 +227,8 @@ func TestSetParamsValidates(t *testing.T) {
 
 // BenchmarkPick measures a whole routing decision for a 128 KiB prompt:
 // hashing the rendering, matching, costing every endpoint, recording.
-// BenchmarkPick: a whole decision for a 128 KiB prompt, hashing included;
+// BenchmarkPick: a whole decision for a 128 KiB prompt, hashing included,
+// with the index at its default capacity (1,760 blocks an endpoint);
 // "new-prefix" makes every prompt's first block distinct, so each pick
 // also assigns a home and inserts 128 blocks into the index.
 func BenchmarkPick(b *testing.B) {
@@ -245,7 +246,7 @@ func BenchmarkPick(b *testing.B) {
 
 func benchmarkPick(b *testing.B, n int, fresh bool, text string) {
 	set := testSet(b, n)
-	p := NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 100_000}), testBlock, DefaultPrefixParams())
+	p := NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1760, MaxEntries: 4_000_000}), testBlock, DefaultPrefixParams())
 	var h prefix.Hasher
 	var head [8]byte
 	r := &Request{Kind: KindCompletions, Model: "m"}

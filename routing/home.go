@@ -61,14 +61,20 @@ func (h *homes) drop(endpoint uint64) {
 	}
 }
 
-// lookup returns key's home, refreshing its recency, and ok false when the
-// key has none (or it expired). Without a home it returns how many homes
-// live in all, for the bound.
-func (h *homes) lookup(key uint64) (endpoint uint64, ok bool, total int) {
+// lookup returns key's home, refreshing its recency when touch is set,
+// and ok false when the key has none (or it expired). Without a home it
+// returns how many homes live in all, for the bound.
+func (h *homes) lookup(key uint64, touch bool) (endpoint uint64, ok bool, total int) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	now := h.now().Unix()
 	h.expire(now)
+	if !touch {
+		if v, ok := h.lru.Peek(key); ok {
+			return v.endpoint, true, 0
+		}
+		return 0, false, h.lru.Len()
+	}
 	if v, ok := h.lru.Get(key); ok {
 		if v.seen != now {
 			v.seen = now

@@ -341,7 +341,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (d Decisi
 	bound := 0
 	if keyed {
 		var total int
-		homeID, hasHome, total = p.homes.lookup(key)
+		homeID, hasHome, total = p.homes.lookup(key, terms == nil) // Explain leaves recency alone
 		bound = homeBound(prm.HomeLoadFactor, total, len(set.Mixed))
 	}
 	homeless := keyed && !hasHome

@@ -48,27 +48,17 @@ func appendCompletionPrompt(b []byte, s *Session, k int, answers []string) []byt
 	return b
 }
 
-// Llama 3 chat template markers, as the simulator renders chat messages
-// (bench/sim request.go). Only IdealHitRate uses them: a real server
-// applies its own template.
-const (
-	chatBOS    = "<|begin_of_text|>"
-	chatStart  = "<|start_header_id|>"
-	chatEnd    = "<|end_header_id|>\n\n"
-	chatEOT    = "<|eot_id|>"
-	chatGenHdr = chatStart + "assistant" + chatEnd
-)
-
 // appendChatPrompt appends the simulator's rendering of the chat messages of
-// turn k of s, generation header included.
+// turn k of s, generation header included (for IdealHitRate only: a real
+// server applies its own template).
 func appendChatPrompt(b []byte, s *Session, k int, answers []string) []byte {
-	b = append(b, chatBOS...)
+	b = append(b, sim.ChatBOS...)
 	msg := func(role string, content func([]byte) []byte) {
-		b = append(b, chatStart...)
+		b = append(b, sim.ChatStart...)
 		b = append(b, role...)
-		b = append(b, chatEnd...)
+		b = append(b, sim.ChatEnd...)
 		b = content(b)
-		b = append(b, chatEOT...)
+		b = append(b, sim.ChatEOT...)
 	}
 	if s.System != "" {
 		msg("system", func(b []byte) []byte { return append(b, s.System...) })
@@ -79,7 +69,7 @@ func appendChatPrompt(b []byte, s *Session, k int, answers []string) []byte {
 		}
 		msg("user", func(b []byte) []byte { return appendUserText(b, &s.Turns[i]) })
 	}
-	return append(b, chatGenHdr...)
+	return append(b, sim.ChatGenHdr...)
 }
 
 // appendPrompt appends the prompt of turn k as the simulated engine sees it.

@@ -67,7 +67,7 @@ func TestPrefixCacheTTFT(t *testing.T) {
 			body: `{"prompt":` + string(ids) + `,"max_tokens":1}`},
 		{name: "text", path: "/v1/completions", prompt: 2048,
 			body: `{"prompt":"` + text + `","max_tokens":1}`},
-		{name: "chat", path: "/v1/chat/completions", prompt: CountTokens(chatBOS + chatStart + "user" + chatEnd + text + chatEOT + chatGenHdr),
+		{name: "chat", path: "/v1/chat/completions", prompt: CountTokens(ChatBOS + ChatStart + "user" + ChatEnd + text + ChatEOT + ChatGenHdr),
 			body: `{"messages":[{"role":"user","content":"` + text + `"}],"max_tokens":1}`},
 	}
 	for _, tc := range tests {

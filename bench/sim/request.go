@@ -252,12 +252,15 @@ func optInt(v *fastjson.Value, key string) (int, bool, error) {
 //
 // so an earlier turn's prompt is a text prefix of a later turn's, and (the
 // generation prompt ending in a newline) a token prefix too.
+//
+// The markers are exported so that a client can predict the rendering (the
+// benchmark's ideal hit rate does).
 const (
-	chatBOS    = "<|begin_of_text|>"
-	chatStart  = "<|start_header_id|>"
-	chatEnd    = "<|end_header_id|>\n\n"
-	chatEOT    = "<|eot_id|>"
-	chatGenHdr = chatStart + "assistant" + chatEnd
+	ChatBOS    = "<|begin_of_text|>"
+	ChatStart  = "<|start_header_id|>"
+	ChatEnd    = "<|end_header_id|>\n\n"
+	ChatEOT    = "<|eot_id|>"
+	ChatGenHdr = ChatStart + "assistant" + ChatEnd
 )
 
 // renderChat renders messages (and tools, first) into prompt text.
@@ -278,14 +281,14 @@ func renderChat(v *fastjson.Value) ([]byte, *apiError) {
 		}
 		addGen = b
 	}
-	b := append(make([]byte, 0, 256), chatBOS...)
+	b := append(make([]byte, 0, 256), ChatBOS...)
 	if tools := v.Get("tools"); tools != nil && tools.Type() != fastjson.TypeNull {
 		if tools.Type() != fastjson.TypeArray {
 			return nil, badRequest("tools must be an array")
 		}
-		b = append(b, chatStart+"system"+chatEnd+"Tools: "...)
+		b = append(b, ChatStart+"system"+ChatEnd+"Tools: "...)
 		b = tools.MarshalTo(b)
-		b = append(b, chatEOT...)
+		b = append(b, ChatEOT...)
 	}
 	for _, m := range items {
 		if m.Type() != fastjson.TypeObject {
@@ -295,9 +298,9 @@ func renderChat(v *fastjson.Value) ([]byte, *apiError) {
 		if len(role) == 0 {
 			return nil, badRequest("each message needs a string role")
 		}
-		b = append(b, chatStart...)
+		b = append(b, ChatStart...)
 		b = append(b, role...)
-		b = append(b, chatEnd...)
+		b = append(b, ChatEnd...)
 		if c := m.Get("content"); c != nil {
 			switch c.Type() {
 			case fastjson.TypeNull:
@@ -324,10 +327,10 @@ func renderChat(v *fastjson.Value) ([]byte, *apiError) {
 		if tc := m.Get("tool_calls"); tc != nil && tc.Type() == fastjson.TypeArray && len(tc.GetArray()) > 0 {
 			b = tc.MarshalTo(b)
 		}
-		b = append(b, chatEOT...)
+		b = append(b, ChatEOT...)
 	}
 	if addGen {
-		b = append(b, chatGenHdr...)
+		b = append(b, ChatGenHdr...)
 	}
 	return b, nil
 }

@@ -19,7 +19,7 @@ func TestTokenizer(t *testing.T) {
 	}{
 		{name: "newline boundary", prefix: "The quick brown fox\n", rest: "jumps over the lazy dog."},
 		{name: "punctuation boundary", prefix: "Hello, world!", rest: " How are you?"},
-		{name: "chat turn", prefix: chatBOS + chatStart + "user" + chatEnd + "hi" + chatEOT + chatGenHdr, rest: " the answer" + chatEOT},
+		{name: "chat turn", prefix: ChatBOS + ChatStart + "user" + ChatEnd + "hi" + ChatEOT + ChatGenHdr, rest: " the answer" + ChatEOT},
 		{name: "unicode", prefix: "naïve café — ", rest: "日本語のテキスト"},
 		{name: "synthetic", prefix: SyntheticText(100, 1), rest: SyntheticText(50, 2)},
 	}

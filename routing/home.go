@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/hashicorp/golang-lru/v2/simplelru"
+
+	"github.com/kvroute/kvroute/discovery"
 )
 
 // homes assigns every prefix key (the hash of the block at depth
@@ -62,27 +64,48 @@ func (h *homes) drop(endpoint uint64) {
 }
 
 // lookup returns key's home, refreshing its recency when touch is set,
-// and ok false when the key has none (or it expired). Without a home it
-// returns how many homes live in all, for the bound.
-func (h *homes) lookup(key uint64, touch bool) (endpoint uint64, ok bool, total int) {
+// and ok false when the key has none (or it expired).
+func (h *homes) lookup(key uint64, touch bool) (endpoint uint64, ok bool) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	now := h.now().Unix()
 	h.expire(now)
 	if !touch {
-		if v, ok := h.lru.Peek(key); ok {
-			return v.endpoint, true, 0
-		}
-		return 0, false, h.lru.Len()
+		v, ok := h.lru.Peek(key)
+		return v.endpoint, ok
 	}
-	if v, ok := h.lru.Get(key); ok {
-		if v.seen != now {
-			v.seen = now
-			h.lru.Add(key, v)
-		}
-		return v.endpoint, true, 0
+	v, ok := h.lru.Get(key)
+	if ok && v.seen != now {
+		v.seen = now
+		h.lru.Add(key, v)
 	}
-	return 0, false, h.lru.Len()
+	return v.endpoint, ok
+}
+
+// choose returns the home a new key would get among the usable endpoints
+// of eps: the highest rendezvous score among those homing fewer than
+// homeBound; ok false if none qualifies. It assigns nothing.
+func (h *homes) choose(key uint64, eps []*discovery.Endpoint, r *Request, factor float64) (endpoint uint64, ok bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	bound := homeBound(factor, h.lru.Len(), len(eps))
+	var best uint64
+	for _, e := range eps {
+		if !usable(r, e) || h.count[e.ID] >= bound {
+			continue
+		}
+		if score := rendezvous(key, e.ID); !ok || score > best {
+			endpoint, best, ok = e.ID, score, true
+		}
+	}
+	return endpoint, ok
+}
+
+// len returns how many keys have a home.
+func (h *homes) len() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.lru.Len()
 }
 
 // expire drops keys unseen for longer than the TTL, oldest first: the LRU's
@@ -100,9 +123,7 @@ func (h *homes) expire(now int64) {
 	}
 }
 
-// load returns the homes of endpoint. Callers hold no lock; the value may
-// be stale by the concurrent assignments of the moment, which the bound
-// tolerates.
+// load returns the homes of endpoint.
 func (h *homes) load(endpoint uint64) int {
 	h.mu.Lock()
 	defer h.mu.Unlock()

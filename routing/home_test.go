@@ -12,7 +12,7 @@ func TestHomesExpireAndForget(t *testing.T) {
 	h.assign(2, 10)
 	h.assign(3, 20)
 	h.assign(1, 30) // a key keeps its first home
-	if ep, ok, _ := h.lookup(1, true); !ok || ep != 10 {
+	if ep, ok := h.lookup(1, true); !ok || ep != 10 {
 		t.Fatalf("lookup(1) = %d, %v", ep, ok)
 	}
 	if h.load(10) != 2 || h.load(20) != 1 || h.load(30) != 0 {
@@ -21,15 +21,15 @@ func TestHomesExpireAndForget(t *testing.T) {
 	now = now.Add(50 * time.Second)
 	h.lookup(2, true) // refreshes 2 only
 	now = now.Add(20 * time.Second)
-	if _, ok, total := h.lookup(1, true); ok || total != 1 {
-		t.Fatalf("key 1 outlived its TTL (ok %v, %d live)", ok, total)
+	if _, ok := h.lookup(1, true); ok || h.len() != 1 {
+		t.Fatalf("key 1 outlived its TTL (ok %v, %d live)", ok, h.len())
 	}
 	if h.load(10) != 1 || h.load(20) != 0 {
 		t.Fatalf("after expiry: loads %d %d", h.load(10), h.load(20))
 	}
 	h.forget(10)
-	if _, ok, total := h.lookup(2, true); ok || total != 0 || h.load(10) != 0 {
-		t.Fatalf("forgotten endpoint kept its homes (ok %v, %d live)", ok, total)
+	if _, ok := h.lookup(2, true); ok || h.len() != 0 || h.load(10) != 0 {
+		t.Fatalf("forgotten endpoint kept its homes (ok %v, %d live)", ok, h.len())
 	}
 }
 

@@ -204,11 +204,7 @@ func (p *Prefix) SetParams(pp PrefixParams) error {
 }
 
 // Homes returns how many prefix keys have a home endpoint.
-func (p *Prefix) Homes() int {
-	p.homes.mu.Lock()
-	defer p.homes.mu.Unlock()
-	return p.homes.lru.Len()
-}
+func (p *Prefix) Homes() int { return p.homes.len() }
 
 // Index returns the policy's index.
 func (p *Prefix) Index() *prefix.Index { return p.index }
@@ -336,13 +332,14 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (d Decisi
 
 	key = rendezvousKey(r.Hashes, prm.MinMatchBlocks)
 	keyed := len(r.Hashes) >= prm.MinMatchBlocks
+	// The key's home, or for a new key the one it would get (chosen).
 	var homeID uint64
-	var hasHome bool
-	bound := 0
+	var hasHome, chosen bool
 	if keyed {
-		var total int
-		homeID, hasHome, total = p.homes.lookup(key, terms == nil) // Explain leaves recency alone
-		bound = homeBound(prm.HomeLoadFactor, total, len(set.Mixed))
+		homeID, hasHome = p.homes.lookup(key, terms == nil) // Explain leaves recency alone
+		if !hasHome {
+			homeID, chosen = p.homes.choose(key, set.Mixed, r, prm.HomeLoadFactor)
+		}
 	}
 	homeless := keyed && !hasHome
 	bpt := p.BytesPerToken()
@@ -351,8 +348,8 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (d Decisi
 	if r.PromptBytes > 0 {
 		promptTokens = int(float64(r.PromptBytes) / bpt)
 	}
-	// home: the key's home, or for a new key the bounded-load rendezvous
-	// winner; top: the plain rendezvous winner (keys too short to share).
+	// home: the candidate of homeID; top: the plain rendezvous winner
+	// (keys too short to share, or no home usable).
 	var warm, free, home, top candidate
 	for _, e := range set.Mixed {
 		if !usable(r, e) {
@@ -410,15 +407,8 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (d Decisi
 		if top.e == nil || c.score > top.score {
 			top = c
 		}
-		switch {
-		case hasHome:
-			if e.ID == homeID {
-				home = c
-			}
-		case keyed:
-			if (home.e == nil || c.score > home.score) && p.homes.load(e.ID) < bound {
-				home = c
-			}
+		if (hasHome || chosen) && e.ID == homeID {
+			home = c
 		}
 		if idle && c.beats(free, prm.TieSec) {
 			free = c

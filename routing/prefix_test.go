@@ -333,7 +333,7 @@ func TestForgottenPrefixReturnsHome(t *testing.T) {
 		t.Fatalf("forgotten prefix went to %s (%s), want its home %s", d.Endpoint, d.Reason, home)
 	}
 	p.Forget(home.ID) // the endpoint left, or its engine restarted
-	if _, ok, _ := p.homes.lookup(rendezvousKey(request(sys).Hashes, 2), false); ok {
+	if _, ok := p.homes.lookup(rendezvousKey(request(sys).Hashes, 2), false); ok {
 		t.Fatal("the prefix kept a forgotten endpoint as its home")
 	}
 }

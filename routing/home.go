@@ -123,13 +123,6 @@ func (h *homes) expire(now int64) {
 	}
 }
 
-// load returns the homes of endpoint.
-func (h *homes) load(endpoint uint64) int {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	return h.count[endpoint]
-}
-
 // assign makes endpoint key's home unless the key already has one (a
 // concurrent request assigned it first).
 func (h *homes) assign(key, endpoint uint64) {

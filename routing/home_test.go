@@ -15,8 +15,8 @@ func TestHomesExpireAndForget(t *testing.T) {
 	if ep, ok := h.lookup(1, true); !ok || ep != 10 {
 		t.Fatalf("lookup(1) = %d, %v", ep, ok)
 	}
-	if h.load(10) != 2 || h.load(20) != 1 || h.load(30) != 0 {
-		t.Fatalf("loads %d %d %d", h.load(10), h.load(20), h.load(30))
+	if h.count[10] != 2 || h.count[20] != 1 || h.count[30] != 0 {
+		t.Fatalf("loads %d %d %d", h.count[10], h.count[20], h.count[30])
 	}
 	now = now.Add(50 * time.Second)
 	h.lookup(2, true) // refreshes 2 only
@@ -24,11 +24,11 @@ func TestHomesExpireAndForget(t *testing.T) {
 	if _, ok := h.lookup(1, true); ok || h.len() != 1 {
 		t.Fatalf("key 1 outlived its TTL (ok %v, %d live)", ok, h.len())
 	}
-	if h.load(10) != 1 || h.load(20) != 0 {
-		t.Fatalf("after expiry: loads %d %d", h.load(10), h.load(20))
+	if h.count[10] != 1 || h.count[20] != 0 {
+		t.Fatalf("after expiry: loads %d %d", h.count[10], h.count[20])
 	}
 	h.forget(10)
-	if _, ok := h.lookup(2, true); ok || h.len() != 0 || h.load(10) != 0 {
+	if _, ok := h.lookup(2, true); ok || h.len() != 0 || h.count[10] != 0 {
 		t.Fatalf("forgotten endpoint kept its homes (ok %v, %d live)", ok, h.len())
 	}
 }

@@ -383,7 +383,7 @@ func TestFleetEventsReachThePolicy(t *testing.T) {
 	}
 	p.homes.assign(7, e.ID)
 	o.OnRestart(e)
-	if n := p.Index().Stats().Entries; n != 0 || p.homes.load(e.ID) != 0 {
-		t.Fatalf("restart: %d entries and %d homes left", n, p.homes.load(e.ID))
+	if n := p.Index().Stats().Entries; n != 0 || p.homes.count[e.ID] != 0 {
+		t.Fatalf("restart: %d entries and %d homes left", n, p.homes.count[e.ID])
 	}
 }

@@ -23,7 +23,7 @@ import (
 // (block, endpoint) entry.
 type Index struct {
 	mu       sync.Mutex
-	owners   map[uint64]owners
+	owners   table            // hash → endpoints holding it
 	slots    []*lru           // by slot number; nil when free
 	slotOf   map[uint64]int32 // endpoint id → slot
 	freeSlot []int32
@@ -36,6 +36,7 @@ type Index struct {
 	epoch      time.Time
 
 	evictions, expiries atomic.Uint64
+	sink                uint64 // keeps table.touch's loads
 }
 
 // IndexConfig configures an Index.
@@ -56,72 +57,6 @@ type IndexConfig struct {
 // endpoint's LRU.
 type ref struct {
 	slot, node int32
-}
-
-// owners are the endpoints holding one hash. Two fit inline; more spill.
-type owners struct {
-	inline [2]ref
-	n      int32 // number of refs in inline (extra holds the rest)
-	stamp  uint32
-	extra  *[]ref
-}
-
-func (o *owners) len() int {
-	if o.extra != nil {
-		return int(o.n) + len(*o.extra)
-	}
-	return int(o.n)
-}
-
-func (o *owners) at(i int) ref {
-	if i < int(o.n) {
-		return o.inline[i]
-	}
-	return (*o.extra)[i-int(o.n)]
-}
-
-func (o *owners) find(slot int32) int {
-	for i, k := 0, o.len(); i < k; i++ {
-		if o.at(i).slot == slot {
-			return i
-		}
-	}
-	return -1
-}
-
-func (o *owners) add(r ref) {
-	if o.n < int32(len(o.inline)) && o.extra == nil {
-		o.inline[o.n] = r
-		o.n++
-		return
-	}
-	if o.extra == nil {
-		o.extra = new([]ref)
-	}
-	*o.extra = append(*o.extra, r)
-}
-
-func (o *owners) removeAt(i int) {
-	last := o.len() - 1
-	if i != last {
-		o.set(i, o.at(last))
-	}
-	if o.extra != nil && len(*o.extra) > 0 {
-		*o.extra = (*o.extra)[:len(*o.extra)-1]
-		if len(*o.extra) == 0 {
-			o.extra = nil
-		}
-		return
-	}
-	o.n--
-}
-
-func (o *owners) set(i int, r ref) {
-	if i < int(o.n) {
-		o.inline[i] = r
-		return
-	}
-	(*o.extra)[i-int(o.n)] = r
 }
 
 // lru is one endpoint's list of hashes, most recent at head, in a slab.
@@ -154,7 +89,7 @@ func NewIndex(c IndexConfig) *Index {
 		c.MaxEntries = c.BlocksPerEndpoint * 1024
 	}
 	return &Index{
-		owners:     make(map[uint64]owners),
+		owners:     newTable(),
 		slotOf:     make(map[uint64]int32),
 		defaultCap: c.BlocksPerEndpoint,
 		maxEntries: c.MaxEntries,
@@ -184,18 +119,19 @@ func (x *Index) Match(hashes []uint64, dst []Match) []Match {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	now := x.stamp()
+	t := &x.owners
 	for i, h := range hashes {
-		o, ok := x.owners[h]
-		if ok && x.expired(o.stamp, now) {
-			x.expire(h, o)
-			ok = false
+		at := t.find(h)
+		if at >= 0 && x.expired(t.slots[at].stamp, now) {
+			x.expire(at)
+			at = -1
 		}
-		if !ok {
+		if at < 0 {
 			break
 		}
 		if i == 0 {
-			for k, n := 0, o.len(); k < n; k++ {
-				r := o.at(k)
+			for k, n := 0, int(t.slots[at].n); k < n; k++ {
+				r := t.owner(at, k)
 				dst = append(dst, Match{ID: x.slots[r.slot].id, Blocks: 1, slot: r.slot})
 			}
 			continue
@@ -205,7 +141,7 @@ func (x *Index) Match(hashes []uint64, dst []Match) []Match {
 			if dst[j].Blocks != i {
 				continue
 			}
-			if o.find(dst[j].slot) >= 0 {
+			if t.ownerOf(at, dst[j].slot) >= 0 {
 				dst[j].Blocks++
 				alive = true
 			}
@@ -229,30 +165,43 @@ func (x *Index) Record(id uint64, hashes []uint64) {
 	s := x.slot(id)
 	l := x.slots[s]
 	now := x.stamp()
+	t := &x.owners
 	// If the deepest block was recorded here this second, so was the whole
 	// chain (Record touches every block): nothing to refresh.
-	if o, ok := x.owners[hashes[len(hashes)-1]]; ok && o.stamp == now && o.find(s) >= 0 {
+	if at := t.find(hashes[len(hashes)-1]); at >= 0 && t.slots[at].stamp == now && t.ownerOf(at, s) >= 0 {
 		return
+	}
+	// Load the table slots this will visit before visiting them: the
+	// chain's own, and those of the blocks it will evict here.
+	x.sink += t.touch(hashes)
+	for n, k := l.tail, l.n+len(hashes)-x.capOf(l); n != none && k > 0; n, k = l.nodes[n].prev, k-1 {
+		x.sink += t.slots[t.home(norm(l.nodes[n].key))].key
 	}
 	for i := len(hashes) - 1; i >= 0; i-- {
 		h := hashes[i]
-		o := x.owners[h]
-		o.stamp = now
-		if k := o.find(s); k >= 0 {
-			// Already held: refresh recency, unless it was refreshed this
-			// second (an approximate LRU: order within a second does not
-			// matter, and a warm burst then costs only lookups).
-			if stamp := x.owners[h].stamp; stamp != now {
-				l.moveToHead(o.at(k).node)
-				x.owners[h] = o
+		at := t.find(h)
+		if at >= 0 {
+			if k := t.ownerOf(at, s); k >= 0 {
+				// Already held: refresh recency, unless it was refreshed
+				// this second (an approximate LRU: order within a second
+				// does not matter, and a warm burst then costs only
+				// lookups).
+				if t.slots[at].stamp != now {
+					l.moveToHead(t.owner(at, k).node)
+					t.slots[at].stamp = now
+				}
+				continue
 			}
-			continue
 		}
 		x.makeRoom(s, now)
-		o = x.owners[h] // makeRoom may have removed h's other owners
-		o.stamp = now
-		o.add(ref{slot: s, node: l.pushHead(h)})
-		x.owners[h] = o
+		if at >= 0 {
+			at = t.find(h) // making room may have moved or removed it
+		}
+		if at < 0 {
+			at = t.insert(h)
+		}
+		t.slots[at].stamp = now
+		t.addOwner(at, ref{slot: s, node: l.pushHead(h)})
 		x.entries++
 	}
 }
@@ -266,12 +215,10 @@ func (x *Index) Drop(id uint64, hashes []uint64) {
 		return
 	}
 	for _, h := range hashes {
-		o, ok := x.owners[h]
-		if !ok {
-			continue
-		}
-		if k := o.find(s); k >= 0 {
-			x.unlink(h, o, k)
+		if at := x.owners.find(h); at >= 0 {
+			if k := x.owners.ownerOf(at, s); k >= 0 {
+				x.unlink(at, k)
+			}
 		}
 	}
 }
@@ -361,13 +308,9 @@ func (x *Index) Stats() IndexStats {
 			slab += cap(l.nodes) * 16
 		}
 	}
-	// A map slot holds an 8-byte key and a 32-byte owners value; with the
-	// map's load factor and doubling growth a hash costs about 64 bytes
-	// (measured by TestMemoryPerEntry).
-	mapBytes := len(x.owners) * 64
 	return IndexStats{
-		Endpoints: len(x.slotOf), Hashes: len(x.owners), Entries: x.entries,
-		Bytes: slab + mapBytes, Evictions: x.evictions.Load(), Expiries: x.expiries.Load(),
+		Endpoints: len(x.slotOf), Hashes: x.owners.n, Entries: x.entries,
+		Bytes: slab + x.owners.bytes(), Evictions: x.evictions.Load(), Expiries: x.expiries.Load(),
 	}
 }
 
@@ -413,48 +356,55 @@ func (x *Index) slot(id uint64) int32 {
 // entries first (at most a few per call), then the least recently used.
 func (x *Index) makeRoom(s int32, now uint32) {
 	l := x.slots[s]
-	for k := 0; k < 2 && l.tail != none; k++ {
-		h := l.nodes[l.tail].key
-		o := x.owners[h]
-		if !x.expired(o.stamp, now) {
-			break
+	for expired := 0; l.tail != none; {
+		at := x.owners.find(l.nodes[l.tail].key)
+		switch {
+		case expired < 2 && x.expired(x.owners.slots[at].stamp, now):
+			x.expire(at)
+			expired++
+		case l.n >= x.capOf(l):
+			x.evict(s, at)
+		default:
+			return
 		}
-		x.expire(h, o)
-	}
-	for l.n >= x.capOf(l) {
-		x.evictTail(s)
 	}
 }
 
 func (x *Index) evictTail(s int32) {
 	l := x.slots[s]
-	h := l.nodes[l.tail].key
-	o := x.owners[h]
-	x.unlink(h, o, o.find(s))
+	x.evict(s, x.owners.find(l.nodes[l.tail].key))
+}
+
+// evict removes slot s's claim on the hash in table slot at.
+func (x *Index) evict(s int32, at int) {
+	x.unlink(at, x.owners.ownerOf(at, s))
 	x.evictions.Add(1)
 }
 
-// unlink removes owner k of hash h (whose owners are o).
-func (x *Index) unlink(h uint64, o owners, k int) {
-	r := o.at(k)
+// unlink removes owner k of the hash in table slot at, and the hash when
+// that was its last owner.
+func (x *Index) unlink(at, k int) {
+	t := &x.owners
+	r := t.owner(at, k)
 	x.slots[r.slot].remove(r.node)
 	x.entries--
-	o.removeAt(k)
-	if o.len() == 0 {
-		delete(x.owners, h)
-		return
+	t.removeOwner(at, k)
+	if t.slots[at].n == 0 {
+		t.del(at)
 	}
-	x.owners[h] = o
 }
 
-// expire removes hash h from every endpoint.
-func (x *Index) expire(h uint64, o owners) {
-	for k := o.len() - 1; k >= 0; k-- {
-		r := o.at(k)
+// expire removes the hash in table slot at from every endpoint.
+func (x *Index) expire(at int) {
+	t := &x.owners
+	n := int(t.slots[at].n)
+	for k := range n {
+		r := t.owner(at, k)
 		x.slots[r.slot].remove(r.node)
-		x.entries--
 	}
-	delete(x.owners, h)
+	x.entries -= n
+	delete(t.more, t.slots[at].key)
+	t.del(at)
 	x.expiries.Add(1)
 }
 
@@ -466,10 +416,10 @@ func (x *Index) forget(id uint64) {
 	l := x.slots[s]
 	for n := l.head; n != none; {
 		next := l.nodes[n].next
-		h := l.nodes[n].key
-		o := x.owners[h]
-		if k := o.find(s); k >= 0 {
-			x.unlink(h, o, k)
+		if at := x.owners.find(l.nodes[n].key); at >= 0 {
+			if k := x.owners.ownerOf(at, s); k >= 0 {
+				x.unlink(at, k)
+			}
 		}
 		n = next
 	}

@@ -157,7 +157,7 @@ func newFlags(c *Config) (*pflag.FlagSet, []flagGroup) {
 	pfx.fs.Float64Var(&c.Prefix.TieSec, "prefix-tie", d.TieSec, "waits closer than this are ties, broken by rendezvous hashing")
 	pfx.fs.Float64Var(&c.Prefix.QueueCostSec, "prefix-queue-cost", d.QueueCostSec, "seconds of wait per request queued in the engine (scraped)")
 	pfx.fs.Float64Var(&c.Prefix.KVCostSec, "prefix-kv-cost", d.KVCostSec, "seconds of wait at a full KV cache (scraped usage 1.0), linear in usage")
-	pfx.fs.Float64Var(&c.Prefix.HomeLoadFactor, "prefix-home-load-factor", d.HomeLoadFactor, "a new prefix is homed on its rendezvous winner among endpoints homing fewer than this × the mean number of prefixes")
+	pfx.fs.Float64Var(&c.Prefix.HomeLoadFactor, "prefix-home-load-factor", d.HomeLoadFactor, "no endpoint homes more than this × the mean number of recurring prefixes (a prefix is homed on its rendezvous winner unless that endpoint is full)")
 
 	upstream.fs.DurationVar(&c.ConnectTimeout, "connect-timeout", 5*time.Second, "timeout for connecting to a model server")
 	upstream.fs.DurationVar(&c.ResponseHeaderTimeout, "response-header-timeout", 10*time.Minute, "timeout from sending a request to the first response byte (0: none); non-streaming requests answer only after generation")

@@ -451,11 +451,18 @@ func (b *upstreamBody) CloseWithError(err error) error {
 	s.opt.Metrics.Request(b.class, status, d.Seconds())
 	s.opt.Metrics.InFlight(-1)
 	if s.opt.AccessLog {
-		s.opt.Logger.Info("request",
+		fields := append(make([]zap.Field, 0, 13),
 			zap.ByteString("request_id", b.reqID), zap.ByteString("method", b.method),
 			zap.ByteString("path", b.path), zap.Int("status", status),
-			zap.String("endpoint", b.ep.URL), zap.Int("attempts", b.attempts),
-			zap.Int64("bytes", b.bytes), zap.Duration("duration", d))
+			zap.String("endpoint", b.ep.URL), zap.String("reason", b.decision.Reason),
+			zap.Int("attempts", b.attempts), zap.Int64("bytes", b.bytes), zap.Duration("duration", d))
+		if b.learn {
+			fields = append(fields, zap.Bool("home", b.decision.Home), zap.Int("matched_blocks", b.decision.MatchedBlocks))
+			if b.cached.Found {
+				fields = append(fields, zap.Int("prompt_tokens", b.prompt.Value), zap.Int("cached_tokens", b.cached.Value))
+			}
+		}
+		s.opt.Logger.Info("request", fields...)
 	}
 	b.resp, b.rd, b.ep, b.readErr, b.decision = nil, nil, nil, nil, routing.Decision{}
 	s.bodies.Put(b)

@@ -1,7 +1,9 @@
 package routing
 
 import (
+	"cmp"
 	"math"
+	"slices"
 	"sync"
 	"time"
 
@@ -10,37 +12,64 @@ import (
 	"github.com/kvroute/kvroute/discovery"
 )
 
-// homes assigns every prefix key (the hash of the block at depth
-// MinMatchBlocks) one home endpoint, the first time the key is seen, and
-// remembers it apart from the cache model: the index forgets blocks when it
-// believes the engine evicted them, but a prefix that comes back returns to
-// its home rather than to whichever endpoint is least loaded at that moment.
+// homes gives every prefix key (the hash of the block at depth
+// MinMatchBlocks) a home endpoint, apart from the cache model: the index
+// forgets blocks when it believes the engine evicted them, but a prefix that
+// comes back returns to its home rather than to whichever endpoint is least
+// loaded at that moment.
 //
-// The assignment is consistent hashing with bounded loads (Mirrokni, Thorup,
-// Zadimoghaddam, 2018) on rendezvous order: the key goes to the endpoint with
-// the highest rendezvous score among those holding fewer than
-// ⌈LoadFactor × (homes + 1) / endpoints⌉ homes. Plain rendezvous hashing
-// spreads 64 prefixes over 8 endpoints as unevenly as 4 to 13 (binomial), and
-// an endpoint homing 13 long prefixes cannot cache them and still run its
-// batch; the bound keeps every endpoint within LoadFactor of the mean, like
-// SGLang's "smallest tree" choice, while independent router replicas, whose
-// counts are alike when each sees a random share of the traffic, still mostly
-// agree (each picks the rendezvous winner unless it is at the bound).
+// The homes are a function of the set of recurring keys (seen at least twice
+// within the TTL) and of the endpoint set, never of the order in which keys
+// arrived: independent router replicas, each seeing a random share of the
+// same traffic and so the same recurring keys, agree on every home. They
+// are assigned in rounds on rendezvous order: in round r every unplaced key
+// proposes to its r-th rendezvous choice, and each endpoint accepts the
+// proposals with the highest rendezvous scores while it holds fewer than
+// ⌈LoadFactor × recurring keys / endpoints⌉ keys. No endpoint exceeds that
+// bound, and most keys stay on their rendezvous winner: plain rendezvous
+// hashing spreads 64 prefixes over 8 endpoints as unevenly as 4 to 13
+// (binomial), and an endpoint homing 13 long prefixes cannot cache them and
+// still run its batch. (Consistent hashing with bounded loads balances as
+// well, but its homes depend on the order keys were first seen, so replicas
+// disagreed on a third of them.) A key seen once weighs on nothing — a
+// one-off prompt has nothing to keep cached — and is homed where the
+// assignment would put it if it recurred, so that it keeps its home if it
+// does.
 //
-// Keys live in an LRU (golang-lru's simplelru) of bounded size and expire
-// after the index's TTL, so one-off prompts do not weigh on the counts
-// forever. Safe for concurrent use.
+// The assignment is recomputed when the recurring keys or the endpoints
+// change: at once while that is cheap (keys × endpoints up to 2^12),
+// otherwise at most once per 200 times the last computation took (under
+// 0.5% of a core); a key that began recurring since is homed as if seen
+// once meanwhile, and beyond that size a new key goes to its first
+// rendezvous choice the last assignment left room on. Keys live in an LRU
+// (golang-lru's simplelru) of bounded size and expire after the index's
+// TTL. Safe for concurrent use.
 type homes struct {
-	mu    sync.Mutex
-	lru   *simplelru.LRU[uint64, home]
-	count map[uint64]int // live homes per endpoint
-	ttl   time.Duration
-	now   func() time.Time
+	mu        sync.Mutex
+	lru       *simplelru.LRU[uint64, homeKey]
+	recurring map[uint64]struct{} // the recurring keys
+	ttl       time.Duration
+	now       func() time.Time
+
+	// The assignment, over the endpoints eps (an immutable set's slice),
+	// and the homes it gives each endpoint.
+	assigned map[uint64]uint64
+	load     map[uint64]int
+	eps      []*discovery.Endpoint
+	factor   float64
+	dirty    bool
+	last     time.Time     // when it was last computed
+	cost     time.Duration // how long that took
+
+	pending []proposal     // scratch for rounds
+	tload   map[uint64]int // scratch for a tentative placement's loads
 }
 
-type home struct {
-	endpoint uint64
-	seen     int64 // unix seconds of the last request with the key
+type proposal struct{ key, endpoint, score uint64 }
+
+type homeKey struct {
+	seen      int64 // unix seconds of the last request with the key
+	recurring bool
 }
 
 // maxHomes bounds the table: 65,536 keys ≈ 7.6 MB (115 bytes a key,
@@ -49,63 +78,175 @@ type home struct {
 // recently used keys are dropped first.
 const maxHomes = 1 << 16
 
+// cheapRounds is the work (keys × endpoints) of rounds cheap enough to run
+// within a request, a few tens of microseconds: a changed assignment is
+// then recomputed at once, and a new key placed as if it recurred.
+const cheapRounds = 1 << 12
+
 func newHomes(ttl time.Duration, now func() time.Time) *homes {
-	h := &homes{count: make(map[uint64]int), ttl: ttl, now: now}
-	h.lru, _ = simplelru.NewLRU(maxHomes, func(_ uint64, v home) { h.drop(v.endpoint) })
+	h := &homes{recurring: make(map[uint64]struct{}), ttl: ttl, now: now, tload: make(map[uint64]int)}
+	h.lru, _ = simplelru.NewLRU(maxHomes, func(k uint64, v homeKey) {
+		if v.recurring {
+			delete(h.recurring, k)
+			h.dirty = true
+		}
+	})
 	return h
 }
 
-func (h *homes) drop(endpoint uint64) {
-	if n := h.count[endpoint] - 1; n > 0 {
-		h.count[endpoint] = n
-	} else {
-		delete(h.count, endpoint)
+// lookup returns key's home among eps (every endpoint of the set, usable or
+// not: replicas agree on the set, not on every endpoint's health) and
+// whether the key recurs. When see is set the request counts: it refreshes
+// the key, makes a key seen before recurring, and records a new one;
+// /debug/route leaves it unset. ok is false for an empty eps.
+func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, see bool) (home uint64, recurring, ok bool) {
+	if len(eps) == 0 {
+		return 0, false, false
 	}
-}
-
-// lookup returns key's home, refreshing its recency when touch is set,
-// and ok false when the key has none (or it expired).
-func (h *homes) lookup(key uint64, touch bool) (endpoint uint64, ok bool) {
+	home, _, _ = choice(key, eps, 0, false)
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	now := h.now().Unix()
-	h.expire(now)
-	if !touch {
-		v, ok := h.lru.Peek(key)
-		return v.endpoint, ok
+	now := h.now()
+	h.expire(now.Unix())
+	v, seen := h.lru.Peek(key)
+	if see {
+		changed := !seen || v.seen != now.Unix()
+		if seen && !v.recurring {
+			v.recurring, changed = true, true
+			h.recurring[key] = struct{}{}
+			h.dirty = true
+		}
+		if changed {
+			v.seen = now.Unix()
+			h.lru.Add(key, v)
+		} else {
+			h.lru.Get(key) // recency only
+		}
 	}
-	v, ok := h.lru.Get(key)
-	if ok && v.seen != now {
-		v.seen = now
-		h.lru.Add(key, v)
+	if !v.recurring {
+		return h.place(key, home, eps, factor), false, true
 	}
-	return v.endpoint, ok
+	if !sameSlice(eps, h.eps) || factor != h.factor || h.dirty {
+		if len(h.recurring)*len(eps) <= cheapRounds || now.Sub(h.last) >= 200*h.cost {
+			h.assign(eps, factor, now)
+		}
+	}
+	if a, ok := h.assigned[key]; ok {
+		return a, true, true
+	}
+	return h.place(key, home, eps, factor), true, true
 }
 
-// choose returns the home a new key would get among the usable endpoints
-// of eps: the highest rendezvous score among those homing fewer than
-// homeBound; ok false if none qualifies. It assigns nothing.
-func (h *homes) choose(key uint64, eps []*discovery.Endpoint, r *Request, factor float64) (endpoint uint64, ok bool) {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	bound := homeBound(factor, h.lru.Len(), len(eps))
-	var best uint64
+// place returns the home of a key that the assignment does not place (seen
+// once, or recurring since the last assignment), whose rendezvous winner is
+// first: where the assignment of the recurring keys and this one would put
+// it, so that the key keeps its home if it recurs; or, when computing that
+// is not cheap, its first rendezvous choice that the last assignment left
+// below the bound.
+func (h *homes) place(key, first uint64, eps []*discovery.Endpoint, factor float64) uint64 {
+	if len(h.recurring) == 0 {
+		return first
+	}
+	if (len(h.recurring)+1)*len(eps) <= cheapRounds {
+		clear(h.tload)
+		if e, ok := h.rounds(key, eps, factor, h.tload, nil); ok {
+			return e
+		}
+		return first
+	}
+	bound := homeBound(factor, len(h.recurring)+1, len(eps))
+	for e, s, ok := first, rendezvous(key, first), true; ok; e, s, ok = choice(key, eps, s, true) {
+		if h.load[e] < bound {
+			return e
+		}
+	}
+	return first
+}
+
+func sameSlice(a, b []*discovery.Endpoint) bool {
+	return len(a) == len(b) && (len(a) == 0 || &a[0] == &b[0])
+}
+
+// assign recomputes the homes of the recurring keys over eps.
+func (h *homes) assign(eps []*discovery.Endpoint, factor float64, now time.Time) {
+	start := time.Now()
+	h.assigned = make(map[uint64]uint64, len(h.recurring))
+	h.load = make(map[uint64]int, len(eps))
+	h.rounds(0, eps, factor, h.load, h.assigned)
+	h.eps, h.factor, h.dirty = eps, factor, false
+	h.last, h.cost = now, time.Since(start)
+}
+
+// rounds places the recurring keys, and extra unless it is 0, on eps:
+// in round r every unplaced key proposes to its r-th rendezvous choice,
+// and each endpoint accepts the highest-scoring proposals while it homes
+// fewer than the bound. It counts the homes per endpoint in load, records
+// each key's in assigned unless that is nil, and returns extra's.
+func (h *homes) rounds(extra uint64, eps []*discovery.Endpoint, factor float64, load map[uint64]int, assigned map[uint64]uint64) (home uint64, placed bool) {
+	pending := h.pending[:0]
+	for k := range h.recurring {
+		pending = append(pending, proposal{key: k})
+	}
+	if _, dup := h.recurring[extra]; extra != 0 && !dup {
+		pending = append(pending, proposal{key: extra})
+	}
+	bound := homeBound(factor, len(pending), len(eps))
+	for round := 0; len(pending) > 0; round++ {
+		n := 0
+		for _, p := range pending {
+			// The key's next choice; none left cannot happen while the
+			// bound × endpoints covers the keys.
+			var ok bool
+			if p.endpoint, p.score, ok = choice(p.key, eps, p.score, round > 0); ok {
+				pending[n] = p
+				n++
+			}
+		}
+		pending = pending[:n]
+		slices.SortFunc(pending, func(a, b proposal) int {
+			if c := cmp.Compare(a.endpoint, b.endpoint); c != 0 {
+				return c
+			}
+			return cmp.Compare(b.score, a.score)
+		})
+		rejected := pending[:0]
+		for _, p := range pending {
+			if load[p.endpoint] >= bound {
+				rejected = append(rejected, p)
+				continue
+			}
+			load[p.endpoint]++
+			if assigned != nil {
+				assigned[p.key] = p.endpoint
+			}
+			if p.key == extra {
+				home, placed = p.endpoint, true
+			}
+		}
+		pending = rejected
+	}
+	h.pending = pending[:0]
+	return home, placed
+}
+
+// choice returns the endpoint of eps with the highest rendezvous score for
+// key below the score of the previous choice (limited; the first choice
+// when not), and that score; ok is false when there is none.
+func choice(key uint64, eps []*discovery.Endpoint, prev uint64, limited bool) (id, score uint64, ok bool) {
 	for _, e := range eps {
-		if !usable(r, e) || h.count[e.ID] >= bound {
-			continue
-		}
-		if score := rendezvous(key, e.ID); !ok || score > best {
-			endpoint, best, ok = e.ID, score, true
+		s := rendezvous(key, e.ID)
+		if (!limited || s < prev) && (!ok || s > score) {
+			id, score, ok = e.ID, s, true
 		}
 	}
-	return endpoint, ok
+	return id, score, ok
 }
 
-// len returns how many keys have a home.
+// len returns how many keys recur.
 func (h *homes) len() int {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return h.lru.Len()
+	return len(h.recurring)
 }
 
 // expire drops keys unseen for longer than the TTL, oldest first: the LRU's
@@ -123,35 +264,21 @@ func (h *homes) expire(now int64) {
 	}
 }
 
-// assign makes endpoint key's home unless the key already has one (a
-// concurrent request assigned it first).
-func (h *homes) assign(key, endpoint uint64) {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	if h.lru.Contains(key) {
-		return
-	}
-	h.lru.Add(key, home{endpoint: endpoint, seen: h.now().Unix()})
-	h.count[endpoint]++
-}
-
-// forget drops every home on endpoint (it left the set, or its engine
-// restarted with an empty cache); its keys are assigned afresh.
+// forget drops the keys homed on endpoint (it left the set, or its engine
+// restarted with an empty cache); they are homed afresh when seen again.
 func (h *homes) forget(endpoint uint64) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.count[endpoint] == 0 {
-		return
-	}
-	for _, k := range h.lru.Keys() {
-		if v, ok := h.lru.Peek(k); ok && v.endpoint == endpoint {
-			h.lru.Remove(k) // the eviction callback decrements the count
+	for k, e := range h.assigned {
+		if e == endpoint {
+			h.lru.Remove(k)
+			delete(h.assigned, k)
 		}
 	}
 }
 
-// bound is the most homes an endpoint may hold for it to take one more,
-// with total homes over n endpoints.
+// homeBound is how many recurring keys an endpoint may home: LoadFactor ×
+// the mean, with total keys over n endpoints.
 func homeBound(factor float64, total, n int) int {
-	return int(math.Ceil(factor * float64(total+1) / float64(max(n, 1))))
+	return int(math.Ceil(factor * float64(total) / float64(max(n, 1))))
 }

@@ -1,35 +1,133 @@
 package routing
 
 import (
+	"math/rand/v2"
 	"testing"
 	"time"
+
+	"github.com/kvroute/kvroute/discovery"
 )
+
+// Keys seen twice are homed in rounds of bounded proposals; the homes
+// depend on the set of recurring keys, not on the order they arrived in,
+// and spread evenly where plain rendezvous hashing does not.
+func TestHomesAreBalancedAndOrderFree(t *testing.T) {
+	eps := testSet(t, 8).Mixed
+	keys := make([]uint64, 64)
+	rng := rand.New(rand.NewPCG(3, 4))
+	for i := range keys {
+		keys[i] = rng.Uint64()
+	}
+	homesAfter := func(order []int) (map[uint64]uint64, map[uint64]int) {
+		h := newHomes(time.Hour, time.Now)
+		for range 2 {
+			for _, i := range order {
+				h.lookup(keys[i], eps, 1.1, true)
+			}
+		}
+		at, load := map[uint64]uint64{}, map[uint64]int{}
+		for _, k := range keys {
+			e, recurring, ok := h.lookup(k, eps, 1.1, false)
+			if !ok || !recurring {
+				t.Fatalf("key %x: ok %v recurring %v", k, ok, recurring)
+			}
+			at[k] = e
+			load[e]++
+		}
+		return at, load
+	}
+	forward, backward := rng.Perm(len(keys)), rng.Perm(len(keys))
+	a, load := homesAfter(forward)
+	b, _ := homesAfter(backward)
+	for k := range a {
+		if a[k] != b[k] {
+			t.Errorf("key %x homed on %x in one order, %x in another", k, a[k], b[k])
+		}
+	}
+	plain := map[uint64]int{}
+	for _, k := range keys {
+		e, _, _ := newHomes(0, time.Now).lookup(k, eps, 1.1, false)
+		plain[e]++
+	}
+	most := func(m map[uint64]int) (n int) {
+		for _, v := range m {
+			n = max(n, v)
+		}
+		return n
+	}
+	// 64 keys on 8 endpoints: the bound is ⌈1.1 × 8⌉ = 9.
+	t.Logf("most homes on one endpoint: %d balanced, %d plain rendezvous", most(load), most(plain))
+	if most(load) > 9 || most(load) >= most(plain) {
+		t.Errorf("balanced homes put %d keys on one endpoint (plain rendezvous %d)", most(load), most(plain))
+	}
+}
+
+// A key seen once is homed where it will be when it recurs.
+func TestNewKeyKeepsItsHome(t *testing.T) {
+	eps := testSet(t, 8).Mixed
+	rng := rand.New(rand.NewPCG(7, 8))
+	h := newHomes(time.Hour, time.Now)
+	for range 63 {
+		k := rng.Uint64()
+		h.lookup(k, eps, 1.1, true)
+		h.lookup(k, eps, 1.1, true)
+	}
+	moved := 0
+	for range 200 {
+		k := rng.Uint64()
+		first, recurring, _ := h.lookup(k, eps, 1.1, false)
+		if recurring {
+			t.Fatal("an unseen key recurs")
+		}
+		h.lookup(k, eps, 1.1, true)
+		if home, _, _ := h.lookup(k, eps, 1.1, true); home != first {
+			moved++
+		}
+		h.lru.Remove(k) // the next key sees the same 63 recurring keys
+
+	}
+	if moved > 0 {
+		t.Errorf("%d of 200 new keys changed home when they recurred", moved)
+	}
+}
 
 func TestHomesExpireAndForget(t *testing.T) {
 	now := time.Unix(1_000_000, 0)
 	h := newHomes(time.Minute, func() time.Time { return now })
-	h.assign(1, 10)
-	h.assign(2, 10)
-	h.assign(3, 20)
-	h.assign(1, 30) // a key keeps its first home
-	if ep, ok := h.lookup(1, true); !ok || ep != 10 {
-		t.Fatalf("lookup(1) = %d, %v", ep, ok)
+	eps := testSet(t, 3).Mixed
+	see := func(k uint64) (uint64, bool) {
+		e, recurring, _ := h.lookup(k, eps, 1.1, true)
+		return e, recurring
 	}
-	if h.count[10] != 2 || h.count[20] != 1 || h.count[30] != 0 {
-		t.Fatalf("loads %d %d %d", h.count[10], h.count[20], h.count[30])
+	if _, recurring := see(1); recurring {
+		t.Fatal("a key seen once recurs")
 	}
+	see(2)
+	if _, recurring := see(1); !recurring || h.len() != 1 {
+		t.Fatalf("a key seen twice: recurring %v, %d recurring", recurring, h.len())
+	}
+	see(2)
 	now = now.Add(50 * time.Second)
-	h.lookup(2, true) // refreshes 2 only
+	see(2) // refreshes 2 only
 	now = now.Add(20 * time.Second)
-	if _, ok := h.lookup(1, true); ok || h.len() != 1 {
-		t.Fatalf("key 1 outlived its TTL (ok %v, %d live)", ok, h.len())
+	if _, recurring, _ := h.lookup(1, eps, 1.1, false); recurring || h.len() != 1 {
+		t.Fatalf("key 1 outlived its TTL (recurring %v, %d recurring)", recurring, h.len())
 	}
-	if h.count[10] != 1 || h.count[20] != 0 {
-		t.Fatalf("after expiry: loads %d %d", h.count[10], h.count[20])
+	home, _ := see(2)
+	h.forget(home)
+	if _, recurring, _ := h.lookup(2, eps, 1.1, false); recurring || h.len() != 0 {
+		t.Fatalf("a forgotten endpoint kept its keys (recurring %v, %d)", recurring, h.len())
 	}
-	h.forget(10)
-	if _, ok := h.lookup(2, true); ok || h.len() != 0 || h.count[10] != 0 {
-		t.Fatalf("forgotten endpoint kept its homes (ok %v, %d live)", ok, h.len())
+	// Without its old primary the key proposes to the next one.
+	var rest []*discovery.Endpoint
+	for _, e := range eps {
+		if e.ID != home {
+			rest = append(rest, e)
+		}
+	}
+	see(2)
+	if e, recurring, _ := h.lookup(2, rest, 1.1, true); !recurring || e == home {
+		t.Fatalf("after the endpoint left: home %x (recurring %v)", e, recurring)
 	}
 }
 
@@ -39,7 +137,7 @@ func TestHomeBound(t *testing.T) {
 		total, n int
 		want     int
 	}{
-		{1.1, 0, 8, 1}, {1.1, 63, 8, 9}, {1, 63, 8, 8}, {1.25, 99, 10, 13}, {1.1, 5, 0, 7},
+		{1.1, 0, 8, 0}, {1.1, 64, 8, 9}, {1, 64, 8, 8}, {1.25, 100, 10, 13}, {1.1, 5, 0, 6},
 	} {
 		if got := homeBound(tc.factor, tc.total, tc.n); got != tc.want {
 			t.Errorf("homeBound(%v, %d, %d) = %d, want %d", tc.factor, tc.total, tc.n, got, tc.want)

@@ -80,12 +80,12 @@ type PrefixParams struct {
 	// linearly: a full cache admits new prompts only as sequences finish and
 	// evicts cached prefixes to do so.
 	KVCostSec float64 `json:"kv_cost_sec"`
-	// HomeLoadFactor bounds how unevenly new prefixes are homed: a prefix
-	// seen for the first time goes to its rendezvous winner among the
-	// endpoints homing fewer than HomeLoadFactor × the mean (see homes).
-	// 1 balances exactly and lets replicas disagree most; rendezvous alone
-	// is the limit of a large factor. 1.1 puts at most 9 of 64 prefixes on
-	// any of 8 endpoints, where rendezvous alone put 13 on one.
+	// HomeLoadFactor bounds how unevenly recurring prefixes are homed: no
+	// endpoint homes more than HomeLoadFactor × the mean (see homes). 1
+	// balances exactly and moves the most prefixes off their rendezvous
+	// winner; rendezvous alone is the limit of a large factor. 1.1 puts at
+	// most 9 of 64 prefixes on any of 8 endpoints, where rendezvous alone
+	// put 12 or 13 on one.
 	HomeLoadFactor float64 `json:"home_load_factor"`
 }
 
@@ -141,12 +141,13 @@ func (e errBadParam) Error() string { return "routing: " + string(e) }
 // router's own counters stand alone), and the uncached tokens are the prompt
 // minus the prefix the index believes the endpoint holds.
 //
-// Every prefix key (the block at depth MinMatchBlocks) has a home, assigned
-// when the key is first seen by bounded-load rendezvous hashing (homes) and
-// kept apart from the index, so that the index forgetting blocks never moves
-// a prefix. The target is the warm endpoint (deepest useful match; among
-// equal matches the home while its wait is within the spill rule, then the
-// lowest wait), or for a prefix warm nowhere its home. The target keeps the
+// Every prefix key (the block at depth MinMatchBlocks) has a home (homes:
+// balanced rendezvous hashing over the recurring keys, the same in every
+// router replica), kept apart from the index, so that the index forgetting
+// blocks never moves a prefix. The target is the warm endpoint (deepest
+// useful match; the home while its wait is within the spill rule, among
+// equal matches and, for a recurring key, wherever the index holds more
+// elsewhere; then the lowest wait), or for a prefix warm nowhere its home. The target keeps the
 // request unless its wait exceeds SpillRatio × the best idle endpoint's +
 // SpillMarginSec (an established home is tested without the recompute, as
 // if warm); then the request spills to that idle endpoint, whose cache
@@ -266,12 +267,9 @@ func (p *Prefix) learnBytesPerToken(promptBytes, promptTokens int) {
 
 // Pick implements the policy and records the pick in the index.
 func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
-	d, key, homeID, assign := p.decide(r, set, nil)
+	d := p.decide(r, set, nil)
 	if d.Endpoint != nil {
 		p.index.Record(d.Endpoint.ID, r.Hashes)
-	}
-	if assign {
-		p.homes.assign(key, homeID)
 	}
 	return d
 }
@@ -280,7 +278,7 @@ func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 // recording anything.
 func (p *Prefix) Explain(r *Request, set *discovery.Set) (Decision, []Term) {
 	var terms []Term
-	d, _, _, _ := p.decide(r, set, &terms)
+	d := p.decide(r, set, &terms)
 	return d, terms
 }
 
@@ -321,27 +319,22 @@ type Term struct {
 	Skipped          string   `json:"skipped,omitempty"`
 }
 
-// decide returns the decision and, when the request has a prefix key
-// (MinMatchBlocks blocks or more) without a home yet, the key and the home
-// chosen for it with assign true, for Pick to record.
-func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (d Decision, key, newHome uint64, assign bool) {
+// decide returns the decision; terms, when not nil, receives each
+// endpoint's side of it, and then nothing is counted as seen.
+func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision {
 	prm := p.params.Load()
 	sp := p.scratch.Get().(*[]prefix.Match)
 	matches := p.index.Match(r.Hashes, *sp)
 	defer func() { *sp = matches[:0]; p.scratch.Put(sp) }()
 
-	key = rendezvousKey(r.Hashes, prm.MinMatchBlocks)
+	key := rendezvousKey(r.Hashes, prm.MinMatchBlocks)
 	keyed := len(r.Hashes) >= prm.MinMatchBlocks
-	// The key's home, or for a new key the one it would get (chosen).
+	// The key's home; established when the key recurs.
 	var homeID uint64
-	var hasHome, chosen bool
+	var established, hasHome bool
 	if keyed {
-		homeID, hasHome = p.homes.lookup(key, terms == nil) // Explain leaves recency alone
-		if !hasHome {
-			homeID, chosen = p.homes.choose(key, set.Mixed, r, prm.HomeLoadFactor)
-		}
+		homeID, established, hasHome = p.homes.lookup(key, set.Mixed, prm.HomeLoadFactor, terms == nil)
 	}
-	homeless := keyed && !hasHome
 	bpt := p.BytesPerToken()
 	tokensPerBlock := float64(p.blockBytes) / bpt
 	promptTokens := r.PromptTokens
@@ -407,7 +400,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (d Decisi
 		if top.e == nil || c.score > top.score {
 			top = c
 		}
-		if (hasHome || chosen) && e.ID == homeID {
+		if hasHome && e.ID == homeID {
 			home = c
 		}
 		if idle && c.beats(free, prm.TieSec) {
@@ -419,7 +412,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (d Decisi
 		}
 	}
 	if top.e == nil {
-		return Decision{Reason: ReasonCold}, 0, 0, false
+		return Decision{Reason: ReasonCold}
 	}
 	if home.e == nil {
 		home = top // the home is not usable now, or every endpoint is at the bound
@@ -432,9 +425,22 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (d Decisi
 	// Among equally deep matches the home comes first while its wait is
 	// within the spill rule of the others: copies a spill left elsewhere
 	// then serve only while the home is saturated and age out of those
-	// caches afterwards, instead of keeping the prefix cached twice.
-	if warm.e != nil && home.e != warm.e && home.blocks == warm.blocks && home.wait <= warm.wait*prm.SpillRatio+prm.SpillMarginSec {
-		warm = home
+	// caches afterwards, instead of keeping the prefix cached twice. The
+	// home of a recurring key is presumed to hold what the copies hold:
+	// where this router's index holds less there, other replicas, which
+	// route the key home too, have most likely kept it there, while the
+	// copy is this router's own; and homes that moved (the recurring keys
+	// changed) are followed.
+	established = established && home.e.ID == homeID
+	if warm.e != nil && home.e != warm.e && (home.blocks == warm.blocks || established) {
+		h := home
+		if h.blocks < warm.blocks {
+			h.wait -= float64(h.uncached-warm.uncached) / prm.PrefillTokensPerSec
+			h.blocks, h.uncached = warm.blocks, warm.uncached
+		}
+		if h.wait <= warm.wait*prm.SpillRatio+prm.SpillMarginSec {
+			warm = h
+		}
 	}
 	target, reason := warm, ReasonWarm
 	spillTest := warm.wait
@@ -446,7 +452,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (d Decisi
 		// the recompute): the index forgetting is no evidence that the
 		// engine did, and another router may keep the prefix there.
 		target, reason, spillTest = home, ReasonCold, home.wait
-		if hasHome && home.e.ID == homeID {
+		if established {
 			spillTest -= float64(home.uncached) / prm.PrefillTokensPerSec
 		}
 	}
@@ -456,14 +462,9 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (d Decisi
 			reason = ReasonSpill
 		}
 	}
-	d = target.decision(reason, promptTokens)
-	if !homeless {
-		return d, 0, 0, false
-	}
-	// A new prefix is homed on its home candidate even when it went
-	// elsewhere this once: the assignment must not depend on this
-	// router's load view, or replicas would disagree.
-	return d, key, home.e.ID, true
+	d := target.decision(reason, promptTokens)
+	d.Home = target.e == home.e
+	return d
 }
 
 // candidate is one endpoint's terms in a decision.

@@ -3,6 +3,7 @@ package routing
 import (
 	"encoding/binary"
 	"fmt"
+	"math/rand/v2"
 	"strings"
 	"testing"
 	"time"
@@ -289,30 +290,6 @@ func TestLearnsBytesPerToken(t *testing.T) {
 	}
 }
 
-// New prefixes are homed evenly: of 64 groups on 8 endpoints none gets more
-// than ⌈1.1 × 8⌉ = 9, where rendezvous hashing alone gives some endpoint
-// half again the mean (and a cache it cannot hold).
-func TestNewPrefixesAreHomedEvenly(t *testing.T) {
-	set := testSet(t, 8)
-	p := newTestPrefix(DefaultPrefixParams())
-	homes := map[*discovery.Endpoint]int{}
-	for g := range 64 {
-		d := p.Pick(request(system(500+g, 8192)+"q"), set)
-		if d.Reason != ReasonCold {
-			t.Fatalf("group %d: %+v", g, d)
-		}
-		homes[d.Endpoint]++
-	}
-	for e, n := range homes {
-		if n > 9 {
-			t.Errorf("%s homes %d of 64 prefixes, want at most 9", e, n)
-		}
-	}
-	if len(homes) != 8 {
-		t.Errorf("%d endpoints used", len(homes))
-	}
-}
-
 // A prefix the index forgot (its blocks aged out of the capacity model)
 // returns to its home, not to the least-loaded endpoint, unless the home is
 // saturated as a warm endpoint would be: forgetting is no evidence that the
@@ -333,7 +310,7 @@ func TestForgottenPrefixReturnsHome(t *testing.T) {
 		t.Fatalf("forgotten prefix went to %s (%s), want its home %s", d.Endpoint, d.Reason, home)
 	}
 	p.Forget(home.ID) // the endpoint left, or its engine restarted
-	if _, ok := p.homes.lookup(rendezvousKey(request(sys).Hashes, 2), false); ok {
+	if _, recurring, _ := p.homes.lookup(rendezvousKey(request(sys).Hashes, 2), set.Mixed, 1.1, false); recurring {
 		t.Fatal("the prefix kept a forgotten endpoint as its home")
 	}
 }
@@ -381,9 +358,44 @@ func TestFleetEventsReachThePolicy(t *testing.T) {
 	if n := p.Index().Stats().Entries; n != 4 {
 		t.Fatalf("%d entries after recording 16 blocks on a 4-block endpoint", n)
 	}
-	p.homes.assign(7, e.ID)
+	for range 2 {
+		p.homes.lookup(7, []*discovery.Endpoint{e}, 1.1, true)
+	}
 	o.OnRestart(e)
-	if n := p.Index().Stats().Entries; n != 0 || p.homes.count[e.ID] != 0 {
-		t.Fatalf("restart: %d entries and %d homes left", n, p.homes.count[e.ID])
+	if n := p.Index().Stats().Entries; n != 0 || p.Homes() != 0 {
+		t.Fatalf("restart: %d entries and %d homes left", n, p.Homes())
+	}
+}
+
+// Independent replicas, each routing a random share of the same traffic,
+// agree on where every recurring prefix goes, and spread the prefixes
+// evenly: homes depend on the recurring keys, not on which replica saw
+// what first, and a replica follows the home even where its own index
+// holds the prefix elsewhere.
+func TestReplicasAgree(t *testing.T) {
+	set := testSet(t, 8)
+	replicas := []*Prefix{newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams())}
+	rng := rand.New(rand.NewPCG(5, 6))
+	for i := range 64 * 30 {
+		g := rng.IntN(64)
+		replicas[rng.IntN(len(replicas))].Pick(request(system(1000+g, 8192)+fmt.Sprint(i)), set)
+	}
+	load := map[*discovery.Endpoint]int{}
+	for g := range 64 {
+		var first *discovery.Endpoint
+		for i, p := range replicas {
+			d := p.Pick(request(system(1000+g, 8192)+"final"), set)
+			if i == 0 {
+				first = d.Endpoint
+				load[first]++
+			} else if d.Endpoint != first {
+				t.Errorf("group %d: replica 0 routes to %s, replica %d to %s (%s)", g, first, i, d.Endpoint, d.Reason)
+			}
+		}
+	}
+	for e, n := range load {
+		if n > 9 {
+			t.Errorf("%s homes %d of 64 prefixes, want at most ⌈1.1 × 8⌉ = 9", e, n)
+		}
 	}
 }

@@ -93,6 +93,9 @@ type Decision struct {
 	Prefill int
 	// MatchedBlocks is the prefix blocks the endpoint is believed to hold.
 	MatchedBlocks int
+	// Home is true when the endpoint is the home of the request's prefix
+	// (the prefix policy).
+	Home bool
 	// PromptTokens is the policy's estimate of the prompt's engine tokens.
 	PromptTokens int
 	// Contended is true when the endpoint was already computing other

@@ -12,6 +12,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/netip"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -451,13 +452,14 @@ func (b *upstreamBody) CloseWithError(err error) error {
 	s.opt.Metrics.Request(b.class, status, d.Seconds())
 	s.opt.Metrics.InFlight(-1)
 	if s.opt.AccessLog {
-		fields := append(make([]zap.Field, 0, 13),
+		fields := append(make([]zap.Field, 0, 14),
 			zap.ByteString("request_id", b.reqID), zap.ByteString("method", b.method),
 			zap.ByteString("path", b.path), zap.Int("status", status),
 			zap.String("endpoint", b.ep.URL), zap.String("reason", b.decision.Reason),
 			zap.Int("attempts", b.attempts), zap.Int64("bytes", b.bytes), zap.Duration("duration", d))
 		if b.learn {
-			fields = append(fields, zap.Bool("home", b.decision.Home), zap.Int("matched_blocks", b.decision.MatchedBlocks))
+			fields = append(fields, zap.Bool("home", b.decision.Home), zap.Int("matched_blocks", b.decision.MatchedBlocks),
+				zap.String("prefix_key", strconv.FormatUint(b.decision.PrefixKey, 16)))
 			if b.cached.Found {
 				fields = append(fields, zap.Int("prompt_tokens", b.prompt.Value), zap.Int("cached_tokens", b.cached.Value))
 			}

@@ -33,17 +33,14 @@ import (
 // well, but its homes depend on the order keys were first seen, so replicas
 // disagreed on a third of them.) A key seen once weighs on nothing — a
 // one-off prompt has nothing to keep cached — and is homed where the
-// assignment would put it if it recurred, so that it keeps its home if it
-// does.
+// assignment would most likely put it if it recurred (place).
 //
 // The assignment is recomputed when the recurring keys or the endpoints
 // change: at once while that is cheap (keys × endpoints up to 2^12),
 // otherwise at most once per 200 times the last computation took (under
 // 0.5% of a core); a key that began recurring since is homed as if seen
-// once meanwhile, and beyond that size a new key goes to its first
-// rendezvous choice the last assignment left room on. Keys live in an LRU
-// (golang-lru's simplelru) of bounded size and expire after the index's
-// TTL. Safe for concurrent use.
+// once meanwhile. Keys live in an LRU (golang-lru's simplelru) of bounded
+// size and expire after the index's TTL. Safe for concurrent use.
 type homes struct {
 	mu        sync.Mutex
 	lru       *simplelru.LRU[uint64, homeKey]
@@ -61,8 +58,8 @@ type homes struct {
 	last     time.Time     // when it was last computed
 	cost     time.Duration // how long that took
 
-	pending []proposal     // scratch for rounds
-	tload   map[uint64]int // scratch for a tentative placement's loads
+	proposals map[uint64][]uint64 // endpoint → its first-round proposals' scores, highest first
+	pending   []proposal          // scratch
 }
 
 type proposal struct{ key, endpoint, score uint64 }
@@ -78,13 +75,12 @@ type homeKey struct {
 // recently used keys are dropped first.
 const maxHomes = 1 << 16
 
-// cheapRounds is the work (keys × endpoints) of rounds cheap enough to run
-// within a request, a few tens of microseconds: a changed assignment is
-// then recomputed at once, and a new key placed as if it recurred.
+// cheapRounds is the work (keys × endpoints) of an assignment cheap enough
+// to redo within a request whenever it changed: a few tens of microseconds.
 const cheapRounds = 1 << 12
 
 func newHomes(ttl time.Duration, now func() time.Time) *homes {
-	h := &homes{recurring: make(map[uint64]struct{}), ttl: ttl, now: now, tload: make(map[uint64]int)}
+	h := &homes{recurring: make(map[uint64]struct{}), ttl: ttl, now: now}
 	h.lru, _ = simplelru.NewLRU(maxHomes, func(k uint64, v homeKey) {
 		if v.recurring {
 			delete(h.recurring, k)
@@ -123,39 +119,56 @@ func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, se
 			h.lru.Get(key) // recency only
 		}
 	}
-	if !v.recurring {
-		return h.place(key, home, eps, factor), false, true
-	}
 	if !sameSlice(eps, h.eps) || factor != h.factor || h.dirty {
 		if len(h.recurring)*len(eps) <= cheapRounds || now.Sub(h.last) >= 200*h.cost {
 			h.assign(eps, factor, now)
 		}
 	}
-	if a, ok := h.assigned[key]; ok {
+	if a, ok := h.assigned[key]; ok && v.recurring {
 		return a, true, true
 	}
-	return h.place(key, home, eps, factor), true, true
+	return h.place(key, home, eps, factor), v.recurring, true
+}
+
+// recur makes key recurring (an engine reported it cached: it was seen
+// before, by this router or another).
+func (h *homes) recur(key uint64) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	v, _ := h.lru.Peek(key)
+	if v.recurring {
+		return
+	}
+	if v.seen == 0 {
+		v.seen = h.now().Unix()
+	}
+	v.recurring = true
+	h.recurring[key] = struct{}{}
+	h.dirty = true
+	h.lru.Add(key, v)
 }
 
 // place returns the home of a key that the assignment does not place (seen
 // once, or recurring since the last assignment), whose rendezvous winner is
-// first: where the assignment of the recurring keys and this one would put
-// it, so that the key keeps its home if it recurs; or, when computing that
-// is not cheap, its first rendezvous choice that the last assignment left
-// below the bound.
+// first: where the assignment would put it if it recurred, so that it keeps
+// its home if it does. Its winner accepts it in the first round when fewer
+// than the bound of that round's proposals to it score higher; otherwise
+// it goes to its first choice that the assignment left below the bound
+// (later rounds are not rerun: a close guess).
 func (h *homes) place(key, first uint64, eps []*discovery.Endpoint, factor float64) uint64 {
 	if len(h.recurring) == 0 {
 		return first
 	}
-	if (len(h.recurring)+1)*len(eps) <= cheapRounds {
-		clear(h.tload)
-		if e, ok := h.rounds(key, eps, factor, h.tload, nil); ok {
-			return e
-		}
+	total := len(h.recurring)
+	if _, ok := h.recurring[key]; !ok {
+		total++
+	}
+	bound := homeBound(factor, total, len(eps))
+	s := rendezvous(key, first)
+	if higher, _ := slices.BinarySearchFunc(h.proposals[first], s, descending); higher < bound {
 		return first
 	}
-	bound := homeBound(factor, len(h.recurring)+1, len(eps))
-	for e, s, ok := first, rendezvous(key, first), true; ok; e, s, ok = choice(key, eps, s, true) {
+	for e, ok := first, true; ok; e, s, ok = choice(key, eps, s, true) {
 		if h.load[e] < bound {
 			return e
 		}
@@ -163,32 +176,25 @@ func (h *homes) place(key, first uint64, eps []*discovery.Endpoint, factor float
 	return first
 }
 
+func descending(a, b uint64) int { return cmp.Compare(b, a) }
+
 func sameSlice(a, b []*discovery.Endpoint) bool {
 	return len(a) == len(b) && (len(a) == 0 || &a[0] == &b[0])
 }
 
-// assign recomputes the homes of the recurring keys over eps.
+// assign recomputes the homes of the recurring keys over eps, in rounds: in
+// round r every unplaced key proposes to its r-th rendezvous choice, and
+// each endpoint accepts the highest-scoring proposals while it homes fewer
+// than the bound. It keeps each endpoint's first-round proposals (their
+// scores, highest first) for place.
 func (h *homes) assign(eps []*discovery.Endpoint, factor float64, now time.Time) {
 	start := time.Now()
 	h.assigned = make(map[uint64]uint64, len(h.recurring))
 	h.load = make(map[uint64]int, len(eps))
-	h.rounds(0, eps, factor, h.load, h.assigned)
-	h.eps, h.factor, h.dirty = eps, factor, false
-	h.last, h.cost = now, time.Since(start)
-}
-
-// rounds places the recurring keys, and extra unless it is 0, on eps:
-// in round r every unplaced key proposes to its r-th rendezvous choice,
-// and each endpoint accepts the highest-scoring proposals while it homes
-// fewer than the bound. It counts the homes per endpoint in load, records
-// each key's in assigned unless that is nil, and returns extra's.
-func (h *homes) rounds(extra uint64, eps []*discovery.Endpoint, factor float64, load map[uint64]int, assigned map[uint64]uint64) (home uint64, placed bool) {
+	h.proposals = make(map[uint64][]uint64, len(eps))
 	pending := h.pending[:0]
 	for k := range h.recurring {
 		pending = append(pending, proposal{key: k})
-	}
-	if _, dup := h.recurring[extra]; extra != 0 && !dup {
-		pending = append(pending, proposal{key: extra})
 	}
 	bound := homeBound(factor, len(pending), len(eps))
 	for round := 0; len(pending) > 0; round++ {
@@ -207,26 +213,25 @@ func (h *homes) rounds(extra uint64, eps []*discovery.Endpoint, factor float64, 
 			if c := cmp.Compare(a.endpoint, b.endpoint); c != 0 {
 				return c
 			}
-			return cmp.Compare(b.score, a.score)
+			return descending(a.score, b.score)
 		})
 		rejected := pending[:0]
 		for _, p := range pending {
-			if load[p.endpoint] >= bound {
+			if round == 0 {
+				h.proposals[p.endpoint] = append(h.proposals[p.endpoint], p.score)
+			}
+			if h.load[p.endpoint] >= bound {
 				rejected = append(rejected, p)
 				continue
 			}
-			load[p.endpoint]++
-			if assigned != nil {
-				assigned[p.key] = p.endpoint
-			}
-			if p.key == extra {
-				home, placed = p.endpoint, true
-			}
+			h.load[p.endpoint]++
+			h.assigned[p.key] = p.endpoint
 		}
 		pending = rejected
 	}
 	h.pending = pending[:0]
-	return home, placed
+	h.eps, h.factor, h.dirty = eps, factor, false
+	h.last, h.cost = now, time.Since(start)
 }
 
 // choice returns the endpoint of eps with the highest rendezvous score for

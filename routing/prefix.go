@@ -148,7 +148,8 @@ func (e errBadParam) Error() string { return "routing: " + string(e) }
 // useful match; the home while its wait is within the spill rule, among
 // equal matches and, for a recurring key, wherever the index holds more
 // elsewhere; then the lowest wait), or for a prefix warm nowhere its home. The target keeps the
-// request unless its wait exceeds SpillRatio × the best idle endpoint's +
+// request unless its wait in the router's own view (its own in-flight
+// requests and prefill) exceeds SpillRatio × the best idle endpoint's wait +
 // SpillMarginSec (an established home is tested without the recompute, as
 // if warm); then the request spills to that idle endpoint, whose cache
 // becomes warm too. Idle means nothing queued there in the router's view
@@ -289,10 +290,16 @@ func (p *Prefix) Explain(r *Request, set *discovery.Set) (Decision, []Term) {
 // the engine held at least a block less than estimated and nothing else was
 // prefilling there at pick time, the index over-claimed: the engine evicted
 // earlier than modelled, and the endpoint's modelled capacity shrinks
-// (prefix.Index.Correct). An accurate report lets it grow back.
+// (prefix.Index.Correct). An accurate report lets it grow back. An engine
+// that served the request's whole prefix key from cache had seen the prefix
+// before, from this router or another: the key recurs, even if this router
+// sees it for the first time.
 func (p *Prefix) Learn(d Decision, promptBytes, enginePrompt, engineCached int) (estimated int) {
 	p.learnBytesPerToken(promptBytes, enginePrompt)
 	tokensPerBlock := int(float64(p.blockBytes) / p.BytesPerToken())
+	if d.PrefixKey != 0 && engineCached >= p.params.Load().MinMatchBlocks*tokensPerBlock {
+		p.homes.recur(d.PrefixKey)
+	}
 	estimated = min(d.MatchedBlocks*tokensPerBlock, max(enginePrompt, d.PromptTokens))
 	over := engineCached+tokensPerBlock <= estimated
 	if d.Endpoint != nil && (!over || !d.Contended) {
@@ -387,7 +394,9 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 			// prefixes homed there, whose next requests then recompute.
 			idle = idle && eng.Waiting == 0 && eng.KVUsage < prm.SpillMaxKVUsage
 		}
-		c.wait = queueWait + float64(c.uncached)/prm.PrefillTokensPerSec + float64(inflight)*prm.DecodeCostSec + kvWait
+		prefill := float64(c.uncached) / prm.PrefillTokensPerSec
+		c.wait = queueWait + prefill + float64(inflight)*prm.DecodeCostSec + kvWait
+		c.own = float64(c.pending)/prm.PrefillTokensPerSec + prefill + float64(e.InFlight.Load())*prm.DecodeCostSec
 		if terms != nil {
 			t := Term{Endpoint: e.URL, MatchedBlocks: c.blocks, Warm: isWarm, Idle: idle,
 				UncachedTokens: c.uncached, InFlightPrefill: c.pending, InFlightRequests: e.InFlight.Load(),
@@ -426,24 +435,32 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	// within the spill rule of the others: copies a spill left elsewhere
 	// then serve only while the home is saturated and age out of those
 	// caches afterwards, instead of keeping the prefix cached twice. The
-	// home of a recurring key is presumed to hold what the copies hold:
-	// where this router's index holds less there, other replicas, which
+	// home of a recurring key that this router's index does not show warm
+	// there is presumed to hold what the copies hold: other replicas, which
 	// route the key home too, have most likely kept it there, while the
-	// copy is this router's own; and homes that moved (the recurring keys
-	// changed) are followed.
+	// copy is this router's own. (A home shown warm to a shallower depth
+	// than a copy holds a shorter shared prefix — a system prompt common to
+	// many conversations — and the copy the conversation.)
 	established = established && home.e.ID == homeID
-	if warm.e != nil && home.e != warm.e && (home.blocks == warm.blocks || established) {
+	if warm.e != nil && home.e != warm.e && (home.blocks == warm.blocks || established && home.blocks == 0) {
 		h := home
 		if h.blocks < warm.blocks {
-			h.wait -= float64(h.uncached-warm.uncached) / prm.PrefillTokensPerSec
+			saved := float64(h.uncached-warm.uncached) / prm.PrefillTokensPerSec
+			h.wait, h.own = h.wait-saved, h.own-saved
 			h.blocks, h.uncached = warm.blocks, warm.uncached
 		}
 		if h.wait <= warm.wait*prm.SpillRatio+prm.SpillMarginSec {
 			warm = h
 		}
 	}
+	// The spill test takes the target's wait in this router's own view:
+	// the engine's queue is up to a scrape old and the same for every
+	// router replica, so acting on it would make all of them spill the
+	// target's prefixes at once for a whole interval, where each needs to
+	// relieve only its share. (Which endpoint is idle enough to take a
+	// spill does consult the engine.)
 	target, reason := warm, ReasonWarm
-	spillTest := warm.wait
+	spillTest := warm.own
 	if warm.e == nil {
 		// A cold prefix goes to its home: a prefix the index forgot
 		// returns where it lived, and replicas that never saw it agree on
@@ -451,7 +468,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		// it is saturated as a warm endpoint would be (its wait without
 		// the recompute): the index forgetting is no evidence that the
 		// engine did, and another router may keep the prefix there.
-		target, reason, spillTest = home, ReasonCold, home.wait
+		target, reason, spillTest = home, ReasonCold, home.own
 		if established {
 			spillTest -= float64(home.uncached) / prm.PrefillTokensPerSec
 		}
@@ -464,13 +481,17 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	}
 	d := target.decision(reason, promptTokens)
 	d.Home = target.e == home.e
+	if keyed {
+		d.PrefixKey = key
+	}
 	return d
 }
 
 // candidate is one endpoint's terms in a decision.
 type candidate struct {
 	e        *discovery.Endpoint
-	wait     float64
+	wait     float64 // the wait estimate
+	own      float64 // the wait from this router's own counters alone
 	score    uint64
 	uncached int
 	blocks   int

@@ -399,3 +399,20 @@ func TestReplicasAgree(t *testing.T) {
 		}
 	}
 }
+
+// A prefix the engine already held was seen before, by this router or
+// another: the first report of it cached makes its key recur.
+func TestEngineCacheMakesAKeyRecur(t *testing.T) {
+	set := testSet(t, 4)
+	p := newTestPrefix(DefaultPrefixParams())
+	r := request(system(50, 8192) + "q")
+	d := p.Pick(r, set)
+	p.Learn(d, r.PromptBytes, r.PromptTokens, 16) // a block's worth of a shared preamble
+	if p.Homes() != 0 {
+		t.Fatalf("%d recurring keys after a report of 16 cached tokens", p.Homes())
+	}
+	p.Learn(d, r.PromptBytes, r.PromptTokens, 2048)
+	if p.Homes() != 1 {
+		t.Fatalf("%d recurring keys after the engine reported the prefix cached", p.Homes())
+	}
+}

@@ -96,6 +96,8 @@ type Decision struct {
 	// Home is true when the endpoint is the home of the request's prefix
 	// (the prefix policy).
 	Home bool
+	// PrefixKey is the prefix policy's key of the request's prefix (0: none).
+	PrefixKey uint64
 	// PromptTokens is the policy's estimate of the prompt's engine tokens.
 	PromptTokens int
 	// Contended is true when the endpoint was already computing other

@@ -146,7 +146,7 @@ func newFlags(c *Config) (*pflag.FlagSet, []flagGroup) {
 	pfx.fs.IntVar(&c.PrefixBlockBytes, "prefix-block-bytes", 1024, "bytes of the canonical prompt rendering per hashed block (1 KiB ≈ 256 tokens)")
 	pfx.fs.IntVar(&c.PrefixMaxBlocks, "prefix-max-blocks", 256, "blocks hashed per request; 256 × 1 KiB covers 256 KiB ≈ 64k tokens")
 	pfx.fs.IntVar(&c.PrefixCapacityBlocks, "prefix-capacity-blocks", 1760, "index blocks remembered per endpoint: the engine's KV capacity in blocks (450k tokens / 256 for an 8B model on an H100)")
-	pfx.fs.IntVar(&c.PrefixMaxEntries, "prefix-max-entries", 4_000_000, "cap on (block, endpoint) entries of all endpoints together (≈ 76 bytes each)")
+	pfx.fs.IntVar(&c.PrefixMaxEntries, "prefix-max-entries", 4_000_000, "cap on (block, endpoint) entries of all endpoints together (≈ 56 bytes each)")
 	pfx.fs.DurationVar(&c.PrefixTTL, "prefix-ttl", 30*time.Minute, "forget blocks nobody was routed to for this long (0: never)")
 	pfx.fs.Float64Var(&c.Prefix.PrefillTokensPerSec, "prefix-prefill-tokens-per-sec", d.PrefillTokensPerSec, "an endpoint's prefill rate, turning uncached tokens into seconds of wait")
 	pfx.fs.Float64Var(&c.Prefix.DecodeCostSec, "prefix-decode-cost", d.DecodeCostSec, "seconds of wait one in-flight request adds to a new request's first token")

@@ -99,7 +99,6 @@ func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, se
 	if len(eps) == 0 {
 		return 0, false, false
 	}
-	home, _, _ = choice(key, eps, 0, false)
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	now := h.now()
@@ -127,7 +126,8 @@ func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, se
 	if a, ok := h.assigned[key]; ok && v.recurring {
 		return a, true, true
 	}
-	return h.place(key, home, eps, factor), v.recurring, true
+	first, _, _ := choice(key, eps, 0, false)
+	return h.place(key, first, eps, factor), v.recurring, true
 }
 
 // recur makes key recurring (an engine reported it cached: it was seen

@@ -217,7 +217,7 @@ var (
 	descIndexBytes     = prometheus.NewDesc(Namespace+"_prefix_index_bytes", "Estimated heap bytes of the prefix index.", nil, nil)
 	descIndexEvictions = prometheus.NewDesc(Namespace+"_prefix_index_evictions_total", "Entries evicted by an endpoint's capacity.", nil, nil)
 	descIndexExpiries  = prometheus.NewDesc(Namespace+"_prefix_index_expiries_total", "Blocks expired by the TTL.", nil, nil)
-	descHomes          = prometheus.NewDesc(Namespace+"_prefix_homes", "Prefix keys with an assigned home endpoint.", nil, nil)
+	descHomes          = prometheus.NewDesc(Namespace+"_prefix_homes", "Recurring prefix keys (seen at least twice within the TTL), homed by balanced rendezvous hashing.", nil, nil)
 )
 
 type indexCollector struct{ read func() IndexSample }

@@ -205,7 +205,8 @@ func (p *Prefix) SetParams(pp PrefixParams) error {
 	return nil
 }
 
-// Homes returns how many prefix keys have a home endpoint.
+// Homes returns how many prefix keys recur (and so are homed by the
+// balanced assignment).
 func (p *Prefix) Homes() int { return p.homes.len() }
 
 // Index returns the policy's index.

@@ -70,7 +70,7 @@ type homeKey struct {
 }
 
 // maxHomes bounds the table: 65,536 keys ≈ 7.6 MB (115 bytes a key,
-// measured). A fleet serving more live distinct prefixes than that in one
+// measured), plus the assignment's maps for the recurring ones. A fleet serving more live distinct prefixes than that in one
 // TTL gains little from balancing their homes individually; the least
 // recently used keys are dropped first.
 const maxHomes = 1 << 16

@@ -146,12 +146,12 @@ func (e errBadParam) Error() string { return "routing: " + string(e) }
 // router replica), kept apart from the index, so that the index forgetting
 // blocks never moves a prefix. The target is the warm endpoint (deepest
 // useful match; the home while its wait is within the spill rule, among
-// equal matches and, for a recurring key, wherever the index holds more
-// elsewhere; then the lowest wait), or for a prefix warm nowhere its home. The target keeps the
-// request unless its wait in the router's own view (its own in-flight
-// requests and prefill) exceeds SpillRatio × the best idle endpoint's wait +
-// SpillMarginSec (an established home is tested without the recompute, as
-// if warm); then the request spills to that idle endpoint, whose cache
+// equal matches and, for a recurring key, where the index shows the home
+// cold; then the lowest wait), or for a prefix warm nowhere its home. The
+// target keeps the request unless its wait in the router's own view (its
+// own in-flight requests and prefill) exceeds SpillRatio × the best idle
+// endpoint's wait + SpillMarginSec (an established home is tested without
+// the recompute, as if warm); then the request spills to that idle endpoint, whose cache
 // becomes warm too. Idle means nothing queued there in the router's view
 // and, when scraped, the engine's, with KV usage below SpillMaxKVUsage.
 // Ties go to the rendezvous-hash winner. The pick is recorded in the index

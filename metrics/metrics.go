@@ -203,7 +203,7 @@ func readCounter(c prometheus.Counter) float64 {
 type IndexSample struct {
 	Endpoints, Hashes, Entries, Bytes int
 	Evictions, Expiries               uint64
-	Homes                             int // prefix keys with a home endpoint
+	Homes                             int // recurring prefix keys (homed by the balanced assignment)
 }
 
 // RegisterIndex reports the prefix index through read at each scrape.

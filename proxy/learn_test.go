@@ -17,11 +17,7 @@ func TestLearnsFromEngineCachedTokens(t *testing.T) {
 	cfg := sim.DefaultConfig()
 	cfg.TimeScale = 100
 	cfg.NumGPUBlocks = 40 // 640 tokens: room for one 600-token prompt only
-	fleet, err := sim.StartFleet(1, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = fleet.Close() })
+	fleet := startSimFleet(t, 1, cfg)
 	idx := prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1000})
 	policy := routing.NewPrefix(idx, 1024, routing.DefaultPrefixParams())
 	h := startProxy(t, policy, Options{Learner: policy}, fleet.URLs()...)

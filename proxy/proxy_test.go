@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
+	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/discovery"
 	"github.com/kvroute/kvroute/metrics"
 	"github.com/kvroute/kvroute/prefix"
@@ -31,6 +32,18 @@ type harness struct {
 	srv  *Server
 	pool *discovery.Pool
 	reg  *prometheus.Registry
+}
+
+// startSimFleet starts n simulated vLLM pods configured by cfg and stops
+// them when the test ends.
+func startSimFleet(t testing.TB, n int, cfg sim.Config) *sim.Fleet {
+	t.Helper()
+	fleet, err := sim.StartFleet(n, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = fleet.Close() })
+	return fleet
 }
 
 func startProxy(t testing.TB, p Picker, opt Options, backends ...string) *harness {

@@ -18,11 +18,7 @@ import (
 func TestOpenAISDKThroughKvroute(t *testing.T) {
 	cfg := sim.DefaultConfig()
 	cfg.TimeScale = 100
-	fleet, err := sim.StartFleet(2, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = fleet.Close() })
+	fleet := startSimFleet(t, 2, cfg)
 	h := startProxy(t, routing.NewLeastRequest(nil), Options{}, fleet.URLs()...)
 
 	client := openai.NewClient(option.WithBaseURL(h.url+"/v1"), option.WithAPIKey("unused"), option.WithMaxRetries(0))

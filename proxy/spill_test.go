@@ -20,11 +20,7 @@ import (
 func TestHotPrefixSpillsOnSimulatedPods(t *testing.T) {
 	cfg := sim.DefaultConfig()
 	cfg.TimeScale = 100
-	fleet, err := sim.StartFleet(3, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = fleet.Close() })
+	fleet := startSimFleet(t, 3, cfg)
 	policy := routing.NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1000}), 1024, routing.DefaultPrefixParams())
 	h := startProxy(t, policy, Options{Learner: policy}, fleet.URLs()...)
 

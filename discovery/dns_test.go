@@ -102,8 +102,8 @@ func TestDNSScaleUpAndDown(t *testing.T) {
 		t.Fatalf("first set = %v, want %v", got, want)
 	}
 	leaving, staying := set.Endpoints[0], set.Endpoints[1]
-	staying.Requests.Add(7)
-	leaving.InFlight.Add(1) // a stream in flight on the pod about to leave
+	staying.requests.Add(7)
+	leaving.inFlight.Add(1) // a stream in flight on the pod about to leave
 
 	t.Run("scale up", func(t *testing.T) {
 		changed := pool.Changed()
@@ -113,7 +113,7 @@ func TestDNSScaleUpAndDown(t *testing.T) {
 		if got := urls(set.Endpoints); len(got) != 3 || got[2] != "http://10.0.0.3:8000" {
 			t.Fatalf("set = %v, want the new pod", got)
 		}
-		if byURL(set, staying.URL) != staying || staying.Requests.Load() != 7 {
+		if byURL(set, staying.URL) != staying || staying.Requests() != 7 {
 			t.Error("an endpoint present before lost its *Endpoint or counters")
 		}
 	})
@@ -144,7 +144,7 @@ func TestDNSScaleUpAndDown(t *testing.T) {
 			t.Fatalf("%s removed with a request in flight", e.URL)
 		default:
 		}
-		leaving.InFlight.Add(-1) // the stream ends
+		leaving.inFlight.Add(-1) // the stream ends
 		select {
 		case e := <-removed:
 			if e != leaving {
@@ -160,7 +160,7 @@ func TestDNSScaleUpAndDown(t *testing.T) {
 
 	t.Run("return while draining revives the same endpoint", func(t *testing.T) {
 		e2 := byURL(pool.Load(), "http://10.0.0.2:8000")
-		e2.InFlight.Add(1)
+		e2.inFlight.Add(1)
 		changed := pool.Changed()
 		srv.set("vllm.ns.svc.cluster.local", "A", 5, "10.0.0.3")
 		<-changed
@@ -173,7 +173,7 @@ func TestDNSScaleUpAndDown(t *testing.T) {
 		if got := byURL(pool.Load(), e2.URL); got != e2 || !e2.Routable() || len(pool.Draining()) != 0 {
 			t.Fatalf("returning pod: same %v, routable %v, draining %v", got == e2, e2.Routable(), urls(pool.Draining()))
 		}
-		e2.InFlight.Add(-1)
+		e2.inFlight.Add(-1)
 	})
 }
 

@@ -61,16 +61,14 @@ type Endpoint struct {
 	// ID is a stable 64-bit identity derived from URL (used by rendezvous
 	// hashing so independent router replicas agree).
 	ID uint64
-	// InFlight is the number of requests kvroute has dispatched to this
-	// endpoint and not yet finished (taken before dispatch, released on every
-	// exit path).
-	InFlight atomic.Int64
-	// InFlightPrefill is the prompt tokens of this router's in-flight
-	// requests that the endpoint still has to compute: added at pick time,
-	// released at the first response byte (or on any earlier exit).
-	InFlightPrefill atomic.Int64
-	// Requests counts every request dispatched to this endpoint.
-	Requests atomic.Uint64
+	// The router's own claims on the endpoint, changed only through Lease
+	// (Acquire, FirstByte, Release): inFlight counts the requests
+	// dispatched and not yet finished; pendingPrefill the prompt tokens of
+	// those requests the endpoint still has to compute (from the pick to
+	// the first response byte); requests every request ever dispatched.
+	inFlight       atomic.Int64
+	pendingPrefill atomic.Int64
+	requests       atomic.Uint64
 	// Failures counts upstream failures (connection errors and 5xx).
 	Failures atomic.Uint64
 
@@ -184,15 +182,6 @@ func (e *Endpoint) ReportFailure() {
 	n := e.passiveFails.Add(1)
 	if f := e.owner; f != nil {
 		f.passiveFailure(e, int(n))
-	}
-}
-
-// ReportResult calls ReportSuccess when ok and ReportFailure otherwise.
-func (e *Endpoint) ReportResult(ok bool) {
-	if ok {
-		e.ReportSuccess()
-	} else {
-		e.ReportFailure()
 	}
 }
 

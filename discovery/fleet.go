@@ -280,7 +280,7 @@ func (f *Fleet) Run(ctx context.Context) error {
 // reap drops the drained endpoints and fires OnRemove for each.
 func (f *Fleet) reap(now time.Time) {
 	for _, e := range f.pool.reap(now, f.reapGrace, f.o.DrainLimit) {
-		if n := e.InFlight.Load(); n > 0 {
+		if n := e.InFlight(); n > 0 {
 			f.log.Warn("endpoint dropped with requests in flight after the drain limit",
 				zap.String("endpoint", e.URL), zap.Int64("in_flight", n), zap.Duration("limit", f.o.DrainLimit))
 		} else {

@@ -87,7 +87,7 @@ func TestProbeDownAndBack(t *testing.T) {
 	if n := rec.count(m, "probe-ok", e); n < DefaultRiseThreshold-1 { // the up event precedes its probe-ok
 		t.Errorf("up after %d good probes, want ≥ %d", n+1, DefaultRiseThreshold)
 	}
-	if e.InFlight.Load() != 0 || e.Requests.Load() != 0 {
+	if e.InFlight() != 0 || e.Requests() != 0 {
 		t.Error("probes touched the request counters")
 	}
 	if got := counterValue(t, f, "kvroute_discovery_probe_failures_total"); got < DefaultFailThreshold {
@@ -101,7 +101,7 @@ func TestBusyPodSurvivesOneFailedProbe(t *testing.T) {
 	p := startPod(t)
 	f, rec, eps := staticFleet(t, probeOptions(), p.URL)
 	e := eps[0]
-	e.InFlight.Add(64)
+	e.inFlight.Add(64)
 	run(t, f)
 	rec.wait(t, 0, "probe-ok", e, 1)
 
@@ -112,8 +112,8 @@ func TestBusyPodSurvivesOneFailedProbe(t *testing.T) {
 	if n := rec.count(m, "down", e); n != 0 || !e.Routable() {
 		t.Fatalf("one failed probe evicted a busy pod (down events %d)", n)
 	}
-	if e.InFlight.Load() != 64 {
-		t.Errorf("in-flight = %d, want 64: probes must not touch it", e.InFlight.Load())
+	if e.InFlight() != 64 {
+		t.Errorf("in-flight = %d, want 64: probes must not touch it", e.InFlight())
 	}
 }
 
@@ -139,8 +139,8 @@ func TestPassiveEjection(t *testing.T) {
 		a.ReportFailure()
 		a.ReportFailure()
 		a.ReportSuccess()
-		a.ReportResult(false)
-		a.ReportResult(false)
+		a.ReportFailure()
+		a.ReportFailure()
 		if !a.Routable() {
 			t.Fatal("ejected without 3 consecutive failures")
 		}

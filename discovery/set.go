@@ -210,7 +210,7 @@ func (p *Pool) reap(now time.Time, grace, limit time.Duration) []*Endpoint {
 	var gone []*Endpoint
 	p.draining = slices.DeleteFunc(p.draining, func(d drainingEndpoint) bool {
 		age := now.Sub(d.since)
-		if age >= grace && d.e.InFlight.Load() <= 0 || limit > 0 && age >= limit {
+		if age >= grace && d.e.InFlight() <= 0 || limit > 0 && age >= limit {
 			gone = append(gone, d.e)
 			return true
 		}

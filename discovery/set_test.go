@@ -54,13 +54,13 @@ func TestPublishGroupsRolesAndKeepsEndpoints(t *testing.T) {
 		})
 	}
 
-	m[0].Requests.Add(3)
+	m[0].requests.Add(3)
 	fresh := mustEndpoints(t, RoleMixed, "10.0.0.1:8000")
 	s2 := p.Publish(slices.Concat(fresh, d))
 	if s2.Version != s1.Version+1 {
 		t.Errorf("version %d after %d", s2.Version, s1.Version)
 	}
-	if s2.Mixed[0] != m[0] || s2.Mixed[0].Requests.Load() != 3 {
+	if s2.Mixed[0] != m[0] || s2.Mixed[0].Requests() != 3 {
 		t.Error("kept address lost its *Endpoint")
 	}
 	if s2.Prefill != nil {
@@ -80,8 +80,8 @@ func TestReap(t *testing.T) {
 	var p Pool
 	eps := mustEndpoints(t, RoleMixed, "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
 	p.Publish(eps)
-	eps[1].InFlight.Add(1)
-	eps[2].InFlight.Add(1)
+	eps[1].inFlight.Add(1)
+	eps[2].inFlight.Add(1)
 	p.Publish(nil)
 	now := time.Now()
 	for _, tc := range []struct {

@@ -66,8 +66,8 @@ func (f *Fleet) Endpoints() []EndpointStatus {
 func (f *Fleet) status(e *Endpoint, now time.Time) EndpointStatus {
 	s := EndpointStatus{
 		URL: e.URL, Role: e.Role.String(), State: e.State(), Routable: e.Routable(),
-		InFlight: e.InFlight.Load(), InFlightPrefill: e.InFlightPrefill.Load(),
-		Requests: e.Requests.Load(), Failures: e.Failures.Load(),
+		InFlight: e.InFlight(), InFlightPrefill: e.PendingPrefill(),
+		Requests: e.Requests(), Failures: e.Failures.Load(),
 		ProbeFailures: e.probeFails.Load(), ProbeSuccesses: e.probeOKs.Load(),
 		ConsecutiveFailures: e.passiveFails.Load(),
 	}

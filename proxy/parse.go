@@ -8,6 +8,7 @@ import (
 
 	"github.com/valyala/fastjson"
 
+	"github.com/kvroute/kvroute/discovery"
 	"github.com/kvroute/kvroute/prefix"
 	"github.com/kvroute/kvroute/routing"
 )
@@ -66,7 +67,8 @@ type reqState struct {
 	hasher  prefix.Hasher
 	parser  fastjson.Parser
 	scratch []byte
-	uri     []byte // the client's request URI, kept across retries
+	lease   discovery.Lease // the endpoint being tried; handed to the response body
+	uri     []byte          // the client's request URI, kept across retries
 }
 
 // parse fills s.req from an inference body of the given kind, hashing the

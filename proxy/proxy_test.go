@@ -64,12 +64,6 @@ func startProxy(t testing.TB, p Picker, opt Options, backends ...string) *harnes
 	}
 	opt.Picker, opt.Pool = p, pool
 	opt.Metrics = metrics.New(reg, Classes, nil)
-	if opt.UpstreamIdleTimeout == 0 {
-		opt.UpstreamIdleTimeout = 4 * time.Second
-	}
-	if opt.MaxConnsPerEndpoint == 0 {
-		opt.MaxConnsPerEndpoint = 1024
-	}
 	if opt.MaxBodyBytes == 0 {
 		opt.MaxBodyBytes = 1 << 20
 	}
@@ -94,7 +88,7 @@ func startProxy(t testing.TB, p Picker, opt Options, backends ...string) *harnes
 func (h *harness) inFlight() int64 {
 	var n int64
 	for _, e := range h.pool.Load().Endpoints {
-		n += e.InFlight.Load()
+		n += e.InFlight()
 	}
 	return n
 }
@@ -700,8 +694,8 @@ func TestInFlightAlwaysReleased(t *testing.T) {
 	wg.Wait()
 	h.waitIdle(t)
 	for _, e := range h.pool.Load().Endpoints {
-		if e.InFlight.Load() != 0 || e.InFlightPrefill.Load() != 0 {
-			t.Errorf("%s in-flight %d requests, %d prefill tokens", e, e.InFlight.Load(), e.InFlightPrefill.Load())
+		if e.InFlight() != 0 || e.PendingPrefill() != 0 {
+			t.Errorf("%s in-flight %d requests, %d prefill tokens", e, e.InFlight(), e.PendingPrefill())
 		}
 	}
 	if g := counterValue(t, h.reg, "kvroute_in_flight_requests", nil); g != 0 {

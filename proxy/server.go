@@ -26,11 +26,8 @@ import (
 	"github.com/kvroute/kvroute/routing"
 )
 
-// Picker chooses the endpoint for a request from a Set. Implementations must
-// be safe for concurrent use and must not retain r.
-type Picker interface {
-	Pick(r *routing.Request, set *discovery.Set) routing.Decision
-}
+// Picker is the seam between the proxy and a policy (routing.Picker).
+type Picker = routing.Picker
 
 // Learner is a policy that learns from the engine's usage report: the
 // prompt tokens (0 when absent) and those it served from its prefix cache
@@ -50,7 +47,9 @@ var Classes = []string{
 	routing.KindEmbeddings:  routing.KindEmbeddings.String(),
 }
 
-// Options configure a Server. Zero durations mean "no limit".
+// Options configure a Server. Zero durations mean "no limit", except
+// UpstreamIdleTimeout; zero sizes and UpstreamIdleTimeout take
+// DefaultConfig's values.
 type Options struct {
 	Picker  Picker
 	Pool    *discovery.Pool
@@ -70,8 +69,8 @@ type Options struct {
 	ResponseHeaderTimeout time.Duration
 	// StreamIdleTimeout bounds the gap between two reads of a response body.
 	StreamIdleTimeout time.Duration
-	// UpstreamIdleTimeout closes idle upstream keep-alive connections; keep
-	// it below the engine's own keep-alive (uvicorn, hence vLLM: 5 s).
+	// UpstreamIdleTimeout closes idle upstream keep-alive connections
+	// (see DefaultConfig).
 	UpstreamIdleTimeout time.Duration
 	// ClientIdleTimeout closes idle client keep-alive connections.
 	ClientIdleTimeout time.Duration
@@ -107,11 +106,16 @@ func New(opt Options) *Server {
 	if opt.Metrics == nil {
 		opt.Metrics = metrics.New(prometheus.NewRegistry(), Classes, nil)
 	}
-	if opt.BlockSize <= 0 {
-		opt.BlockSize = 1024
+	// Zero values that cannot mean "no limit" take DefaultConfig's.
+	d := DefaultConfig()
+	for _, f := range []struct{ v, def *int }{{&opt.BlockSize, &d.PrefixBlockBytes}, {&opt.MaxBlocks, &d.PrefixMaxBlocks},
+		{&opt.MaxBodyBytes, &d.MaxBodyBytes}, {&opt.MaxConnsPerEndpoint, &d.MaxConnsPerEndpoint}} {
+		if *f.v <= 0 {
+			*f.v = *f.def
+		}
 	}
-	if opt.MaxBlocks <= 0 {
-		opt.MaxBlocks = 256
+	if opt.UpstreamIdleTimeout <= 0 {
+		opt.UpstreamIdleTimeout = d.UpstreamIdleTimeout
 	}
 	s := &Server{opt: opt}
 	s.states.New = func() any { return new(reqState) }
@@ -173,19 +177,13 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	st.req.Reset()
 	defer s.states.Put(st)
 	s.opt.Metrics.InFlight(1)
-
-	// held is the endpoint whose in-flight count this handler owns; it is
-	// released here on every exit, panics included, unless the response body
-	// took it over.
-	var held *discovery.Endpoint
-	var heldPrefill int64
+	// The lease of the endpoint being tried is released here on every
+	// exit, panics included, unless the response body took it over.
 	defer func() {
-		if held != nil {
-			release(held, heldPrefill)
-		}
+		st.lease.Release()
 		if p := recover(); p != nil {
 			s.opt.Logger.Error("panic serving request", zap.Any("panic", p), zap.Stack("stack"))
-			s.finish(ctx, st, writeError(ctx, ErrInternal), start, nil)
+			s.answer(ctx, st, ErrInternal, start)
 		}
 	}()
 
@@ -193,25 +191,37 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	st.req.Kind = kind
 	if kind != routing.KindOther && len(ctx.Request.Header.ContentEncoding()) == 0 {
 		if err := st.parse(kind, ctx.PostBody(), s.opt.BlockSize, s.opt.MaxBlocks); err != nil {
-			s.finish(ctx, st, writeError(ctx, err), start, err)
+			s.answer(ctx, st, err, start)
 			return
 		}
 	}
 	reqID := s.prepareRequest(ctx)
 	st.uri = append(st.uri[:0], ctx.Request.RequestURI()...)
+	resp, d, err := s.forward(ctx, st)
+	if err != nil {
+		s.answer(ctx, st, err, start)
+		return
+	}
+	s.commit(ctx, st, d, resp, reqID, start)
+}
 
+// forward sends the request to the endpoints the policy picks, one attempt
+// after another, until one answers with a response to pass on: a status
+// that is not retryable, or any status on the last attempt. A failed
+// attempt (connection error, timeout, retryable status) releases its
+// lease, counts against the endpoint where the endpoint is at fault, and
+// the next attempt goes elsewhere. On success st.lease holds the answering
+// endpoint's lease.
+func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Response, routing.Decision, error) {
 	set := s.opt.Pool.Load()
 	if v := set.Version; s.pruned.Load() != v {
 		s.prune(set)
 	}
-	var lastErr error
+	var lastErr error = ErrNoEndpoint
 	for attempt := 0; attempt <= s.opt.Retries; attempt++ {
 		d := s.opt.Picker.Pick(&st.req, set)
 		ep := d.Endpoint
 		if ep == nil {
-			if lastErr == nil {
-				lastErr = ErrNoEndpoint
-			}
 			break
 		}
 		if attempt > 0 {
@@ -219,56 +229,41 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		}
 		s.opt.Metrics.Decision(d.Reason, d.PromptTokens, d.PromptTokens-d.Prefill)
 		st.req.Tried = append(st.req.Tried, ep)
-		heldPrefill = int64(d.Prefill)
-		ep.InFlight.Add(1)
-		ep.InFlightPrefill.Add(heldPrefill)
-		ep.Requests.Add(1)
-		held = ep
+		st.lease = ep.Acquire(d.Prefill)
 		if ep.BasePath != "" || attempt > 0 {
 			s.setURI(ctx, st, ep)
 		}
 		resp := fasthttp.AcquireResponse()
 		resp.StreamBody = true
 		err := s.client(ep).Do(&ctx.Request, resp)
-		if err != nil {
-			fasthttp.ReleaseResponse(resp)
-			held = nil
-			release(ep, heldPrefill)
-			ep.ReportFailure()
-			var kindLabel string
-			lastErr, kindLabel = classifyUpstream(err)
-			s.opt.Metrics.UpstreamError(kindLabel)
-			s.opt.Logger.Debug("upstream attempt failed", zap.String("endpoint", ep.URL), zap.Error(err))
-			continue
-		}
-		code := resp.StatusCode()
-		if attempt < s.opt.Retries && retryable(code) {
-			_ = resp.Body() // drain the small error body so the connection is reused
-			fasthttp.ReleaseResponse(resp)
-			held = nil
-			release(ep, heldPrefill)
-			if code >= 500 {
-				ep.ReportFailure()
+		var kindLabel string
+		endpointAtFault := true
+		if err == nil {
+			code := resp.StatusCode()
+			if attempt == s.opt.Retries || !retryable(code) {
+				if code >= 500 {
+					ep.ReportFailure()
+				} else if code != fasthttp.StatusTooManyRequests {
+					ep.ReportSuccess()
+				}
+				return resp, d, nil
 			}
-			s.opt.Metrics.UpstreamError("status")
-			lastErr = &statusError{endpoint: ep.URL, code: code}
-			continue
+			_ = resp.Body() // drain the small error body so the connection is reused
+			err, kindLabel = &statusError{endpoint: ep.URL, code: code}, "status"
+			endpointAtFault = code >= 500
+		} else {
+			s.opt.Logger.Debug("upstream attempt failed", zap.String("endpoint", ep.URL), zap.Error(err))
+			err, kindLabel = classifyUpstream(err)
 		}
-		if code >= 500 {
+		fasthttp.ReleaseResponse(resp)
+		st.lease.Release()
+		if endpointAtFault {
 			ep.ReportFailure()
-		} else if code != fasthttp.StatusTooManyRequests {
-			ep.ReportSuccess()
 		}
-		held = nil // the response body owns the in-flight counts from here
-		s.commit(ctx, st, d, heldPrefill, resp, reqID, start)
-		return
+		s.opt.Metrics.UpstreamError(kindLabel)
+		lastErr = err
 	}
-	if lastErr == nil {
-		lastErr = ErrNoEndpoint
-	}
-	status := writeError(ctx, lastErr)
-	ctx.Response.Header.SetBytesKV(headerRequestID, reqID)
-	s.finish(ctx, st, status, start, lastErr)
+	return nil, routing.Decision{}, lastErr
 }
 
 // statusError is a retryable status on the last endpoint tried.
@@ -294,28 +289,70 @@ func retryable(code int) bool {
 	return false
 }
 
-// finish records a request answered by kvroute itself (no upstream body).
-func (s *Server) finish(ctx *fasthttp.RequestCtx, st *reqState, status int, start time.Time, err error) {
-	d := time.Since(start)
-	s.opt.Metrics.Request(int(st.req.Kind), status, d.Seconds())
+// answer answers the request with kvroute's own error for err and records
+// its end.
+func (s *Server) answer(ctx *fasthttp.RequestCtx, st *reqState, err error, start time.Time) {
+	rec := record{class: int(st.req.Kind), status: writeError(ctx, err), attempts: len(st.req.Tried), start: start,
+		reqID: ctx.Request.Header.PeekBytes(headerRequestID), method: ctx.Method(), path: ctx.Path()}
+	if len(rec.reqID) > 0 {
+		ctx.Response.Header.SetBytesKV(headerRequestID, rec.reqID)
+	}
+	s.end(&rec, err)
+}
+
+// record is what the end of a request reports: metrics, the failure log
+// and the access log line. Byte slices are only read during end.
+type record struct {
+	class, status, attempts int
+	start                   time.Time
+	reqID, method, path     []byte
+	// The endpoint's answer; zero when kvroute answered itself.
+	ep       *discovery.Endpoint
+	decision routing.Decision
+	bytes    int64
+	// The prefix fields of the access log (inference requests the
+	// learner follows), with the engine's usage report when it came.
+	prefix                     bool
+	usage                      bool
+	promptTokens, cachedTokens int
+}
+
+// end records the end of a request, answered by an endpoint or by kvroute
+// itself; err is why it failed (nil if it did not). It is the one place a
+// request's end is recorded.
+func (s *Server) end(r *record, err error) {
+	d := time.Since(r.start)
+	s.opt.Metrics.Request(r.class, r.status, d.Seconds())
 	s.opt.Metrics.InFlight(-1)
-	if status >= 500 && err != nil {
-		s.opt.Logger.Warn("request failed", zap.ByteString("request_id", ctx.Request.Header.PeekBytes(headerRequestID)),
-			zap.ByteString("path", ctx.Path()), zap.Int("status", status), zap.Error(err))
+	if r.ep == nil && r.status >= 500 && err != nil {
+		s.opt.Logger.Warn("request failed", zap.ByteString("request_id", r.reqID),
+			zap.ByteString("path", r.path), zap.Int("status", r.status), zap.Error(err))
 	}
-	if s.opt.AccessLog {
-		s.opt.Logger.Info("request",
-			zap.ByteString("request_id", ctx.Request.Header.PeekBytes(headerRequestID)),
-			zap.ByteString("method", ctx.Method()), zap.ByteString("path", ctx.Path()),
-			zap.Int("status", status), zap.Int("attempts", len(st.req.Tried)),
-			zap.Duration("duration", d))
+	if !s.opt.AccessLog {
+		return
 	}
+	fields := append(make([]zap.Field, 0, 15),
+		zap.ByteString("request_id", r.reqID), zap.ByteString("method", r.method),
+		zap.ByteString("path", r.path), zap.Int("status", r.status), zap.Int("attempts", r.attempts))
+	if r.ep != nil {
+		fields = append(fields, zap.String("endpoint", r.ep.URL), zap.String("reason", r.decision.Reason),
+			zap.Int64("bytes", r.bytes))
+	}
+	fields = append(fields, zap.Duration("duration", d))
+	if r.prefix {
+		fields = append(fields, zap.Bool("home", r.decision.Home), zap.Int("matched_blocks", r.decision.MatchedBlocks),
+			zap.String("prefix_key", strconv.FormatUint(r.decision.PrefixKey, 16)))
+		if r.usage {
+			fields = append(fields, zap.Int("prompt_tokens", r.promptTokens), zap.Int("cached_tokens", r.cachedTokens))
+		}
+	}
+	s.opt.Logger.Info("request", fields...)
 }
 
 // commit hands the endpoint's response to the client: headers now, the body
-// as a stream that fasthttp writes and flushes chunk by chunk.
-func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decision, prefill int64, resp *fasthttp.Response, reqID []byte, start time.Time) {
-	ep := d.Endpoint
+// as a stream that fasthttp writes and flushes chunk by chunk. The body
+// takes over the request's lease.
+func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decision, resp *fasthttp.Response, reqID []byte, start time.Time) {
 	clientClose := ctx.Request.Header.ConnectionClose()
 	resp.Header.CopyTo(&ctx.Response.Header)
 	h := &ctx.Response.Header
@@ -327,20 +364,16 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 	h.SetBytesKV(headerRequestID, reqID)
 
 	b := s.bodies.Get().(*upstreamBody)
-	b.s, b.resp, b.ep, b.start, b.prefill = s, resp, ep, start, prefill
-	b.class = int(st.req.Kind)
-	b.status = resp.StatusCode()
-	b.attempts = len(st.req.Tried)
-	b.firstByte, b.bytes, b.readErr = false, 0, nil
-	b.decision = d
-	b.learn = s.opt.Learner != nil && b.status == fasthttp.StatusOK &&
+	b.s, b.resp, b.lease = s, resp, st.lease.Take()
+	b.firstByte, b.readErr = false, nil
+	b.learn = s.opt.Learner != nil && resp.StatusCode() == fasthttp.StatusOK &&
 		(st.req.Kind == routing.KindCompletions || st.req.Kind == routing.KindChat || st.req.Kind == routing.KindResponses)
 	b.promptBytes = st.req.PromptBytes
 	b.cached.reset(patCachedTokens)
 	b.prompt.reset(patPromptTokens)
-	b.reqID = append(b.reqID[:0], reqID...)
-	b.method = append(b.method[:0], ctx.Method()...)
-	b.path = append(b.path[:0], ctx.Path()...)
+	b.rec = record{class: int(st.req.Kind), status: resp.StatusCode(), attempts: len(st.req.Tried), start: start,
+		reqID: append(b.rec.reqID[:0], reqID...), method: append(b.rec.method[:0], ctx.Method()...),
+		path: append(b.rec.path[:0], ctx.Path()...), ep: d.Endpoint, decision: d, prefix: b.learn}
 
 	rd := resp.BodyStream()
 	if rd == nil { // HEAD, 204, 304: no body
@@ -367,29 +400,20 @@ func isEventStream(resp *fasthttp.Response) bool {
 
 // upstreamBody is the response body handed to fasthttp: it reads the
 // endpoint's stream, notes the first byte, and on close releases the
-// endpoint's connection and in-flight count and records the request. It
-// never touches the RequestCtx, which fasthttp may have reset by then.
+// endpoint's connection and lease and records the request. It never
+// touches the RequestCtx, which fasthttp may have reset by then.
 type upstreamBody struct {
 	s           *Server
 	resp        *fasthttp.Response
 	rd          io.Reader
-	ep          *discovery.Endpoint
-	start       time.Time
-	class       int
-	status      int
-	attempts    int
-	prefill     int64 // tokens added to ep.InFlightPrefill, released at the first byte
-	decision    routing.Decision
+	lease       discovery.Lease
+	rec         record
 	learn       bool // scan the body for the engine's usage
 	cached      numScanner
 	prompt      numScanner
 	promptBytes int
 	firstByte   bool
-	bytes       int64
 	readErr     error
-	reqID       []byte
-	method      []byte
-	path        []byte
 }
 
 // Read implements io.Reader.
@@ -399,7 +423,7 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 		if !b.firstByte {
 			b.markFirstByte()
 		}
-		b.bytes += int64(n)
+		b.rec.bytes += int64(n)
 		if b.learn {
 			b.cached.feed(p[:n])
 			b.prompt.feed(p[:n])
@@ -412,11 +436,11 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 }
 
 // markFirstByte records the first response byte: the endpoint has computed
-// the prompt, so its pending prefill drops.
+// the prompt, so the lease's pending prefill ends.
 func (b *upstreamBody) markFirstByte() {
 	b.firstByte = true
-	b.ep.InFlightPrefill.Add(-b.prefill)
-	b.s.opt.Metrics.FirstByte(b.class, time.Since(b.start).Seconds())
+	b.lease.FirstByte()
+	b.s.opt.Metrics.FirstByte(b.rec.class, time.Since(b.rec.start).Seconds())
 }
 
 // CloseWithError is called by fasthttp exactly once when the body is done:
@@ -424,57 +448,31 @@ func (b *upstreamBody) markFirstByte() {
 // away. An unfinished upstream stream is closed, so the engine sees the
 // disconnect and stops generating.
 func (b *upstreamBody) CloseWithError(err error) error {
-	s := b.s
+	s, ep := b.s, b.rec.ep
 	_ = b.resp.CloseBodyStream()
 	fasthttp.ReleaseResponse(b.resp)
-	if b.firstByte {
-		b.ep.InFlight.Add(-1)
-	} else {
-		release(b.ep, b.prefill)
-	}
-	status := b.status
+	b.lease.Release()
 	switch {
 	case b.readErr != nil:
-		b.ep.ReportFailure()
+		ep.ReportFailure()
 		s.opt.Metrics.UpstreamError("body")
-		s.opt.Logger.Warn("upstream body failed", zap.ByteString("request_id", b.reqID),
-			zap.String("endpoint", b.ep.URL), zap.Error(b.readErr))
+		s.opt.Logger.Warn("upstream body failed", zap.ByteString("request_id", b.rec.reqID),
+			zap.String("endpoint", ep.URL), zap.Error(b.readErr))
 	case err != nil:
-		status = StatusClientClosedRequest
-		s.opt.Logger.Info("client closed the connection", zap.ByteString("request_id", b.reqID),
-			zap.String("endpoint", b.ep.URL), zap.Int64("bytes", b.bytes), zap.NamedError("cause", err))
+		b.rec.status = StatusClientClosedRequest
+		s.opt.Logger.Info("client closed the connection", zap.ByteString("request_id", b.rec.reqID),
+			zap.String("endpoint", ep.URL), zap.Int64("bytes", b.rec.bytes), zap.NamedError("cause", err))
 	}
 	if b.learn && err == nil && b.readErr == nil && b.cached.Found {
-		est := s.opt.Learner.Learn(b.decision, b.promptBytes, b.prompt.Value, b.cached.Value)
+		est := s.opt.Learner.Learn(b.rec.decision, b.promptBytes, b.prompt.Value, b.cached.Value)
 		s.opt.Metrics.CacheReport(est, b.cached.Value)
+		b.rec.usage, b.rec.promptTokens, b.rec.cachedTokens = true, b.prompt.Value, b.cached.Value
 	}
-	d := time.Since(b.start)
-	s.opt.Metrics.Request(b.class, status, d.Seconds())
-	s.opt.Metrics.InFlight(-1)
-	if s.opt.AccessLog {
-		fields := append(make([]zap.Field, 0, 14),
-			zap.ByteString("request_id", b.reqID), zap.ByteString("method", b.method),
-			zap.ByteString("path", b.path), zap.Int("status", status),
-			zap.String("endpoint", b.ep.URL), zap.String("reason", b.decision.Reason),
-			zap.Int("attempts", b.attempts), zap.Int64("bytes", b.bytes), zap.Duration("duration", d))
-		if b.learn {
-			fields = append(fields, zap.Bool("home", b.decision.Home), zap.Int("matched_blocks", b.decision.MatchedBlocks),
-				zap.String("prefix_key", strconv.FormatUint(b.decision.PrefixKey, 16)))
-			if b.cached.Found {
-				fields = append(fields, zap.Int("prompt_tokens", b.prompt.Value), zap.Int("cached_tokens", b.cached.Value))
-			}
-		}
-		s.opt.Logger.Info("request", fields...)
-	}
-	b.resp, b.rd, b.ep, b.readErr, b.decision = nil, nil, nil, nil, routing.Decision{}
+	s.end(&b.rec, err)
+	b.resp, b.rd, b.readErr = nil, nil, nil
+	b.rec.ep, b.rec.decision = nil, routing.Decision{}
 	s.bodies.Put(b)
 	return nil
-}
-
-// release undoes a dispatch's in-flight counts on ep.
-func release(ep *discovery.Endpoint, prefill int64) {
-	ep.InFlight.Add(-1)
-	ep.InFlightPrefill.Add(-prefill)
 }
 
 type eofReader struct{}

@@ -35,7 +35,7 @@ func TestHotPrefixSpillsOnSimulatedPods(t *testing.T) {
 	send(0) // the prefix's home pod caches it
 	var home int
 	for i, e := range h.pool.Load().Endpoints {
-		if e.Requests.Load() == 1 {
+		if e.Requests() == 1 {
 			home = i
 		}
 	}
@@ -51,11 +51,11 @@ func TestHotPrefixSpillsOnSimulatedPods(t *testing.T) {
 	// Every request not stalled at home completes; wait for those.
 	deadline := time.Now().Add(20 * time.Second)
 	for {
-		held := h.pool.Load().Endpoints[home].InFlight.Load()
+		held := h.pool.Load().Endpoints[home].InFlight()
 		done := int64(0)
 		for i, e := range h.pool.Load().Endpoints {
 			if i != home {
-				done += int64(e.Requests.Load()) - e.InFlight.Load()
+				done += int64(e.Requests()) - e.InFlight()
 			}
 		}
 		if held+done == 40 {
@@ -75,7 +75,7 @@ func TestHotPrefixSpillsOnSimulatedPods(t *testing.T) {
 	for _, r := range []string{routing.ReasonWarm, routing.ReasonSpill, routing.ReasonCold} {
 		reasons[r] = counterValue(t, h.reg, "kvroute_routing_decisions_total", map[string]string{"reason": r})
 	}
-	atHome := h.pool.Load().Endpoints[home].Requests.Load() - 1
+	atHome := h.pool.Load().Endpoints[home].Requests() - 1
 	if reasons[routing.ReasonSpill] == 0 || atHome >= 40 || atHome < 10 {
 		t.Fatalf("reasons %v, %d of 40 at the saturated home", reasons, atHome)
 	}

@@ -1,7 +1,6 @@
 package routing
 
 import (
-	"math/rand/v2"
 	"sync/atomic"
 
 	"github.com/kvroute/kvroute/discovery"
@@ -14,10 +13,33 @@ const (
 	ReasonLeastRequest = "least-request"
 )
 
-// usable reports whether r may be sent to e: e is routable (not down,
-// ejected or draining) and r was not already sent there.
-func usable(r *Request, e *discovery.Endpoint) bool {
+// Usable reports whether r may be sent to e: e is routable (not down,
+// ejected or draining) and r was not already sent there. Every policy
+// must pick only usable endpoints.
+func Usable(r *Request, e *discovery.Endpoint) bool {
 	return e.Routable() && !r.tried(e)
+}
+
+// firstUsable returns the first endpoint of eps usable for r, scanning
+// from index start and wrapping around, and its index; nil and -1 if none.
+func firstUsable(r *Request, eps []*discovery.Endpoint, start int) (*discovery.Endpoint, int) {
+	n := len(eps)
+	for k := 0; k < n; k++ {
+		i := (start + k) % n
+		if e := eps[i]; Usable(r, e) {
+			return e, i
+		}
+	}
+	return nil, -1
+}
+
+// whole is the decision of a policy that knows nothing of caches: the
+// whole prompt is left to compute on e.
+func whole(r *Request, e *discovery.Endpoint, reason string) Decision {
+	if e == nil {
+		return Decision{Reason: reason}
+	}
+	return Decision{Endpoint: e, Reason: reason, Prefill: r.PromptTokens, PromptTokens: r.PromptTokens}
 }
 
 // The basic policies pick among the Set's mixed endpoints (whole
@@ -35,18 +57,11 @@ func NewRoundRobin() *RoundRobin { return &RoundRobin{} }
 
 // Pick returns the next usable endpoint in rotation.
 func (p *RoundRobin) Pick(r *Request, set *discovery.Set) Decision {
-	n := len(set.Mixed)
-	if n == 0 {
-		return Decision{Reason: ReasonRoundRobin}
+	var e *discovery.Endpoint
+	if n := len(set.Mixed); n > 0 {
+		e, _ = firstUsable(r, set.Mixed, int(p.next.Add(1)%uint64(n)))
 	}
-	start := int(p.next.Add(1) % uint64(n))
-	for i := 0; i < n; i++ {
-		e := set.Mixed[(start+i)%n]
-		if usable(r, e) {
-			return Decision{Endpoint: e, Reason: ReasonRoundRobin, Prefill: r.PromptTokens, PromptTokens: r.PromptTokens}
-		}
-	}
-	return Decision{Reason: ReasonRoundRobin}
+	return whole(r, e, ReasonRoundRobin)
 }
 
 // Random picks a usable endpoint uniformly at random. Safe for concurrent use.
@@ -56,27 +71,15 @@ type Random struct {
 
 // NewRandom returns a random policy; intn (nil means math/rand/v2.IntN)
 // is its source of randomness and must be safe for concurrent use.
-func NewRandom(intn func(int) int) *Random {
-	if intn == nil {
-		intn = rand.IntN
-	}
-	return &Random{intn: intn}
-}
+func NewRandom(intn func(int) int) *Random { return &Random{intn: intnOrDefault(intn)} }
 
 // Pick returns a random usable endpoint.
 func (p *Random) Pick(r *Request, set *discovery.Set) Decision {
-	n := len(set.Mixed)
-	if n == 0 {
-		return Decision{Reason: ReasonRandom}
+	var e *discovery.Endpoint
+	if n := len(set.Mixed); n > 0 {
+		e, _ = firstUsable(r, set.Mixed, p.intn(n))
 	}
-	start := p.intn(n)
-	for i := 0; i < n; i++ {
-		e := set.Mixed[(start+i)%n]
-		if usable(r, e) {
-			return Decision{Endpoint: e, Reason: ReasonRandom, Prefill: r.PromptTokens, PromptTokens: r.PromptTokens}
-		}
-	}
-	return Decision{Reason: ReasonRandom}
+	return whole(r, e, ReasonRandom)
 }
 
 // LeastRequest samples two distinct usable endpoints at random and picks the
@@ -89,10 +92,7 @@ type LeastRequest struct {
 
 // NewLeastRequest returns a least-request policy; intn as for NewRandom.
 func NewLeastRequest(intn func(int) int) *LeastRequest {
-	if intn == nil {
-		intn = rand.IntN
-	}
-	return &LeastRequest{intn: intn}
+	return &LeastRequest{intn: intnOrDefault(intn)}
 }
 
 // Pick returns the less loaded of two random usable endpoints.
@@ -101,26 +101,19 @@ func (p *LeastRequest) Pick(r *Request, set *discovery.Set) Decision {
 	if n == 0 {
 		return Decision{Reason: ReasonLeastRequest}
 	}
-	var a, b *discovery.Endpoint
-	i := p.intn(n)
-	for k := 0; k < n && a == nil; k++ {
-		if e := set.Mixed[(i+k)%n]; usable(r, e) {
-			a, i = e, (i+k)%n
-		}
-	}
-	if a == nil {
-		return Decision{Reason: ReasonLeastRequest}
-	}
-	if n > 1 {
-		j := (i + 1 + p.intn(n-1)) % n // uniform over the others
-		for k := 0; k < n-1 && b == nil; k++ {
-			if e := set.Mixed[(j+k)%n]; e != a && usable(r, e) {
-				b = e
+	a, i := firstUsable(r, set.Mixed, p.intn(n))
+	if a != nil && n > 1 {
+		// The second sample: uniform over the others, the first usable
+		// one from there that is not a.
+		j := (i + 1 + p.intn(n-1)) % n
+		for k := 0; k < n-1; k++ {
+			if b := set.Mixed[(j+k)%n]; b != a && Usable(r, b) {
+				if b.InFlight() < a.InFlight() {
+					a = b
+				}
+				break
 			}
 		}
 	}
-	if b != nil && b.InFlight.Load() < a.InFlight.Load() {
-		a = b
-	}
-	return Decision{Endpoint: a, Reason: ReasonLeastRequest, Prefill: r.PromptTokens, PromptTokens: r.PromptTokens}
+	return whole(r, a, ReasonLeastRequest)
 }

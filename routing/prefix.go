@@ -328,7 +328,8 @@ type Term struct {
 }
 
 // decide returns the decision; terms, when not nil, receives each
-// endpoint's side of it, and then nothing is counted as seen.
+// endpoint's side of it, and then nothing is counted as seen. It reads
+// every endpoint's load once, so the terms and the decision agree.
 func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision {
 	prm := p.params.Load()
 	sp := p.scratch.Get().(*[]prefix.Match)
@@ -344,159 +345,221 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		homeID, established, hasHome = p.homes.lookup(key, set.Mixed, prm.HomeLoadFactor, terms == nil)
 	}
 	bpt := p.BytesPerToken()
-	tokensPerBlock := float64(p.blockBytes) / bpt
 	promptTokens := r.PromptTokens
 	if r.PromptBytes > 0 {
 		promptTokens = int(float64(r.PromptBytes) / bpt)
 	}
-	// home: the candidate of homeID; top: the plain rendezvous winner
-	// (keys too short to share, or no home usable).
-	var warm, free, home, top candidate
+	tokensPerBlock := float64(p.blockBytes) / bpt
+
+	var ch picks
 	for _, e := range set.Mixed {
-		if !usable(r, e) {
+		if !Usable(r, e) {
 			if terms != nil {
-				why := "already tried"
-				if !e.Routable() {
-					why = e.State().String()
-				}
-				*terms = append(*terms, Term{Endpoint: e.URL, Skipped: why})
+				*terms = append(*terms, skippedTerm(r, e))
 			}
 			continue
 		}
-		c := candidate{e: e, score: rendezvous(key, e.ID), pending: e.InFlightPrefill.Load()}
-		for _, m := range matches {
-			if m.ID == e.ID {
-				c.blocks = m.Blocks
-				break
-			}
-		}
-		isWarm := c.blocks >= prm.MinMatchBlocks
-		if !isWarm {
-			c.blocks = 0 // too short a match to count, for warmth or for cost
-		}
-		c.uncached = max(0, promptTokens-int(float64(c.blocks)*tokensPerBlock))
-		inflight := e.InFlight.Load()
-		queueWait := float64(c.pending) / prm.PrefillTokensPerSec
-		var kvWait float64
-		// An endpoint takes spills only while nothing queues there: when
-		// every endpoint queues, a spill just adds a recompute.
-		idle := queueWait <= prm.SpillMarginSec
-		eng := e.Engine() // nil unless freshly scraped
-		if eng != nil {
-			// The engine also sees other routers' requests; the router's
-			// own counters are fresher. Take the larger view of each.
-			inflight = max(inflight, eng.Running+eng.Waiting)
-			queueWait = max(queueWait, float64(eng.Waiting)*prm.QueueCostSec)
-			kvWait = eng.KVUsage * prm.KVCostSec
-			// Both views must be idle: the scrape is up to an interval
-			// old, and the router's own pending prefill shows the spills
-			// it sent there since. And the engine's KV must have room: a
-			// spilled prompt fills a nearly full cache by evicting the
-			// prefixes homed there, whose next requests then recompute.
-			idle = idle && eng.Waiting == 0 && eng.KVUsage < prm.SpillMaxKVUsage
-		}
-		prefill := float64(c.uncached) / prm.PrefillTokensPerSec
-		c.wait = queueWait + prefill + float64(inflight)*prm.DecodeCostSec + kvWait
-		c.own = float64(c.pending)/prm.PrefillTokensPerSec + prefill + float64(e.InFlight.Load())*prm.DecodeCostSec
+		c := newCandidate(e, matchedBlocks(matches, e.ID), key, promptTokens, tokensPerBlock, prm)
 		if terms != nil {
-			t := Term{Endpoint: e.URL, MatchedBlocks: c.blocks, Warm: isWarm, Idle: idle,
-				UncachedTokens: c.uncached, InFlightPrefill: c.pending, InFlightRequests: e.InFlight.Load(),
-				WaitSec: c.wait, Rendezvous: c.score}
-			if eng != nil {
-				t.EngineWaiting, t.EngineRunning, t.EngineKVUsage = &eng.Waiting, &eng.Running, &eng.KVUsage
-			}
-			*terms = append(*terms, t)
+			*terms = append(*terms, c.term())
 		}
-		if top.e == nil || c.score > top.score {
-			top = c
-		}
-		if hasHome && e.ID == homeID {
-			home = c
-		}
-		if idle && c.beats(free, prm.TieSec) {
-			free = c
-		}
-		// The warm candidate: the deepest match, then the shortest wait.
-		if isWarm && (warm.e == nil || c.blocks > warm.blocks || c.blocks == warm.blocks && c.beats(warm, prm.TieSec)) {
-			warm = c
-		}
+		ch.add(c, hasHome && e.ID == homeID, prm.TieSec)
 	}
-	if top.e == nil {
+	if ch.top.e == nil {
 		return Decision{Reason: ReasonCold}
 	}
-	if home.e == nil {
-		home = top // the home is not usable now, or every endpoint is at the bound
+	if ch.home.e == nil {
+		ch.home = ch.top // the home is not usable now, or every endpoint is at the bound
 	}
 	if terms != nil {
 		for i := range *terms {
-			(*terms)[i].Home = (*terms)[i].Endpoint == home.e.URL
+			(*terms)[i].Home = (*terms)[i].Endpoint == ch.home.e.URL
 		}
 	}
-	// Among equally deep matches the home comes first while its wait is
-	// within the spill rule of the others: copies a spill left elsewhere
-	// then serve only while the home is saturated and age out of those
-	// caches afterwards, instead of keeping the prefix cached twice. The
-	// home of a recurring key that this router's index does not show warm
-	// there is presumed to hold what the copies hold: other replicas, which
-	// route the key home too, have most likely kept it there, while the
-	// copy is this router's own. (A home shown warm to a shallower depth
-	// than a copy holds a shorter shared prefix — a system prompt common to
-	// many conversations — and the copy the conversation.)
-	established = established && home.e.ID == homeID
-	if warm.e != nil && home.e != warm.e && (home.blocks == warm.blocks || established && home.blocks == 0) {
-		h := home
-		if h.blocks < warm.blocks {
-			saved := float64(h.uncached-warm.uncached) / prm.PrefillTokensPerSec
-			h.wait, h.own = h.wait-saved, h.own-saved
-			h.blocks, h.uncached = warm.blocks, warm.uncached
-		}
-		if h.wait <= warm.wait*prm.SpillRatio+prm.SpillMarginSec {
-			warm = h
-		}
-	}
-	// The spill test takes the target's wait in this router's own view:
-	// the engine's queue is up to a scrape old and the same for every
-	// router replica, so acting on it would make all of them spill the
-	// target's prefixes at once for a whole interval, where each needs to
-	// relieve only its share. (Which endpoint is idle enough to take a
-	// spill does consult the engine.)
-	target, reason := warm, ReasonWarm
-	spillTest := warm.own
-	if warm.e == nil {
-		// A cold prefix goes to its home: a prefix the index forgot
-		// returns where it lived, and replicas that never saw it agree on
-		// where that is. An established home leaves the request only when
-		// it is saturated as a warm endpoint would be (its wait without
-		// the recompute): the index forgetting is no evidence that the
-		// engine did, and another router may keep the prefix there.
-		target, reason, spillTest = home, ReasonCold, home.own
-		if established {
-			spillTest -= float64(home.uncached) / prm.PrefillTokensPerSec
-		}
-	}
-	if free.e != nil && spillTest > free.wait*prm.SpillRatio+prm.SpillMarginSec {
-		target = free
-		if reason == ReasonWarm {
-			reason = ReasonSpill
-		}
-	}
+	established = established && ch.home.e.ID == homeID
+	target, reason := ch.target(established, prm)
 	d := target.decision(reason, promptTokens)
-	d.Home = target.e == home.e
+	d.Home = target.e == ch.home.e
 	if keyed {
 		d.PrefixKey = key
 	}
 	return d
 }
 
+// matchedBlocks returns the blocks matches credit endpoint id with.
+func matchedBlocks(matches []prefix.Match, id uint64) int {
+	for _, m := range matches {
+		if m.ID == id {
+			return m.Blocks
+		}
+	}
+	return 0
+}
+
+// load is an endpoint's load at decision time, each counter read once.
+type load struct {
+	inFlight int64                  // this router's requests in flight
+	pending  int64                  // this router's prefill tokens not yet computed
+	eng      *discovery.EngineStats // the engine's own view; nil unless freshly scraped
+}
+
+func loadOf(e *discovery.Endpoint) load {
+	return load{inFlight: e.InFlight(), pending: e.PendingPrefill(), eng: e.Engine()}
+}
+
+// wait is the wait model of Prefix's doc comment: the seconds until a
+// request leaving uncached tokens to compute gets its first token on an
+// endpoint under load l. wait takes the larger of the router's and the
+// engine's view of each term; own is the router's view alone. idle
+// reports whether the endpoint may take spills: nothing queued there in
+// either view, and KV room in the engine's.
+func (p *PrefixParams) wait(l load, uncached int) (wait, own float64, idle bool) {
+	prefill := float64(uncached) / p.PrefillTokensPerSec
+	queue := float64(l.pending) / p.PrefillTokensPerSec
+	own = queue + prefill + float64(l.inFlight)*p.DecodeCostSec
+	// When every endpoint queues, a spill just adds a recompute.
+	idle = queue <= p.SpillMarginSec
+	eng := l.eng
+	if eng == nil {
+		return own, own, idle
+	}
+	// The engine also sees other routers' requests; the router's own
+	// counters are fresher (the scrape is up to an interval old, and the
+	// router's pending prefill shows the spills it sent since).
+	inFlight := max(l.inFlight, eng.Running+eng.Waiting)
+	queue = max(queue, float64(eng.Waiting)*p.QueueCostSec)
+	wait = queue + prefill + float64(inFlight)*p.DecodeCostSec + eng.KVUsage*p.KVCostSec
+	// A spilled prompt fills a nearly full cache by evicting the prefixes
+	// homed there, whose next requests then recompute.
+	idle = idle && eng.Waiting == 0 && eng.KVUsage < p.SpillMaxKVUsage
+	return wait, own, idle
+}
+
 // candidate is one endpoint's terms in a decision.
 type candidate struct {
 	e        *discovery.Endpoint
+	load     load
 	wait     float64 // the wait estimate
 	own      float64 // the wait from this router's own counters alone
-	score    uint64
+	idle     bool    // may take spills
+	warm     bool    // matches at least MinMatchBlocks
+	score    uint64  // rendezvous score for the request's key
 	uncached int
-	blocks   int
-	pending  int64
+	blocks   int // matched blocks that count (0 below MinMatchBlocks)
+}
+
+// newCandidate reads e's load and applies the wait model for a prompt of
+// promptTokens of which e holds matched blocks.
+func newCandidate(e *discovery.Endpoint, matched int, key uint64, promptTokens int, tokensPerBlock float64, prm *PrefixParams) candidate {
+	c := candidate{e: e, load: loadOf(e), score: rendezvous(key, e.ID), warm: matched >= prm.MinMatchBlocks}
+	if c.warm {
+		c.blocks = matched // a shorter match counts neither for warmth nor for cost
+	}
+	c.uncached = max(0, promptTokens-int(float64(c.blocks)*tokensPerBlock))
+	c.wait, c.own, c.idle = prm.wait(c.load, c.uncached)
+	return c
+}
+
+// term is c's side of the decision, for /debug/route.
+func (c candidate) term() Term {
+	t := Term{Endpoint: c.e.URL, MatchedBlocks: c.blocks, Warm: c.warm, Idle: c.idle,
+		UncachedTokens: c.uncached, InFlightPrefill: c.load.pending, InFlightRequests: c.load.inFlight,
+		WaitSec: c.wait, Rendezvous: c.score}
+	if eng := c.load.eng; eng != nil {
+		t.EngineWaiting, t.EngineRunning, t.EngineKVUsage = &eng.Waiting, &eng.Running, &eng.KVUsage
+	}
+	return t
+}
+
+func skippedTerm(r *Request, e *discovery.Endpoint) Term {
+	why := "already tried"
+	if !e.Routable() {
+		why = e.State().String()
+	}
+	return Term{Endpoint: e.URL, Skipped: why}
+}
+
+// picks gathers the candidates a decision chooses among.
+type picks struct {
+	warm candidate // the deepest match, then the shortest wait
+	free candidate // the idle endpoint with the shortest wait (spill target)
+	home candidate // the candidate of the key's home
+	top  candidate // the plain rendezvous winner
+}
+
+// add considers c; home tells whether c is the key's home.
+func (ch *picks) add(c candidate, home bool, tie float64) {
+	if ch.top.e == nil || c.score > ch.top.score {
+		ch.top = c
+	}
+	if home {
+		ch.home = c
+	}
+	if c.idle && c.beats(ch.free, tie) {
+		ch.free = c
+	}
+	if c.warm && (ch.warm.e == nil || c.blocks > ch.warm.blocks || c.blocks == ch.warm.blocks && c.beats(ch.warm, tie)) {
+		ch.warm = c
+	}
+}
+
+// preferHome returns the warm candidate after giving the home its
+// precedence. Among equally deep matches the home comes first while its
+// wait is within the spill rule of the others: copies a spill left
+// elsewhere then serve only while the home is saturated and age out of
+// those caches afterwards, instead of keeping the prefix cached twice. The
+// established home of a recurring key that this router's index does not
+// show warm there is presumed to hold what the copies hold: other
+// replicas, which route the key home too, have most likely kept it there,
+// while the copy is this router's own. (A home shown warm to a shallower
+// depth than a copy holds a shorter shared prefix — a system prompt common
+// to many conversations — and the copy the conversation.)
+func (ch *picks) preferHome(established bool, prm *PrefixParams) candidate {
+	warm, h := ch.warm, ch.home
+	if warm.e == nil || h.e == warm.e || !(h.blocks == warm.blocks || established && h.blocks == 0) {
+		return warm
+	}
+	if h.blocks < warm.blocks {
+		saved := float64(h.uncached-warm.uncached) / prm.PrefillTokensPerSec
+		h.wait, h.own = h.wait-saved, h.own-saved
+		h.blocks, h.uncached = warm.blocks, warm.uncached
+	}
+	if h.wait <= warm.wait*prm.SpillRatio+prm.SpillMarginSec {
+		return h
+	}
+	return warm
+}
+
+// target applies the spill rule to the warm candidate, or for a prefix
+// warm nowhere to its home, and returns the pick and its reason.
+//
+// The spill test takes the target's wait in this router's own view: the
+// engine's queue is up to a scrape old and the same for every router
+// replica, so acting on it would make all of them spill the target's
+// prefixes at once for a whole interval, where each needs to relieve only
+// its share. (Which endpoint is idle enough to take a spill does consult
+// the engine.) A cold prefix goes to its home: a prefix the index forgot
+// returns where it lived, and replicas that never saw it agree on where
+// that is. An established home leaves the request only when it is
+// saturated as a warm endpoint would be (its wait without the recompute):
+// the index forgetting is no evidence that the engine did, and another
+// router may keep the prefix there.
+func (ch *picks) target(established bool, prm *PrefixParams) (candidate, string) {
+	target, reason := ch.preferHome(established, prm), ReasonWarm
+	spillTest := target.own
+	if target.e == nil {
+		target, reason, spillTest = ch.home, ReasonCold, ch.home.own
+		if established {
+			spillTest -= float64(ch.home.uncached) / prm.PrefillTokensPerSec
+		}
+	}
+	if ch.free.e != nil && spillTest > ch.free.wait*prm.SpillRatio+prm.SpillMarginSec {
+		if reason == ReasonWarm {
+			reason = ReasonSpill
+		}
+		return ch.free, reason
+	}
+	return target, reason
 }
 
 // beats reports whether c is a better pick than o (an empty o loses): a
@@ -513,7 +576,7 @@ func (c candidate) beats(o candidate, tie float64) bool {
 
 func (c candidate) decision(reason string, promptTokens int) Decision {
 	return Decision{Endpoint: c.e, Reason: reason, Prefill: c.uncached, MatchedBlocks: c.blocks,
-		Contended: c.pending > 0, PromptTokens: promptTokens}
+		Contended: c.load.pending > 0, PromptTokens: promptTokens}
 }
 
 // rendezvousKey is the hash of the block at depth minMatch (or the last
@@ -538,27 +601,12 @@ func rendezvous(key, id uint64) uint64 {
 	return z ^ (z >> 31)
 }
 
-// FleetEvents relays a discovery fleet's events to a prefix policy: an
-// endpoint that left, or whose engine restarted with an empty cache, is
-// forgotten (index and homes), and a scraped KV capacity sizes the
-// endpoint's index. The policy may be set after the fleet is built (a
-// policy may need the fleet's pool first), or never (another policy).
-type FleetEvents struct{ p atomic.Pointer[Prefix] }
-
-// Set makes p receive the events from now on.
-func (f *FleetEvents) Set(p *Prefix) { f.p.Store(p) }
-
-// Wire sets o's OnRemove, OnRestart and OnCapacity to relay to the policy.
-func (f *FleetEvents) Wire(o *discovery.Options) {
-	forget := func(e *discovery.Endpoint) {
-		if p := f.p.Load(); p != nil {
-			p.Forget(e.ID)
-		}
-	}
+// Follow sets o's OnRemove, OnRestart and OnCapacity so that the policy
+// follows the fleet: an endpoint that left, or whose engine restarted with
+// an empty cache, is forgotten (index and homes), and a scraped KV capacity
+// sizes the endpoint's index.
+func (p *Prefix) Follow(o *discovery.Options) {
+	forget := func(e *discovery.Endpoint) { p.Forget(e.ID) }
 	o.OnRemove, o.OnRestart = forget, forget
-	o.OnCapacity = func(e *discovery.Endpoint, tokens int) {
-		if p := f.p.Load(); p != nil {
-			p.SetCapacityTokens(e.ID, tokens)
-		}
-	}
+	o.OnCapacity = func(e *discovery.Endpoint, tokens int) { p.SetCapacityTokens(e.ID, tokens) }
 }

@@ -46,19 +46,33 @@ func system(id, n int) string {
 	return s[:n]
 }
 
-// dispatch picks for r and counts it in flight as the proxy does.
-func dispatch(p *Prefix, r *Request, set *discovery.Set) Decision {
+// dispatch picks for r and leases the endpoint as the proxy does; the
+// caller releases the lease.
+func dispatch(p *Prefix, r *Request, set *discovery.Set) (Decision, discovery.Lease) {
 	d := p.Pick(r, set)
+	var l discovery.Lease
 	if d.Endpoint != nil {
-		d.Endpoint.InFlight.Add(1)
-		d.Endpoint.InFlightPrefill.Add(int64(d.Prefill))
+		l = d.Endpoint.Acquire(d.Prefill)
 	}
-	return d
+	return d, l
 }
 
-func finish(d Decision) {
-	d.Endpoint.InFlight.Add(-1)
-	d.Endpoint.InFlightPrefill.Add(-int64(d.Prefill))
+// occupy loads e with n requests in flight and prefill pending tokens, as
+// leases would; the returned function releases them.
+func occupy(e *discovery.Endpoint, n, prefill int) (release func()) {
+	leases := make([]discovery.Lease, n)
+	for i := range leases {
+		p := 0
+		if i == 0 {
+			p = prefill
+		}
+		leases[i] = e.Acquire(p)
+	}
+	return func() {
+		for i := range leases {
+			leases[i].Release()
+		}
+	}
 }
 
 func TestSameprefixGoesWhereItIsCached(t *testing.T) {
@@ -90,7 +104,7 @@ func TestBurstSpillsInsteadOfHerding(t *testing.T) {
 	counts := map[*discovery.Endpoint]int{}
 	reasons := map[string]int{}
 	for i := 0; i < 200; i++ {
-		d := dispatch(p, request(sys+fmt.Sprintf("q%d", i)), set)
+		d, _ := dispatch(p, request(sys+fmt.Sprintf("q%d", i)), set) // the burst stays in flight
 		counts[d.Endpoint]++
 		reasons[d.Reason]++
 	}
@@ -151,9 +165,7 @@ func TestLoadOnOnePodDoesNotCollapseAffinity(t *testing.T) {
 			}
 		}
 	}
-	da.Endpoint.InFlight.Add(200) // a's home is saturated
-	da.Endpoint.InFlightPrefill.Add(100_000)
-	defer func() { da.Endpoint.InFlight.Add(-200); da.Endpoint.InFlightPrefill.Add(-100_000) }()
+	defer occupy(da.Endpoint, 200, 100_000)() // a's home is saturated
 	if d := p.Pick(request(a+"y"), set); d.Reason != ReasonSpill || d.Endpoint == da.Endpoint {
 		t.Fatalf("saturated prefix did not spill: %+v", d)
 	}
@@ -303,9 +315,7 @@ func TestForgottenPrefixReturnsHome(t *testing.T) {
 	p.Index().Forget(home.ID)
 	// Busier than the others, not saturated: 0.1 s of prefill queued, which
 	// with the recompute would send a truly cold prefix to an idle endpoint.
-	home.InFlight.Add(3)
-	home.InFlightPrefill.Add(2000)
-	defer func() { home.InFlight.Add(-3); home.InFlightPrefill.Add(-2000) }()
+	defer occupy(home, 3, 2000)()
 	if d := p.Pick(request(sys+"b"), set); d.Endpoint != home || d.Reason != ReasonCold {
 		t.Fatalf("forgotten prefix went to %s (%s), want its home %s", d.Endpoint, d.Reason, home)
 	}
@@ -322,9 +332,7 @@ func TestSpillNeedsKVRoom(t *testing.T) {
 	p := newTestPrefix(DefaultPrefixParams())
 	sys := system(30, 16384)
 	warm := p.Pick(request(sys+"a"), set).Endpoint
-	warm.InFlight.Add(50)
-	warm.InFlightPrefill.Add(40_000) // two seconds of prefill queued
-	defer func() { warm.InFlight.Add(-50); warm.InFlightPrefill.Add(-40_000) }()
+	defer occupy(warm, 50, 40_000)() // two seconds of prefill queued
 	var others []*discovery.Endpoint
 	for _, e := range set.Endpoints {
 		if e != warm {
@@ -341,17 +349,12 @@ func TestSpillNeedsKVRoom(t *testing.T) {
 	}
 }
 
-func TestFleetEventsReachThePolicy(t *testing.T) {
+func TestFollowFleetEvents(t *testing.T) {
 	set := testSet(t, 2)
 	e := set.Endpoints[0]
-	var events FleetEvents
-	var o discovery.Options
-	events.Wire(&o)
-	o.OnCapacity(e, 1000) // no policy yet: nothing happens
-	o.OnRemove(e)
-
 	p := newTestPrefix(DefaultPrefixParams())
-	events.Set(p)
+	var o discovery.Options
+	p.Follow(&o)
 	// 1,024 tokens at 4 bytes a token is 4 one-KiB blocks.
 	o.OnCapacity(e, 1024)
 	p.Index().Record(e.ID, request(system(40, 16*testBlock)).Hashes)

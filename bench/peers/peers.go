@@ -1,5 +1,5 @@
 // Package peers reimplements the routing policies of kvroute's peers, from
-// their published designs (REFERENCE §4), as proxy.Pickers, so the benchmark
+// their published designs (REFERENCE §4), as routing.Pickers, so the benchmark
 // can put each of them behind kvroute's own proxy and compare them with the
 // prefix policy on the same fleet, workload and seed. Each type documents
 // where the emulation necessarily differs from the original.
@@ -26,7 +26,7 @@ const (
 // matchScratch pools the match slices of all peers.
 var matchScratch = sync.Pool{New: func() any { s := make([]prefix.Match, 0, 16); return &s }}
 
-// matchedBlocks returns, aligned with set.Endpoints, how many leading blocks
+// matchedBlocks returns, aligned with set.Mixed, how many leading blocks
 // of r each endpoint holds in idx, into dst.
 func matchedBlocks(idx *prefix.Index, r *routing.Request, set *discovery.Set, dst []int) []int {
 	sp := matchScratch.Get().(*[]prefix.Match)
@@ -45,20 +45,6 @@ func matchedBlocks(idx *prefix.Index, r *routing.Request, set *discovery.Set, ds
 	*sp = ms[:0]
 	matchScratch.Put(sp)
 	return dst
-}
-
-// skip reports whether r must not go to e: e is down, ejected or draining,
-// or r was already sent there.
-func skip(r *routing.Request, e *discovery.Endpoint) bool {
-	if !e.Routable() {
-		return true
-	}
-	for _, t := range r.Tried {
-		if t == e {
-			return true
-		}
-	}
-	return false
 }
 
 // CacheAware is SGLang's router cache_aware policy
@@ -92,17 +78,17 @@ func NewCacheAware() *CacheAware {
 	}
 }
 
-// Pick implements proxy.Picker.
+// Pick implements routing.Picker.
 func (p *CacheAware) Pick(r *routing.Request, set *discovery.Set) routing.Decision {
 	var least, most *discovery.Endpoint
 	for _, e := range set.Mixed {
-		if skip(r, e) {
+		if !routing.Usable(r, e) {
 			continue
 		}
-		if least == nil || e.InFlight.Load() < least.InFlight.Load() {
+		if least == nil || e.InFlight() < least.InFlight() {
 			least = e
 		}
-		if most == nil || e.InFlight.Load() > most.InFlight.Load() {
+		if most == nil || e.InFlight() > most.InFlight() {
 			most = e
 		}
 	}
@@ -110,19 +96,19 @@ func (p *CacheAware) Pick(r *routing.Request, set *discovery.Set) routing.Decisi
 		return routing.Decision{Reason: ReasonBalance}
 	}
 	chosen, reason := least, ReasonBalance
-	lo, hi := least.InFlight.Load(), most.InFlight.Load()
+	lo, hi := least.InFlight(), most.InFlight()
 	imbalanced := hi-lo > p.BalanceAbs && float64(hi) > float64(lo)*p.BalanceRel
 	if !imbalanced && len(r.Hashes) > 0 {
 		var buf [64]int
 		depth := matchedBlocks(p.idx, r, set, buf[:0])
 		best := -1
 		for i, e := range set.Mixed {
-			if !skip(r, e) && depth[i] > 0 && (best < 0 || depth[i] > depth[best]) {
+			if routing.Usable(r, e) && depth[i] > 0 && (best < 0 || depth[i] > depth[best]) {
 				best = i
 			}
 		}
 		if best >= 0 && float64(depth[best])/float64(len(r.Hashes)) > p.CacheThreshold {
-			chosen, reason = set.Endpoints[best], ReasonCacheHit
+			chosen, reason = set.Mixed[best], ReasonCacheHit
 		}
 	}
 	p.idx.Record(chosen.ID, r.Hashes)
@@ -154,7 +140,7 @@ func (p *Blend) queue(e *discovery.Endpoint) float64 {
 	if s := e.Engine(); s != nil {
 		return float64(s.Waiting)
 	}
-	return float64(e.InFlight.Load())
+	return float64(e.InFlight())
 }
 
 // kvUsage is the engine's KV-cache usage when freshly scraped.
@@ -175,14 +161,14 @@ func NewBlend(seed uint64) *Blend {
 	}
 }
 
-// Pick implements proxy.Picker.
+// Pick implements routing.Picker.
 func (p *Blend) Pick(r *routing.Request, set *discovery.Set) routing.Decision {
 	var buf [64]int
 	depth := matchedBlocks(p.idx, r, set, buf[:0])
 	minQ, maxQ := 0.0, 0.0
 	first := true
 	for _, e := range set.Mixed {
-		if skip(r, e) {
+		if !routing.Usable(r, e) {
 			continue
 		}
 		q := p.queue(e)
@@ -202,7 +188,7 @@ func (p *Blend) Pick(r *routing.Request, set *discovery.Set) routing.Decision {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for i, e := range set.Mixed {
-		if skip(r, e) {
+		if !routing.Usable(r, e) {
 			continue
 		}
 		var s float64
@@ -265,14 +251,14 @@ func NewSticky(blockBytes, blocksPerEndpoint int) *Sticky {
 	}
 }
 
-// Pick implements proxy.Picker.
+// Pick implements routing.Picker.
 func (p *Sticky) Pick(r *routing.Request, set *discovery.Set) routing.Decision {
 	var buf [64]int
 	depth := matchedBlocks(p.idx, r, set, buf[:0])
-	wait := func(e *discovery.Endpoint) float64 { return float64(e.InFlightPrefill.Load()) / p.PeakPrefill }
+	wait := func(e *discovery.Endpoint) float64 { return float64(e.PendingPrefill()) / p.PeakPrefill }
 	var bestSticky, bestOther *discovery.Endpoint
 	for i, e := range set.Mixed {
-		if skip(r, e) {
+		if !routing.Usable(r, e) {
 			continue
 		}
 		sticky := len(r.Hashes) > 0 && float64(depth[i])/float64(len(r.Hashes)) >= p.StickyScore

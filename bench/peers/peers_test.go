@@ -65,13 +65,12 @@ func TestCacheAwareBalancesWhenImbalanced(t *testing.T) {
 	set := testSet(t, 2)
 	p := NewCacheAware()
 	first := p.Pick(request(prompt(1, 0)), set)
-	first.Endpoint.InFlight.Add(100) // max−min 100 > 64 and 100 > 0×1.5
-	defer first.Endpoint.InFlight.Add(-100)
+	leases := occupy(first.Endpoint, 100) // max−min 100 > 64 and 100 > 0×1.5
+	defer release(leases)
 	if d := p.Pick(request(prompt(1, 1)), set); d.Endpoint == first.Endpoint || d.Reason != ReasonBalance {
 		t.Fatalf("imbalanced: %+v", d)
 	}
-	first.Endpoint.InFlight.Add(-50) // 50 ≤ 64: back to the cache
-	defer first.Endpoint.InFlight.Add(50)
+	release(leases[:50]) // 50 ≤ 64: back to the cache
 	if d := p.Pick(request(prompt(1, 2)), set); d.Reason != ReasonCacheHit {
 		t.Fatalf("balanced: %+v", d)
 	}
@@ -83,8 +82,7 @@ func TestBlendTradesPrefixForQueue(t *testing.T) {
 	first := p.Pick(request(prompt(1, 0)), set)
 	// Cached but most loaded: 3×1 + 2×0 = 3; idle but cold: 0 + 2×1 = 2.
 	// A full prefix match outweighs any queue imbalance in the classic blend.
-	first.Endpoint.InFlight.Add(10)
-	defer first.Endpoint.InFlight.Add(-10)
+	defer release(occupy(first.Endpoint, 10))
 	if d := p.Pick(request(prompt(1, 1)), set); d.Endpoint != first.Endpoint {
 		t.Fatalf("full prefix match lost to the queue: %+v", d)
 	}
@@ -94,9 +92,24 @@ func TestStickyDropsStickinessPastThePenalty(t *testing.T) {
 	set := testSet(t, 2)
 	p := NewSticky(1024, 1760)
 	first := p.Pick(request(prompt(1, 0)), set)
-	first.Endpoint.InFlightPrefill.Add(20000 * 19) // 19 s of prefill queued
-	defer first.Endpoint.InFlightPrefill.Add(-20000 * 19)
+	l := first.Endpoint.Acquire(20000 * 19) // 19 s of prefill queued
+	defer l.Release()
 	if d := p.Pick(request(prompt(1, 1)), set); d.Endpoint == first.Endpoint || d.Reason != ReasonUnsticky {
 		t.Fatalf("past the penalty: %+v", d)
+	}
+}
+
+// occupy claims e for n requests, as the proxy's leases would.
+func occupy(e *discovery.Endpoint, n int) []discovery.Lease {
+	ls := make([]discovery.Lease, n)
+	for i := range ls {
+		ls[i] = e.Acquire(0)
+	}
+	return ls
+}
+
+func release(ls []discovery.Lease) {
+	for i := range ls {
+		ls[i].Release()
 	}
 }

@@ -1,0 +1,377 @@
+package proxy
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"go.uber.org/zap"
+
+	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/metrics"
+	"github.com/kvroute/kvroute/prefix"
+	"github.com/kvroute/kvroute/routing"
+)
+
+// Config is a whole router's configuration: pools, discovery, policy,
+// prefix index and upstream behaviour. Command-line flags bind to its
+// fields (main.go); the benchmark fills it the same way. DefaultConfig is
+// the one place its defaults live.
+type Config struct {
+	Backends        []string
+	PrefillBackends []string
+	DecodeBackends  []string
+	Service         string
+	PrefillService  string
+	DecodeService   string
+	ServiceScheme   string
+	DNSResolvConf   string
+	DNSServer       string
+	DNSInterval     time.Duration
+	Policy          string
+
+	// HealthInterval 0 disables probes, EjectFailures 0 passive ejection,
+	// ScrapeInterval 0 scraping.
+	HealthInterval      time.Duration
+	HealthTimeout       time.Duration
+	HealthFailThreshold int
+	HealthRiseThreshold int
+	EjectFailures       int
+	EjectCooldown       time.Duration
+	EjectMaxCooldown    time.Duration
+	ScrapeInterval      time.Duration
+	ScrapeTimeout       time.Duration
+	EndpointDrainLimit  time.Duration
+
+	MaxBodyBytes          int
+	Retries               int
+	ConnectTimeout        time.Duration
+	ResponseHeaderTimeout time.Duration
+	StreamIdleTimeout     time.Duration
+	UpstreamIdleTimeout   time.Duration
+	ClientIdleTimeout     time.Duration
+	MaxConnsPerEndpoint   int
+	AccessLog             bool
+
+	PrefixBlockBytes     int
+	PrefixMaxBlocks      int
+	PrefixCapacityBlocks int
+	PrefixMaxEntries     int
+	PrefixTTL            time.Duration
+	Prefix               routing.PrefixParams
+
+	// Policies is the table Policy is looked up in; nil means
+	// routing.Policies(). Not a flag: the benchmark adds its peers here.
+	Policies map[string]routing.NewPolicy
+	// Intn is the random and least-request policies' source of randomness
+	// (nil: math/rand/v2). Not a flag: the benchmark seeds it.
+	Intn func(int) int
+}
+
+// DefaultConfig returns the defaults of every field: discovery's own for
+// health, ejection, scraping and DNS, the prefix policy's documented
+// parameters, and the proxy's limits.
+func DefaultConfig() Config {
+	d := discovery.DefaultOptions()
+	return Config{
+		Policy:        "prefix",
+		ServiceScheme: "http",
+		DNSResolvConf: "/etc/resolv.conf",
+		DNSInterval:   discovery.DefaultDNSInterval,
+
+		HealthInterval:      d.Health.Interval,
+		HealthTimeout:       d.Health.Timeout,
+		HealthFailThreshold: d.Health.FailThreshold,
+		HealthRiseThreshold: d.Health.RiseThreshold,
+		EjectFailures:       d.Passive.Failures,
+		EjectCooldown:       d.Passive.Cooldown,
+		EjectMaxCooldown:    d.Passive.MaxCooldown,
+		ScrapeInterval:      d.Scrape.Interval,
+		ScrapeTimeout:       d.Scrape.Timeout,
+		EndpointDrainLimit:  d.DrainLimit,
+
+		MaxBodyBytes: 64 << 20,
+		Retries:      2,
+		// Dialing a pod on the cluster network takes milliseconds; 5 s
+		// covers a node under pressure without holding a request long on
+		// a dead address.
+		ConnectTimeout: 5 * time.Second,
+		// A non-streaming request answers only after the whole generation.
+		ResponseHeaderTimeout: 10 * time.Minute,
+		// Below uvicorn's (hence vLLM's) 5 s keep-alive, so kvroute never
+		// writes to a connection the engine is closing.
+		UpstreamIdleTimeout: 4 * time.Second,
+		ClientIdleTimeout:   2 * time.Minute,
+		MaxConnsPerEndpoint: 4096,
+		AccessLog:           true,
+
+		// 1 KiB of rendering ≈ 256 tokens; 256 blocks cover ≈ 64k tokens.
+		PrefixBlockBytes: 1024,
+		PrefixMaxBlocks:  256,
+		// An 8B model on one H100 caches ≈ 450k tokens: 1,760 blocks of
+		// 256 tokens. A scraped KV capacity replaces it per endpoint.
+		PrefixCapacityBlocks: 1760,
+		PrefixMaxEntries:     4_000_000,
+		PrefixTTL:            30 * time.Minute,
+		Prefix:               routing.DefaultPrefixParams(),
+	}
+}
+
+func (c *Config) policies() map[string]routing.NewPolicy {
+	if c.Policies == nil {
+		return routing.Policies()
+	}
+	return c.Policies
+}
+
+// Validate reports every problem of c at once, naming the flags.
+func (c *Config) Validate() error {
+	var errs []error
+	bad := func(format string, a ...any) { errs = append(errs, fmt.Errorf(format, a...)) }
+	if len(c.Backends) == 0 && c.Service == "" {
+		bad("no backends: set --service (a headless Service) or --backends (e.g. --backends http://10.0.0.7:8000,http://10.0.0.8:8000)")
+	}
+	for _, l := range []struct {
+		name string
+		urls []string
+	}{{"--backends", c.Backends}, {"--prefill-backends", c.PrefillBackends}, {"--decode-backends", c.DecodeBackends}} {
+		for _, b := range l.urls {
+			if _, err := discovery.NewEndpoint(b, discovery.RoleMixed); err != nil {
+				bad("%s: %v", l.name, err)
+			}
+		}
+	}
+	if c.ServiceScheme != "http" && c.ServiceScheme != "https" {
+		bad("--service-scheme %q: want http or https", c.ServiceScheme)
+	}
+	if c.DNSServer != "" {
+		if _, _, err := net.SplitHostPort(c.DNSServer); err != nil {
+			bad("--dns-server %q: want host:port", c.DNSServer)
+		}
+	}
+	if _, ok := c.policies()[c.Policy]; !ok {
+		bad("--policy %q: want one of %s", c.Policy, strings.Join(routing.PolicyNames(c.policies()), ", "))
+	}
+	if c.HealthFailThreshold < 1 || c.HealthRiseThreshold < 1 || c.EjectFailures < 0 {
+		bad("--health-fail-threshold and --health-rise-threshold must be at least 1, --eject-failures not negative")
+	}
+	if c.MaxBodyBytes <= 0 {
+		bad("--max-body-bytes must be positive, got %d", c.MaxBodyBytes)
+	}
+	if c.Retries < 0 || c.Retries > 10 {
+		bad("--retries must be in [0, 10], got %d", c.Retries)
+	}
+	if c.MaxConnsPerEndpoint <= 0 {
+		bad("--max-conns-per-endpoint must be positive, got %d", c.MaxConnsPerEndpoint)
+	}
+	if c.PrefixBlockBytes < 16 || c.PrefixMaxBlocks < 1 || c.PrefixCapacityBlocks < 1 || c.PrefixMaxEntries < 1 {
+		bad("--prefix-block-bytes must be at least 16 and --prefix-max-blocks, --prefix-capacity-blocks, --prefix-max-entries positive")
+	}
+	if err := c.Prefix.Validate(); err != nil {
+		bad("prefix policy: %v", err)
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{
+		{"--connect-timeout", c.ConnectTimeout}, {"--response-header-timeout", c.ResponseHeaderTimeout},
+		{"--stream-idle-timeout", c.StreamIdleTimeout}, {"--upstream-idle-timeout", c.UpstreamIdleTimeout},
+		{"--client-idle-timeout", c.ClientIdleTimeout}, {"--dns-interval", c.DNSInterval},
+		{"--health-interval", c.HealthInterval}, {"--health-timeout", c.HealthTimeout},
+		{"--eject-cooldown", c.EjectCooldown}, {"--eject-max-cooldown", c.EjectMaxCooldown},
+		{"--scrape-interval", c.ScrapeInterval}, {"--scrape-timeout", c.ScrapeTimeout},
+		{"--endpoint-drain-limit", c.EndpointDrainLimit}, {"--prefix-ttl", c.PrefixTTL},
+	} {
+		if d.v < 0 {
+			bad("%s must not be negative, got %s", d.name, d.v)
+		}
+	}
+	if c.UpstreamIdleTimeout == 0 {
+		bad("--upstream-idle-timeout must be positive")
+	}
+	return errors.Join(errs...)
+}
+
+// Router is one running kvroute: discovery over the pools, the policy, the
+// proxy server and the collectors of its Prometheus registry. Build it
+// with NewRouter and run it with Run; main and the benchmark both do.
+type Router struct {
+	cfg      Config
+	logger   *zap.Logger
+	Server   *Server
+	Fleet    *discovery.Fleet
+	Pool     *discovery.Pool
+	Picker   routing.Picker
+	Prefix   *routing.Prefix // the prefix policy, nil under another policy
+	Registry *prometheus.Registry
+}
+
+// NewRouter validates cfg and builds the router; it starts nothing. logger
+// receives the access log and discovery's events (nil: none).
+func NewRouter(cfg Config, logger *zap.Logger) (*Router, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if logger == nil {
+		logger = zap.NewNop()
+	}
+	pick := cfg.policies()[cfg.Policy](routing.PolicyConfig{
+		BlockBytes: cfg.PrefixBlockBytes,
+		Index: prefix.IndexConfig{BlocksPerEndpoint: cfg.PrefixCapacityBlocks,
+			MaxEntries: cfg.PrefixMaxEntries, TTL: cfg.PrefixTTL},
+		Prefix: cfg.Prefix,
+		Intn:   cfg.Intn,
+	})
+	r := &Router{cfg: cfg, logger: logger, Picker: pick, Registry: prometheus.NewRegistry()}
+	r.Prefix, _ = pick.(*routing.Prefix)
+	fleet, err := newFleet(&cfg, logger, r.Prefix)
+	if err != nil {
+		return nil, err
+	}
+	r.Fleet, r.Pool = fleet, fleet.Pool()
+	r.Registry.MustRegister(collectors.NewGoCollector(),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), fleet)
+	m := metrics.New(r.Registry, Classes, func(yield func(metrics.EndpointSample)) {
+		for _, e := range r.Pool.Load().Endpoints {
+			yield(metrics.EndpointSample{URL: e.URL, Role: e.Role.String(),
+				InFlight: e.InFlight(), Requests: e.Requests(), Failures: e.Failures.Load()})
+		}
+	})
+	opt := Options{
+		Picker: pick, Pool: r.Pool, Metrics: m, Logger: logger, AccessLog: cfg.AccessLog,
+		BlockSize: cfg.PrefixBlockBytes, MaxBlocks: cfg.PrefixMaxBlocks,
+		MaxBodyBytes: cfg.MaxBodyBytes, Retries: cfg.Retries,
+		ConnectTimeout: cfg.ConnectTimeout, ResponseHeaderTimeout: cfg.ResponseHeaderTimeout,
+		StreamIdleTimeout: cfg.StreamIdleTimeout, UpstreamIdleTimeout: cfg.UpstreamIdleTimeout,
+		ClientIdleTimeout: cfg.ClientIdleTimeout, MaxConnsPerEndpoint: cfg.MaxConnsPerEndpoint,
+	}
+	if r.Prefix != nil {
+		opt.Learner = r.Prefix
+		metrics.RegisterIndex(r.Registry, func() metrics.IndexSample {
+			s := r.Prefix.Index().Stats()
+			return metrics.IndexSample{Endpoints: s.Endpoints, Hashes: s.Hashes, Entries: s.Entries,
+				Bytes: s.Bytes, Evictions: s.Evictions, Expiries: s.Expiries, Homes: r.Prefix.Homes()}
+		})
+	}
+	r.Server = New(opt)
+	return r, nil
+}
+
+// newFleet builds discovery from cfg: static lists and DNS sources per
+// pool, health probes, passive ejection and engine scraping. A prefix
+// policy (pfx, may be nil) forgets endpoints that leave or whose engine
+// restarts, and sizes an endpoint's index LRU from its scraped KV capacity.
+func newFleet(cfg *Config, logger *zap.Logger, pfx *routing.Prefix) (*discovery.Fleet, error) {
+	o := discovery.Options{
+		Logger: logger.Named("discovery"),
+		Health: discovery.HealthConfig{Disabled: cfg.HealthInterval == 0, Interval: cfg.HealthInterval,
+			Timeout: cfg.HealthTimeout, FailThreshold: cfg.HealthFailThreshold, RiseThreshold: cfg.HealthRiseThreshold},
+		Passive: discovery.PassiveConfig{Disabled: cfg.EjectFailures == 0, Failures: cfg.EjectFailures,
+			Cooldown: cfg.EjectCooldown, MaxCooldown: cfg.EjectMaxCooldown},
+		Scrape:     discovery.ScrapeConfig{Disabled: cfg.ScrapeInterval == 0, Interval: cfg.ScrapeInterval, Timeout: cfg.ScrapeTimeout},
+		DrainLimit: cfg.EndpointDrainLimit,
+	}
+	if pfx != nil {
+		pfx.Follow(&o)
+	}
+	fleet, err := discovery.New(o)
+	if err != nil {
+		return nil, err
+	}
+	for _, src := range []struct {
+		role discovery.Role
+		urls []string
+		svc  string
+	}{
+		{discovery.RoleMixed, cfg.Backends, cfg.Service},
+		{discovery.RolePrefill, cfg.PrefillBackends, cfg.PrefillService},
+		{discovery.RoleDecode, cfg.DecodeBackends, cfg.DecodeService},
+	} {
+		if len(src.urls) > 0 {
+			if err := fleet.AddStatic(src.role, src.urls); err != nil {
+				return nil, err
+			}
+		}
+		if src.svc != "" {
+			if err := fleet.AddDNS(discovery.DNSConfig{Service: src.svc, Role: src.role, Scheme: cfg.ServiceScheme,
+				ResolvConf: cfg.DNSResolvConf, Server: cfg.DNSServer, Interval: cfg.DNSInterval,
+				MinInterval: min(time.Second, cfg.DNSInterval)}); err != nil {
+				return nil, err
+			}
+		}
+	}
+	return fleet, nil
+}
+
+// AdminHandler returns the admin listener's handler: /metrics, /livez,
+// /readyz, /debug/pprof/, /debug/endpoints and, under the prefix policy,
+// /debug/route and /debug/prefix/params.
+func (r *Router) AdminHandler() http.Handler {
+	mux := r.Server.AdminHandler(r.Registry)
+	mux.HandleFunc("GET /debug/endpoints", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		_ = enc.Encode(r.Fleet.Endpoints())
+	})
+	if r.Prefix != nil {
+		r.Server.HandleExplain(mux, r.Prefix)
+		HandleParams(mux, r.Prefix)
+	}
+	return mux
+}
+
+// Run serves the API on api and, when admin is not nil, the admin handler
+// on admin, with discovery running beside them, until ctx is done or a
+// listener fails. Then it drains: /readyz turns 503, in-flight requests and
+// streams get drainTimeout to finish, and discovery (health, draining of
+// endpoints) keeps running until they have. Run closes both listeners.
+func (r *Router) Run(ctx context.Context, api, admin net.Listener, drainTimeout time.Duration) error {
+	fctx, stopFleet := context.WithCancel(context.Background())
+	defer stopFleet()
+	fleetDone := make(chan struct{})
+	go func() { defer close(fleetDone); _ = r.Fleet.Run(fctx) }()
+	defer func() { stopFleet(); <-fleetDone }()
+
+	errc := make(chan error, 2)
+	go func() { errc <- r.Server.Serve(api) }()
+	var adminSrv *http.Server
+	adminAddr := "none"
+	if admin != nil {
+		adminAddr = admin.Addr().String()
+		adminSrv = &http.Server{Handler: r.AdminHandler(), ReadHeaderTimeout: 10 * time.Second}
+		go func() {
+			if err := adminSrv.Serve(admin); !errors.Is(err, http.ErrServerClosed) {
+				errc <- err
+			}
+		}()
+	}
+	r.logger.Info("kvroute serving", zap.String("listen", api.Addr().String()), zap.String("admin", adminAddr),
+		zap.String("policy", r.cfg.Policy),
+		zap.Int("endpoints", r.Pool.Load().Len()), zap.String("service", r.cfg.Service))
+
+	var err error
+	select {
+	case err = <-errc:
+		err = fmt.Errorf("serve: %w", err)
+	case <-ctx.Done():
+	}
+	r.logger.Info("draining", zap.Duration("timeout", drainTimeout))
+	dctx, cancel := context.WithTimeout(context.Background(), drainTimeout)
+	defer cancel()
+	if derr := r.Server.Shutdown(dctx); derr != nil {
+		r.logger.Warn("drain incomplete", zap.Error(derr))
+	}
+	if adminSrv != nil {
+		_ = adminSrv.Shutdown(dctx)
+	}
+	r.logger.Info("stopped")
+	return err
+}

@@ -113,7 +113,7 @@ func newFlags(c *config) (*pflag.FlagSet, []flagGroup) {
 	upstream.fs.DurationVar(&c.ConnectTimeout, "connect-timeout", c.ConnectTimeout, "timeout for connecting to a model server")
 	upstream.fs.DurationVar(&c.ResponseHeaderTimeout, "response-header-timeout", c.ResponseHeaderTimeout, "timeout from sending a request to the first response byte (0: none); non-streaming requests answer only after generation")
 	upstream.fs.DurationVar(&c.StreamIdleTimeout, "stream-idle-timeout", c.StreamIdleTimeout, "longest gap between two chunks of a response body (0: none); there is never a total deadline on a stream")
-	upstream.fs.DurationVar(&c.UpstreamIdleTimeout, "upstream-idle-timeout", c.UpstreamIdleTimeout, "close idle upstream keep-alive connections after this; keep below the engine's keep-alive (vLLM/uvicorn: 5s)")
+	upstream.fs.DurationVar(&c.UpstreamIdleTimeout, "upstream-idle-timeout", c.UpstreamIdleTimeout, "close idle upstream keep-alive connections after this; keep below the engine's keep-alive (uvicorn, hence vLLM and SGLang: 5s)")
 	upstream.fs.IntVar(&c.MaxConnsPerEndpoint, "max-conns-per-endpoint", c.MaxConnsPerEndpoint, "upstream connection cap per endpoint (each stream holds one)")
 
 	ops.fs.DurationVar(&c.DrainTimeout, "drain-timeout", c.DrainTimeout, "on SIGTERM, how long in-flight requests and streams may finish")

@@ -61,6 +61,12 @@ type Options struct {
 // DefaultDrainLimit is Options.DrainLimit's default.
 const DefaultDrainLimit = 10 * time.Minute
 
+// EngineIdleTimeout is how long an idle keep-alive connection to an engine
+// is kept: below uvicorn's default 5 s keep-alive (vLLM's and SGLang's HTTP
+// servers run on uvicorn), so the client side closes an idle connection
+// before the engine closes it under a request being written.
+const EngineIdleTimeout = 4 * time.Second
+
 // DefaultOptions returns the defaults of every field (hooks and logger nil;
 // Scrape.StaleAfter 0, which follows Scrape.Interval).
 func DefaultOptions() Options {
@@ -135,11 +141,9 @@ func New(o Options) (*Fleet, error) {
 	tr := &http.Transport{
 		DialContext:         dial.DialContext,
 		MaxIdleConnsPerHost: 2,
-		// Below vLLM's (uvicorn's) 5 s keep-alive, so kvroute closes an idle
-		// connection before the engine does.
-		IdleConnTimeout:    4 * time.Second,
-		DisableCompression: true, // spare the engines gzip; /metrics is ~50 KB
-		ForceAttemptHTTP2:  false,
+		IdleConnTimeout:     EngineIdleTimeout,
+		DisableCompression:  true, // spare the engines gzip; /metrics is ~50 KB
+		ForceAttemptHTTP2:   false,
 	}
 	return &Fleet{
 		o: o, log: log,

@@ -12,7 +12,8 @@ import (
 	dto "github.com/prometheus/client_model/go"
 )
 
-// Namespace prefixes every kvroute metric.
+// Namespace prefixes kvroute's own metrics; the llm_router_* names are the
+// conventional names the README's metrics section lists beside them.
 const Namespace = "kvroute"
 
 // latencyBuckets span 100 µs (a router hop on loopback) to 10 min (a long
@@ -103,7 +104,7 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 		}),
 		promptTokens: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: Namespace, Name: "routed_prompt_tokens_total",
-			Help: "Prompt tokens of routed inference requests (estimated, bytes/4).",
+			Help: "Prompt tokens of routed inference requests, as the policy estimated them (rendering bytes over bytes per token).",
 		}),
 		estTokens: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: Namespace, Name: "prefix_estimated_cached_tokens_total",

@@ -88,9 +88,14 @@ func (h *Hasher) WriteString(s string) (int, error) {
 // Seeding xxh3 with the parent instead costs a 192-byte secret derivation
 // per block of more than 240 bytes, which tripled hashing time.
 func (h *Hasher) push(block []byte) {
-	z := h.prev ^ xxh3.Hash(block)
+	h.prev = Mix64(h.prev ^ xxh3.Hash(block))
+	h.Hashes = append(h.Hashes, h.prev)
+}
+
+// Mix64 is SplitMix64's finaliser: a bijective 64-bit mixer whose every
+// output bit depends on every input bit.
+func Mix64(z uint64) uint64 {
 	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
 	z = (z ^ (z >> 27)) * 0x94d049bb133111eb
-	h.prev = z ^ (z >> 31)
-	h.Hashes = append(h.Hashes, h.prev)
+	return z ^ (z >> 31)
 }

@@ -206,23 +206,6 @@ func (x *Index) Record(id uint64, hashes []uint64) {
 	}
 }
 
-// Drop removes endpoint id's claims on hashes (they were evicted there).
-func (x *Index) Drop(id uint64, hashes []uint64) {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	s, ok := x.slotOf[id]
-	if !ok {
-		return
-	}
-	for _, h := range hashes {
-		if at := x.owners.find(h); at >= 0 {
-			if k := x.owners.ownerOf(at, s); k >= 0 {
-				x.unlink(at, k)
-			}
-		}
-	}
-}
-
 // SetCapacity sets endpoint id's LRU capacity in blocks (from the engine's
 // KV capacity), evicting its oldest entries if it shrank.
 func (x *Index) SetCapacity(id uint64, blocks int) {
@@ -271,17 +254,6 @@ func (x *Index) Forget(id uint64) {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	x.forget(id)
-}
-
-// Retain forgets every endpoint whose id keep does not report.
-func (x *Index) Retain(keep func(id uint64) bool) {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	for id := range x.slotOf {
-		if !keep(id) {
-			x.forget(id)
-		}
-	}
 }
 
 // IndexStats are an Index's size and counters.

@@ -107,14 +107,14 @@ func TestTTLExpires(t *testing.T) {
 	}
 }
 
-func TestForgetAndRetain(t *testing.T) {
+func TestForget(t *testing.T) {
 	x := NewIndex(IndexConfig{BlocksPerEndpoint: 100})
 	a := chain(1, 8)
 	for id := uint64(1); id <= 4; id++ {
 		x.Record(id, a)
 	}
 	x.Forget(2)
-	x.Retain(func(id uint64) bool { return id != 3 })
+	x.Forget(3)
 	got := matches(t, x, a)
 	if len(got) != 2 || got[1] != 8 || got[4] != 8 {
 		t.Fatalf("after forgetting 2 and 3: %v", got)
@@ -128,14 +128,10 @@ func TestForgetAndRetain(t *testing.T) {
 	}
 }
 
-func TestDropAndCapacity(t *testing.T) {
+func TestSetCapacity(t *testing.T) {
 	x := NewIndex(IndexConfig{BlocksPerEndpoint: 100})
 	a := chain(1, 10)
 	x.Record(1, a)
-	x.Drop(1, a[6:])
-	if got := matches(t, x, a); got[1] != 6 {
-		t.Fatalf("after drop %v", got)
-	}
 	x.SetCapacity(1, 3)
 	if got := matches(t, x, a); got[1] != 3 {
 		t.Fatalf("after shrinking %v", got)

@@ -18,8 +18,6 @@ var (
 	ErrUpstream = errors.New("proxy: upstream failure")
 	// ErrUpstreamTimeout: connect or response-header timeout (504).
 	ErrUpstreamTimeout = errors.New("proxy: upstream timeout")
-	// ErrClientGone: the client went away before the response ended (499).
-	ErrClientGone = errors.New("proxy: client closed the connection")
 	// ErrInternal: a bug in kvroute (500).
 	ErrInternal = errors.New("proxy: internal error")
 	// ErrBodyTooLarge: the request body exceeds --max-body-bytes (413).
@@ -53,8 +51,6 @@ func statusOf(err error) (status int, typ, code string) {
 		return fasthttp.StatusServiceUnavailable, "ServiceUnavailableError", "no_endpoint"
 	case errors.Is(err, ErrUpstreamTimeout):
 		return fasthttp.StatusGatewayTimeout, "GatewayTimeoutError", "upstream_timeout"
-	case errors.Is(err, ErrClientGone):
-		return StatusClientClosedRequest, "ClientClosedRequest", "client_closed_request"
 	default:
 		return fasthttp.StatusBadGateway, "BadGatewayError", "upstream_error"
 	}
@@ -71,8 +67,9 @@ func classifyUpstream(err error) (error, string) {
 	return fmt.Errorf("%w: %v", ErrUpstream, err), "connect"
 }
 
-// errorBody is vLLM's nested error envelope (REFERENCE §1, vllm-wire
-// error-400.json); code is a string here, as in OpenAI's API.
+// errorBody is vLLM's nested error envelope (ErrorResponse in vLLM's
+// vllm/entrypoints/openai/protocol.py); code is a string here, as in
+// OpenAI's API.
 type errorBody struct {
 	Error struct {
 		Message string  `json:"message"`
@@ -83,12 +80,9 @@ type errorBody struct {
 }
 
 // writeError answers ctx with an OpenAI-style JSON error body for err and
-// returns the status. For 499 (client gone) nothing is written.
+// returns the status.
 func writeError(ctx *fasthttp.RequestCtx, err error) int {
 	status, typ, code := statusOf(err)
-	if status == StatusClientClosedRequest {
-		return status
-	}
 	var body errorBody
 	body.Error.Message = err.Error()
 	body.Error.Type = typ

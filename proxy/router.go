@@ -105,12 +105,10 @@ func DefaultConfig() Config {
 		ConnectTimeout: 5 * time.Second,
 		// A non-streaming request answers only after the whole generation.
 		ResponseHeaderTimeout: 10 * time.Minute,
-		// Below uvicorn's (hence vLLM's) 5 s keep-alive, so kvroute never
-		// writes to a connection the engine is closing.
-		UpstreamIdleTimeout: 4 * time.Second,
-		ClientIdleTimeout:   2 * time.Minute,
-		MaxConnsPerEndpoint: 4096,
-		AccessLog:           true,
+		UpstreamIdleTimeout:   discovery.EngineIdleTimeout,
+		ClientIdleTimeout:     2 * time.Minute,
+		MaxConnsPerEndpoint:   4096,
+		AccessLog:             true,
 
 		// 1 KiB of rendering ≈ 256 tokens; 256 blocks cover ≈ 64k tokens.
 		PrefixBlockBytes: 1024,

@@ -20,7 +20,7 @@ var (
 // byte-wise state machine only runs across a boundary. Set pat, then feed.
 type numScanner struct {
 	pat     []byte
-	matched int  // bytes of usagePattern matched at the end of the last chunk
+	matched int  // bytes of pat matched at the end of the last chunk
 	inValue bool // after the pattern: reading the number
 	digits  int  // digits read of the current value
 	value   int  // the value being read

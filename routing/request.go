@@ -1,8 +1,10 @@
 // Package routing decides which endpoint serves a request. It owns the
-// parsed view of an inference request (Request), the policies that pick an
-// endpoint from the current discovery.Set (round-robin, random,
-// least-request), and the Decision they return. Policies never block and
-// never allocate on the request path.
+// parsed view of an inference request (Request), the Picker seam, the table
+// of policies by name (Policies: round-robin, random, least-request and the
+// prefix-aware, sticky-until-saturated prefix policy) and the Decision they
+// return. The basic policies never block or allocate; the prefix policy
+// takes its index's and its homes' mutexes for microseconds per pick and
+// allocates only when a new prefix key arrives.
 package routing
 
 import (
@@ -54,9 +56,9 @@ type Request struct {
 	CacheSalt string
 	// PromptBytes is the length of the prompt's canonical rendering.
 	PromptBytes int
-	// PromptTokens estimates the prompt's length in tokens: exact for
-	// token-id prompts, PromptBytes/4 for text (vLLM's rule of thumb for
-	// English, REFERENCE §1).
+	// PromptTokens estimates the prompt's length in tokens as PromptBytes/4
+	// (about four bytes of English per token); the prefix policy refines
+	// it with the bytes per token it learns from the engines' reports.
 	PromptTokens int
 	// Hashes are the chained block hashes of the canonical rendering.
 	Hashes []uint64

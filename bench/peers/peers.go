@@ -1,5 +1,6 @@
 // Package peers reimplements the routing policies of kvroute's peers, from
-// their published designs (REFERENCE §4), as routing.Pickers, so the benchmark
+// their published designs and source (each type names the repository
+// and file it follows), as routing.Pickers, so the benchmark
 // can put each of them behind kvroute's own proxy and compare them with the
 // prefix policy on the same fleet, workload and seed. Each type documents
 // where the emulation necessarily differs from the original.

@@ -20,7 +20,8 @@ var ErrConfig = errors.New("sim: invalid config")
 var ErrClosed = errors.New("sim: pod closed")
 
 // Role is what a pod does in prefill/decode disaggregation (vLLM NixlConnector
-// semantics, REFERENCE §3).
+// semantics: docs.vllm.ai "NixlConnector Usage Guide" and vLLM's
+// tests/v1/kv_connector/nixl_integration/toy_proxy_server.py).
 type Role string
 
 const (
@@ -76,7 +77,7 @@ type Config struct {
 	// NumGPUBlocks is the KV capacity in blocks. Default 28125 blocks of 16 =
 	// 450k tokens: an 80 GB H100 at gpu_memory_utilization 0.9 keeps ≈ 57 GB
 	// after 16 GB of bf16 weights and activations, at 128 KiB per token
-	// (REFERENCE §6).
+	// (32 layers × 8 KV heads × 128 dims × 2 (K and V) × 2 bytes).
 	NumGPUBlocks int
 	// MaxModelLen bounds prompt+max_tokens per sequence (vLLM
 	// --max-model-len); default 32768.
@@ -122,8 +123,9 @@ type Config struct {
 	// (16 GFLOP per token at ≈ 32% of 989 bf16 TFLOPS).
 	PrefillTokensPerSec float64
 	// PrefillStepOverhead is added to a step that computes a prompt chunk
-	// (more than one token of some sequence); default 13 ms, so that a prefill step costs ≈ 20 ms + tokens/20k
-	// (REFERENCE §6) including the ≈ 7 ms weight pass.
+	// (more than one token of some sequence); default 13 ms, so that a
+	// prefill step costs ≈ 20 ms + tokens/20k including the ≈ 7 ms weight
+	// pass (the README's "The simulator" gives the cost model).
 	PrefillStepOverhead time.Duration
 	// KVTransferBandwidth is the NIXL pull rate in bytes/s; default 40e9.
 	KVTransferBandwidth float64

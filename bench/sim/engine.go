@@ -18,8 +18,7 @@ type request struct {
 	includeUsage bool
 	holdKV       bool // prefill role: hold the KV for a remote decode
 	model        string
-	created      int64     // unix seconds
-	arrival      time.Time // wall time the handler received it
+	created      int64 // unix seconds
 	seqs         []*seq
 
 	wake      chan struct{} // capacity 1; signalled on progress

@@ -21,7 +21,8 @@ type kvParams struct {
 	TPSize          int             `json:"tp_size"`
 }
 
-// prefillLeg is the body a router sends to the prefill pod (REFERENCE §3).
+// prefillLeg is the body a router sends to the prefill pod (vLLM's NixlConnector proxy protocol,
+// docs.vllm.ai "NixlConnector Usage Guide").
 func prefillLeg(prompt string) string {
 	return `{"prompt":` + prompt + `,"max_tokens":1,"stream":false,` +
 		`"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,` +

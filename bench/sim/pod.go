@@ -139,15 +139,6 @@ func (p *Pod) Serve(ln net.Listener) error {
 	return err
 }
 
-// ListenAndServe listens on addr (host:port) and serves; see Serve.
-func (p *Pod) ListenAndServe(addr string) error {
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		return err
-	}
-	return p.Serve(ln)
-}
-
 // Close stops the pod like a crash of the engine: open streams are cut,
 // waiting requests fail, listeners close, and every goroutine the pod
 // started has returned when Close returns. Idempotent.

@@ -11,7 +11,7 @@ import (
 // optional leading space plus a run of ASCII letters and digits, or one other
 // character) and every piece into chunks of at most this many bytes. With 6,
 // English prose averages ≈ 4 bytes per token, like a BPE tokenizer
-// (REFERENCE §1).
+// (OpenAI's rule of thumb: a token is about four characters of English).
 const maxPieceBytes = 6
 
 // Tokenize returns the pseudo-token ids of text for a vocabulary of vocabSize

@@ -71,11 +71,11 @@ func (z *zone) serve(w dns.ResponseWriter, req *dns.Msg) {
 	_ = w.WriteMsg(m)
 }
 
-// kvroute follows a headless Service: pods on 127.0.0.2 and 127.0.0.3 (the
-// same port, as pods of a Service are) take traffic; after the Service
-// drops one of them, traffic moves to the other within about a DNS
-// interval. (Draining of in-flight streams is tested in discovery/.)
-func TestFollowsHeadlessServiceDNS(t *testing.T) {
+// startLoopbackPods starts a simulated pod on 127.0.0.2 and one on
+// 127.0.0.3, on the same port (as the pods of a Service are), and returns
+// the port, the pods by address and the model they serve. It skips the
+// test where those addresses are not usable.
+func startLoopbackPods(t *testing.T) (int, map[string]*sim.Pod, string) {
 	ln2, err := net.Listen("tcp", "127.0.0.2:0")
 	if err != nil {
 		t.Skipf("127.0.0.2 not usable here: %v", err)
@@ -100,6 +100,35 @@ func TestFollowsHeadlessServiceDNS(t *testing.T) {
 		t.Cleanup(func() { _ = p.Close() })
 		pods[ip] = p
 	}
+	return port, pods, cfg.Model
+}
+
+// waitReady waits until kvroute's /readyz on admin answers 200 (once the
+// first resolution found endpoints), failing after 10 s.
+func waitReady(t *testing.T, admin string) {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		resp, err := http.Get("http://" + admin + "/readyz")
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode == 200 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("never ready")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// kvroute follows a headless Service: pods on 127.0.0.2 and 127.0.0.3 (the
+// same port, as pods of a Service are) take traffic; after the Service
+// drops one of them, traffic moves to the other within about a DNS
+// interval. (Draining of in-flight streams is tested in discovery/.)
+func TestFollowsHeadlessServiceDNS(t *testing.T) {
+	port, pods, model := startLoopbackPods(t)
 	z, dnsAddr := startZone(t, "vllm.llm.svc.cluster.local", "127.0.0.2", "127.0.0.3")
 
 	ctx, cancel := context.WithCancel(context.Background())
@@ -131,7 +160,7 @@ func TestFollowsHeadlessServiceDNS(t *testing.T) {
 		return out
 	}
 	complete := func(maxTokens int) {
-		body := fmt.Sprintf(`{"model":%q,"prompt":"hello","max_tokens":%d}`, cfg.Model, maxTokens)
+		body := fmt.Sprintf(`{"model":%q,"prompt":"hello","max_tokens":%d}`, model, maxTokens)
 		resp, err := http.Post("http://"+addrs.API+"/v1/completions", "application/json", strings.NewReader(body))
 		if err != nil {
 			t.Fatal(err)
@@ -142,22 +171,8 @@ func TestFollowsHeadlessServiceDNS(t *testing.T) {
 			t.Fatalf("status %d: %s", resp.StatusCode, b)
 		}
 	}
-	// /readyz turns 200 once the first resolution found endpoints.
+	waitReady(t, addrs.Admin)
 	deadline := time.Now().Add(10 * time.Second)
-	for {
-		resp, err := http.Get("http://" + addrs.Admin + "/readyz")
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-		if resp.StatusCode == 200 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("never ready")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
 	// Both pods serve (round-robin).
 	for s := served(); s["127.0.0.2"] == 0 || s["127.0.0.3"] == 0; s = served() {
 		if time.Now().After(deadline) {

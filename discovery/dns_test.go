@@ -259,20 +259,51 @@ func TestDNSHonoursShortTTL(t *testing.T) {
 	}
 }
 
-// TestDNSResolution covers what one lookup returns: SRV named ports, search
-// paths and ndots from resolv.conf, address families, TCP fallback.
+// resolutionCase is one lookup and what it must return.
+type resolutionCase struct {
+	name string
+	cfg  func(t *testing.T) DNSConfig
+	// edit runs before the lookup (and is undone by a fresh server
+	// per case where needed).
+	edit      func()
+	want      []string
+	firstName string // the first name queried, when checked
+	wantTCP   bool
+}
+
+// run resolves tc's configuration against srv once and checks the answer
+// and the queries sent.
+func (tc resolutionCase) run(t *testing.T, srv *dnsServer) {
+	srv.setTruncate(false)
+	if tc.edit != nil {
+		tc.edit()
+	}
+	d, err := newDNSSource(tc.cfg(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := len(srv.seen())
+	eps, _, err := d.resolve(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := urls(eps); !slices.Equal(got, tc.want) {
+		t.Errorf("endpoints = %v, want %v", got, tc.want)
+	}
+	qs := srv.seen()[before:]
+	if tc.firstName != "" && qs[0].name != tc.firstName {
+		t.Errorf("first query %q, want %q (all: %v)", qs[0].name, tc.firstName, qs)
+	}
+	if tc.wantTCP != slices.ContainsFunc(qs, func(q dnsQuery) bool { return q.net == "tcp" }) {
+		t.Errorf("TCP used = %v, want %v (%v)", !tc.wantTCP, tc.wantTCP, qs)
+	}
+}
+
+// TestDNSResolution covers what one lookup returns: SRV named ports,
+// address families, TCP fallback.
 func TestDNSResolution(t *testing.T) {
 	srv := startDNS(t)
-	for _, tc := range []struct {
-		name string
-		cfg  func(t *testing.T) DNSConfig
-		// edit runs before the lookup (and is undone by a fresh server
-		// per case where needed).
-		edit      func()
-		want      []string
-		firstName string // the first name queried, when checked
-		wantTCP   bool
-	}{
+	for _, tc := range []resolutionCase{
 		{
 			name: "numeric port",
 			cfg:  func(*testing.T) DNSConfig { return fastDNS(srv, "vllm.ns.svc.cluster.local:8000") },
@@ -292,6 +323,42 @@ func TestDNSResolution(t *testing.T) {
 			cfg:  func(*testing.T) DNSConfig { return fastDNS(srv, "vllm.ns.svc.cluster.local:http") },
 			want: []string{"http://10.0.0.1:8000", "http://10.0.0.2:8001"},
 		},
+		{
+			name: "IPv6-only service",
+			cfg:  func(*testing.T) DNSConfig { return fastDNS(srv, "v6.ns.svc.cluster.local:8000") },
+			want: []string{"http://[fd00::1]:8000"},
+		},
+		{
+			name: "dual stack counts each pod once",
+			cfg:  func(*testing.T) DNSConfig { return fastDNS(srv, "dual.ns.svc.cluster.local:8000") },
+			want: []string{"http://10.0.3.1:8000"},
+		},
+		{
+			name: "dual stack, ipv6 chosen",
+			cfg: func(*testing.T) DNSConfig {
+				c := fastDNS(srv, "dual.ns.svc.cluster.local:8000")
+				c.IPFamily = "ipv6"
+				return c
+			},
+			want: []string{"http://[fd00::3:1]:8000"},
+		},
+		{
+			name:    "truncated UDP answer retried over TCP",
+			cfg:     func(*testing.T) DNSConfig { return fastDNS(srv, "prefill.ns.svc.cluster.local:8000") },
+			edit:    func() { srv.setTruncate(true) },
+			want:    []string{"http://10.0.1.1:8000"},
+			wantTCP: true,
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) { tc.run(t, srv) })
+	}
+}
+
+// TestDNSSearchPath covers the resolver configuration: search paths and
+// ndots from resolv.conf, as in a pod.
+func TestDNSSearchPath(t *testing.T) {
+	srv := startDNS(t)
+	for _, tc := range []resolutionCase{
 		{
 			name: "search path with ndots 5 (a pod's resolv.conf)",
 			cfg: func(t *testing.T) DNSConfig {
@@ -328,58 +395,8 @@ func TestDNSResolution(t *testing.T) {
 			want:      []string{"http://10.0.0.1:8000", "http://10.0.0.2:8001"},
 			firstName: "_http._tcp.vllm.ns.svc.cluster.local.",
 		},
-		{
-			name: "IPv6-only service",
-			cfg:  func(*testing.T) DNSConfig { return fastDNS(srv, "v6.ns.svc.cluster.local:8000") },
-			want: []string{"http://[fd00::1]:8000"},
-		},
-		{
-			name: "dual stack counts each pod once",
-			cfg:  func(*testing.T) DNSConfig { return fastDNS(srv, "dual.ns.svc.cluster.local:8000") },
-			want: []string{"http://10.0.3.1:8000"},
-		},
-		{
-			name: "dual stack, ipv6 chosen",
-			cfg: func(*testing.T) DNSConfig {
-				c := fastDNS(srv, "dual.ns.svc.cluster.local:8000")
-				c.IPFamily = "ipv6"
-				return c
-			},
-			want: []string{"http://[fd00::3:1]:8000"},
-		},
-		{
-			name:    "truncated UDP answer retried over TCP",
-			cfg:     func(*testing.T) DNSConfig { return fastDNS(srv, "prefill.ns.svc.cluster.local:8000") },
-			edit:    func() { srv.setTruncate(true) },
-			want:    []string{"http://10.0.1.1:8000"},
-			wantTCP: true,
-		},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			srv.setTruncate(false)
-			if tc.edit != nil {
-				tc.edit()
-			}
-			d, err := newDNSSource(tc.cfg(t))
-			if err != nil {
-				t.Fatal(err)
-			}
-			before := len(srv.seen())
-			eps, _, err := d.resolve(t.Context())
-			if err != nil {
-				t.Fatal(err)
-			}
-			if got := urls(eps); !slices.Equal(got, tc.want) {
-				t.Errorf("endpoints = %v, want %v", got, tc.want)
-			}
-			qs := srv.seen()[before:]
-			if tc.firstName != "" && qs[0].name != tc.firstName {
-				t.Errorf("first query %q, want %q (all: %v)", qs[0].name, tc.firstName, qs)
-			}
-			if tc.wantTCP != slices.ContainsFunc(qs, func(q dnsQuery) bool { return q.net == "tcp" }) {
-				t.Errorf("TCP used = %v, want %v (%v)", !tc.wantTCP, tc.wantTCP, qs)
-			}
-		})
+		t.Run(tc.name, func(t *testing.T) { tc.run(t, srv) })
 	}
 }
 

@@ -41,12 +41,14 @@ docker:
 clean:
 	rm -rf $(BIN)
 
-# The README's first command: the shared-prefix scenario on a simulated
-# 8-pod fleet behind an in-process kvroute, once per routing policy (about a
-# minute each); prints the results table and where the charts are
-# (bench/results/shared-prefix/). See BENCHMARKS.md.
+# The README's first command: a short shared-prefix run (three rising-rate
+# stages) on a simulated 8-pod fleet behind an in-process kvroute, for
+# round-robin, least-request, prefix and SGLang's cache-aware policy (about
+# two minutes on two cores); prints the results table and where the charts
+# are (bench/results/demo/). The full eight-policy comparison is bench-e2e.
+# See BENCHMARKS.md.
 demo: build
-	./$(BIN)/kvbench --scenario shared-prefix
+	./$(BIN)/kvbench --scenario demo
 
 # Every benchmark scenario (shared-prefix, multi-turn, random, hot-prefix,
 # the Mooncake trace replay when TRACE exists, overhead); results under

@@ -331,6 +331,10 @@ func (s *Server) end(r *record, err error) {
 	if !s.opt.AccessLog {
 		return
 	}
+	ce := s.opt.Logger.Check(zap.InfoLevel, "request")
+	if ce == nil {
+		return // the logger drops Info lines: build no fields
+	}
 	fields := append(make([]zap.Field, 0, 15),
 		zap.ByteString("request_id", r.reqID), zap.ByteString("method", r.method),
 		zap.ByteString("path", r.path), zap.Int("status", r.status), zap.Int("attempts", r.attempts))
@@ -346,7 +350,7 @@ func (s *Server) end(r *record, err error) {
 			fields = append(fields, zap.Int("prompt_tokens", r.promptTokens), zap.Int("cached_tokens", r.cachedTokens))
 		}
 	}
-	s.opt.Logger.Info("request", fields...)
+	ce.Write(fields...)
 }
 
 // commit hands the endpoint's response to the client: headers now, the body

@@ -12,10 +12,10 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvroute/kvroute/bench/leakcheck"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
-	"go.uber.org/goleak"
 )
 
 func TestMain(m *testing.M) {
@@ -23,13 +23,7 @@ func TestMain(m *testing.M) {
 		cpuChild()
 		os.Exit(0)
 	}
-	goleak.VerifyTestMain(m,
-		// fasthttp refreshes its Date header from one process-wide goroutine,
-		// and a stopped server's worker-pool cleaner exits only after its
-		// current sleep (MaxIdleWorkerDuration, 10 s).
-		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.updateServerDate.func1"),
-		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.(*workerPool).Start.func2"),
-	)
+	leakcheck.VerifyTestMain(m)
 }
 
 type dtoFamily = dto.MetricFamily

@@ -5,6 +5,7 @@
 //
 // Two modes:
 //
+//	kvbench --scenario demo                    # two-minute shared-prefix run of four policies
 //	kvbench --scenario shared-prefix           # simulated fleet behind an in-process kvroute, per policy
 //	kvbench --scenario all --trace FILE        # every scenario, results under bench/results/
 //	kvbench --base-url http://kvroute:8000 --pod-urls http://pod-a:8000,http://pod-b:8000 \
@@ -17,7 +18,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math"
 	"net/http"
 	"os"
 	"os/signal"
@@ -31,7 +31,10 @@ import (
 
 	"github.com/spf13/pflag"
 
-	"github.com/kvroute/kvroute/bench"
+	"github.com/kvroute/kvroute/bench/load"
+	"github.com/kvroute/kvroute/bench/report"
+	"github.com/kvroute/kvroute/bench/scenario"
+	"github.com/kvroute/kvroute/bench/workload"
 )
 
 func main() {
@@ -69,13 +72,13 @@ type options struct {
 	podURLs   []string
 	model     string
 	api       string
-	workload  bench.WorkloadConfig
+	workload  workload.Config
 	turns     string
 	userLen   string
 	answerLen string
 	arrival   string
 	rate      string
-	load      bench.Load
+	load      load.Load
 	stages    string
 	duration  time.Duration
 	sloTTFT   time.Duration
@@ -106,8 +109,8 @@ func newFlags(o *options) (*pflag.FlagSet, []flagGroup) {
 	sc, tgt, wl, ld, out := g("Scenarios (simulated fleet behind an in-process kvroute)"), g("Target (direct mode)"),
 		g("Workload (direct mode; lengths in tokens)"), g("Load (direct mode)"), g("Output and misc")
 
-	sc.fs.StringSliceVar(&o.scenarios, "scenario", nil, "scenarios to run: "+strings.Join(bench.ScenarioNames(), ", ")+", or all (default shared-prefix without --base-url)")
-	sc.fs.StringSliceVar(&o.policies, "policies", nil, "policies to compare (default all: "+strings.Join(policyNames(), ", ")+")")
+	sc.fs.StringSliceVar(&o.scenarios, "scenario", nil, "scenarios to run: "+strings.Join(scenario.Names(), ", ")+", all of them, or demo (a short shared-prefix run of four policies); default shared-prefix without --base-url")
+	sc.fs.StringSliceVar(&o.policies, "policies", nil, "policies to compare (default all: "+strings.Join(policyNames(), ", ")+"; the demo its own four)")
 	sc.fs.BoolVar(&o.full, "full", false, "published sizes (SGLang/llm-d/vLLM presets) instead of the few-minute defaults")
 	sc.fs.IntVar(&o.pods, "pods", 0, "simulated pods per fleet (0: 8)")
 	sc.fs.Float64Var(&o.timeScale, "time-scale", 0, "simulated time runs this many times faster than real time (0: each scenario's; direct mode: the target kvsim's --time-scale, so latencies are reported in modelled time)")
@@ -121,7 +124,7 @@ func newFlags(o *options) (*pflag.FlagSet, []flagGroup) {
 	tgt.fs.DurationVar(&o.timeout, "timeout", 30*time.Minute, "limit per request, send to end of stream")
 
 	w := &o.workload
-	wl.fs.StringVar(&w.Kind, "workload", bench.KindSharedPrefix, "workload: "+strings.Join(bench.Kinds(), ", "))
+	wl.fs.StringVar(&w.Kind, "workload", workload.KindSharedPrefix, "workload: "+strings.Join(workload.Kinds(), ", "))
 	wl.fs.IntVar(&w.Groups, "groups", 0, "shared-prefix: prefix groups (default 64)")
 	wl.fs.IntVar(&w.PromptsPerGroup, "prompts-per-group", 0, "shared-prefix: prompts per group (default 16)")
 	wl.fs.IntVar(&w.SystemTokens, "system-len", 0, "shared-prefix, hot-prefix: system prompt length (default 2048)")
@@ -144,7 +147,7 @@ func newFlags(o *options) (*pflag.FlagSet, []flagGroup) {
 	ld.fs.Float64Var(&o.load.Burstiness, "burstiness", 1, "gamma shape of the gaps: 1 Poisson, < 1 burstier")
 	ld.fs.IntVar(&o.load.Concurrency, "concurrency", 0, "closed loop: requests kept in flight")
 	ld.fs.IntVar(&o.load.MaxConcurrency, "max-concurrency", 0, "open loop: cap on requests in flight (0: none)")
-	ld.fs.StringVar(&o.stages, "stages", "", "rising-rate stages rate:requests,… (e.g. 4:200,8:200,16:200); each drains before the next")
+	ld.fs.StringVar(&o.stages, "stages", "", "rising-rate stages rate:requests,… (e.g. 4:200,8:200,16:200); each follows the last at once, its throughput measured over its own window")
 	ld.fs.IntVar(&o.load.Requests, "requests", 0, "requests to send (0: the workload once; single-turn workloads repeat)")
 	ld.fs.DurationVar(&o.duration, "duration", 0, "stop sending after this long (0: no limit)")
 	ld.fs.DurationVar(&o.sloTTFT, "slo-ttft", 0, "goodput objective on TTFT (0: none)")
@@ -168,7 +171,7 @@ func newFlags(o *options) (*pflag.FlagSet, []flagGroup) {
 
 func policyNames() []string {
 	var n []string
-	for _, p := range bench.Policies() {
+	for _, p := range scenario.Policies() {
 		n = append(n, p.Name)
 	}
 	return n
@@ -202,7 +205,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, tty bool)
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments: %q", fs.Args())
 	}
-	if _, err := bench.PrefixParams(); err != nil {
+	if _, err := scenario.PrefixParams(); err != nil {
 		return err
 	}
 	if o.cpuProfile != "" {
@@ -237,75 +240,96 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, tty bool)
 func scenarios(ctx context.Context, o *options, stdout, stderr, progress io.Writer) error {
 	names := o.scenarios
 	if len(names) == 0 {
-		names = []string{bench.ScenarioSharedPrefix}
+		names = []string{scenario.SharedPrefix}
 	}
 	if slices.Contains(names, "all") {
-		names = bench.ScenarioNames()
+		names = scenario.Names()
 	}
-	pols, err := bench.SelectPolicies(o.policies)
-	if err != nil {
-		return err
+	var pols []scenario.Policy // nil: each scenario's own
+	if len(o.policies) > 0 {
+		var err error
+		if pols, err = scenario.SelectPolicies(o.policies); err != nil {
+			return err
+		}
 	}
-	preset := bench.Preset{Full: o.full, Pods: o.pods, TimeScale: o.timeScale, TracePath: o.trace, Seed: o.seed}
-	byName := map[string]bench.Scenario{}
-	for _, sc := range bench.Scenarios(preset) {
-		byName[sc.Name] = sc
-	}
+	preset := scenario.Preset{Full: o.full, Pods: o.pods, TimeScale: o.timeScale, TracePath: o.trace, Seed: o.seed}
 	start := time.Now()
 	for _, name := range names {
 		dir := filepath.Join(o.out, name)
 		var files []string
-		switch sc, ok := byName[name]; {
-		case name == bench.ScenarioOverhead:
-			cfg := bench.OverheadConfig{Seed: o.seed}
-			if o.full {
-				cfg.Duration, cfg.Concurrency = 20*time.Second, []int{1, 32, 64}
-			}
-			fmt.Fprintf(stderr, "overhead: instant backend, direct vs through kvroute\n")
-			rep, err := bench.RunOverhead(ctx, cfg)
-			if err != nil {
-				return fmt.Errorf("overhead: %w", err)
-			}
-			if files, err = bench.WriteOverhead(dir, rep); err != nil {
-				return err
-			}
-			fmt.Fprintf(stdout, "\n%s", bench.MarkdownOverhead(rep))
-		case name == bench.ScenarioTrace && !ok:
+		var err error
+		switch sc, ok := scenario.Lookup(preset, name); {
+		case name == scenario.Overhead:
+			files, err = overhead(ctx, o, dir, stdout, stderr)
+		case name == scenario.Trace && !ok:
 			fmt.Fprintln(stderr, "trace: skipped, no --trace file (the Mooncake traces are not in the repository)")
 			continue
 		case !ok:
-			return fmt.Errorf("unknown scenario %q (want %s or all)", name, strings.Join(bench.ScenarioNames(), ", "))
+			return fmt.Errorf("unknown scenario %q (want %s, all or %s)", name, strings.Join(scenario.Names(), ", "), scenario.Demo)
 		default:
-			rep, err := bench.RunScenario(ctx, sc, bench.RunOptions{Policies: pols, Progress: progress, Log: stderr})
-			if rep != nil && len(rep.Runs) > 0 {
-				var werr error
-				files, werr = bench.WriteReport(dir, rep)
-				err = errors.Join(err, werr)
-				fmt.Fprintf(stdout, "\n%s", bench.MarkdownReport(rep))
-			}
-			if err != nil {
-				return err
-			}
+			files, err = comparison(ctx, sc, pols, dir, stdout, stderr, progress)
 		}
-		var charts []string
-		for _, f := range files {
-			if strings.HasSuffix(f, ".png") {
-				charts = append(charts, f)
-			}
+		if err != nil {
+			return err
 		}
-		fmt.Fprintf(stdout, "\nResults in %s", dir)
-		if len(charts) > 0 {
-			fmt.Fprintf(stdout, "; charts: %s", strings.Join(charts, ", "))
-		}
-		fmt.Fprintln(stdout)
+		printFiles(stdout, dir, files)
 	}
 	fmt.Fprintf(stderr, "done in %s\n", time.Since(start).Round(time.Second))
 	return nil
 }
 
+// overhead runs the overhead scenario, writes its files under dir and
+// prints its table.
+func overhead(ctx context.Context, o *options, dir string, stdout, stderr io.Writer) ([]string, error) {
+	cfg := scenario.OverheadConfig{Seed: o.seed}
+	if o.full {
+		cfg.Duration, cfg.Concurrency = 20*time.Second, []int{1, 32, 64}
+	}
+	fmt.Fprintf(stderr, "overhead: instant backend, direct vs through kvroute\n")
+	rep, err := scenario.RunOverhead(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("overhead: %w", err)
+	}
+	files, err := report.WriteOverhead(dir, rep)
+	if err != nil {
+		return files, err
+	}
+	fmt.Fprintf(stdout, "\n%s", report.MarkdownOverhead(rep))
+	return files, nil
+}
+
+// comparison runs sc with pols (nil: the scenario's own), writes what
+// finished under dir and prints its tables.
+func comparison(ctx context.Context, sc scenario.Scenario, pols []scenario.Policy, dir string, stdout, stderr, progress io.Writer) ([]string, error) {
+	rep, err := scenario.Run(ctx, sc, scenario.RunOptions{Policies: pols, Progress: progress, Log: stderr})
+	var files []string
+	if rep != nil && len(rep.Runs) > 0 {
+		var werr error
+		files, werr = report.Write(dir, rep)
+		err = errors.Join(err, werr)
+		fmt.Fprintf(stdout, "\n%s", report.Markdown(rep))
+	}
+	return files, err
+}
+
+// printFiles says where a scenario's results and charts are.
+func printFiles(stdout io.Writer, dir string, files []string) {
+	var charts []string
+	for _, f := range files {
+		if strings.HasSuffix(f, ".png") {
+			charts = append(charts, f)
+		}
+	}
+	fmt.Fprintf(stdout, "\nResults in %s", dir)
+	if len(charts) > 0 {
+		fmt.Fprintf(stdout, "; charts: %s", strings.Join(charts, ", "))
+	}
+	fmt.Fprintln(stdout)
+}
+
 // direct drives o.baseURL and prints a `bench serve`-style summary.
 func direct(ctx context.Context, o *options, stdout, progress io.Writer) error {
-	api, err := bench.ParseAPI(o.api)
+	api, err := workload.ParseAPI(o.api)
 	if err != nil {
 		return err
 	}
@@ -331,19 +355,19 @@ func direct(ctx context.Context, o *options, stdout, progress io.Writer) error {
 		return err
 	}
 	l := o.load
-	if l.Arrival, err = bench.ParseArrival(o.arrival); err != nil {
+	if l.Arrival, err = load.ParseArrival(o.arrival); err != nil {
 		return err
 	}
-	if w.Kind == bench.KindTrace && o.arrival == "poisson" && o.stages == "" && o.rate == "inf" {
-		l.Arrival = bench.ArrivalTrace // a trace replays its own timestamps unless told otherwise
+	if w.Kind == workload.KindTrace && o.arrival == "poisson" && o.stages == "" && o.rate == "inf" {
+		l.Arrival = load.ArrivalTrace // a trace replays its own timestamps unless told otherwise
 	}
 	if l.Concurrency > 0 && o.arrival == "poisson" {
-		l.Arrival = bench.ArrivalClosed
+		l.Arrival = load.ArrivalClosed
 	}
-	if l.Rate, err = bench.ParseRate(o.rate); err != nil {
+	if l.Rate, err = load.ParseRate(o.rate); err != nil {
 		return err
 	}
-	if l.Stages, err = bench.ParseStages(o.stages); err != nil {
+	if l.Stages, err = load.ParseStages(o.stages); err != nil {
 		return err
 	}
 	l.Duration = o.duration
@@ -351,28 +375,20 @@ func direct(ctx context.Context, o *options, stdout, progress io.Writer) error {
 	if model == "" {
 		model = discoverModel(ctx, o.baseURL)
 	}
-	res, err := bench.Run(ctx, bench.Config{
+	res, err := load.Run(ctx, load.Config{
 		BaseURL: o.baseURL, PodURLs: o.podURLs, Model: model, API: api, Workload: wl, Load: l,
-		SLO:       bench.SLO{TTFT: ms(o.sloTTFT), TPOT: ms(o.sloTPOT), E2EL: ms(o.sloE2EL)},
+		SLO:       load.SLO{TTFT: ms(o.sloTTFT), TPOT: ms(o.sloTPOT), E2EL: ms(o.sloE2EL)},
 		TimeScale: o.timeScale, Timeout: o.timeout, Seed: o.seed, Label: o.baseURL, Progress: progress,
 	})
 	if res == nil {
 		return err
 	}
-	printSummary(stdout, res, wl)
+	report.WriteServeSummary(stdout, res, wl.Config.Kind)
 	if o.jsonOut != "" {
-		b, jerr := json.MarshalIndent(res, "", "  ")
-		if jerr == nil {
-			jerr = os.WriteFile(o.jsonOut, append(b, '\n'), 0o644)
-		}
-		err = errors.Join(err, jerr)
+		err = errors.Join(err, report.WriteJSON(o.jsonOut, res, true))
 	}
 	if o.rawOut != "" {
-		b, jerr := json.Marshal(res.Requests)
-		if jerr == nil {
-			jerr = os.WriteFile(o.rawOut, append(b, '\n'), 0o644)
-		}
-		err = errors.Join(err, jerr)
+		err = errors.Join(err, report.WriteJSON(o.rawOut, res.Requests, false))
 	}
 	return err
 }
@@ -418,80 +434,9 @@ func discoverModel(ctx context.Context, base string) string {
 	return body.Data[0].ID
 }
 
-// printSummary prints a vLLM `bench serve`-style summary.
-func printSummary(w io.Writer, r *bench.Result, wl *bench.Workload) {
-	s := r.Summary
-	line := func(k string, v any) { fmt.Fprintf(w, "%-40s %v\n", k+":", v) }
-	f2 := func(v float64) string { return strconv.FormatFloat(v, 'f', 2, 64) }
-	fmt.Fprintln(w, "============ Serving Benchmark Result ============")
-	line("Workload", fmt.Sprintf("%s (%s API), %d requests", wl.Config.Kind, r.API, s.Requests))
-	line("Successful requests", s.Completed)
-	line("Failed requests", s.Failed)
-	for k, n := range s.Errors {
-		line("  "+k, n)
-	}
-	line("Benchmark duration (s)", f2(s.Duration))
-	line("Total input tokens", s.PromptTokens)
-	line("Total generated tokens", s.OutputTokens)
-	line("Request throughput (req/s)", f2(s.RequestThroughput))
-	line("Output token throughput (tok/s)", f2(s.OutputThroughput))
-	line("Input token throughput (tok/s)", f2(s.InputThroughput))
-	if !s.SLO.IsZero() {
-		line("Request goodput (req/s)", f2(s.Goodput))
-	}
-	for _, d := range []struct {
-		name string
-		d    bench.Dist
-	}{{"Time to First Token", s.TTFT}, {"Time per Output Token (excl. 1st token)", s.TPOT},
-		{"Inter-token Latency", s.ITL}, {"End-to-end Latency", s.E2EL}} {
-		fmt.Fprintf(w, "%s\n", center(d.name))
-		for _, p := range []struct {
-			k string
-			v float64
-		}{{"Mean", d.d.Mean}, {"P50", d.d.P50}, {"P90", d.d.P90}, {"P99", d.d.P99}} {
-			line(fmt.Sprintf("%s %s (ms)", p.k, strings.Split(d.name, " (")[0]), f2(p.v))
-		}
-	}
-	fmt.Fprintf(w, "%s\n", center("Prefix cache"))
-	line("Ideal hit rate (infinite cache)", pct(r.IdealHitRate))
-	if s.CachedTokens > 0 {
-		line("Cached tokens reported (usage)", pct(s.CachedRate))
-	}
-	if r.Engine != nil {
-		line("Engine hit rate (Δhits/Δqueries)", fmt.Sprintf("%s over %d pods", pct(r.Engine.HitRate), r.Engine.Pods))
-	} else if r.EngineErr != "" {
-		line("Engine hit rate", r.EngineErr)
-	}
-	for _, st := range r.Stages {
-		hit := ""
-		if st.Engine != nil {
-			hit = ", hit " + pct(st.Engine.HitRate)
-		}
-		line(fmt.Sprintf("Stage %s req/s", st.Rate), fmt.Sprintf("%s req/s, %s tok/s, p90 TTFT %s ms%s",
-			f2(st.Summary.RequestThroughput), f2(st.Summary.OutputThroughput), f2(st.Summary.TTFT.P90), hit))
-	}
-	if r.CPU.MachineIdle >= 0 {
-		line("Machine CPU idle", fmt.Sprintf("%s (min %s), kvbench %.2f cores", pct(r.CPU.MachineIdle), pct(r.CPU.MachineIdleMin), r.CPU.ProcessCores))
-	}
-	fmt.Fprintln(w, strings.Repeat("=", 50))
-}
-
-func center(s string) string {
-	s = " " + s + " "
-	pad := max(0, 50-len(s))
-	return strings.Repeat("-", pad/2) + s + strings.Repeat("-", pad-pad/2)
-}
-
-func pct(v float64) string {
-	if math.IsNaN(v) {
-		return "–"
-	}
-	return fmt.Sprintf("%.1f%%", 100*v)
-}
-
 // serveInstant runs the instant backend until ctx ends.
 func serveInstant(ctx context.Context, addr string, stdout io.Writer) error {
-	b, err := bench.StartInstantBackend(addr, 4)
+	b, err := scenario.StartInstantBackend(addr, 4)
 	if err != nil {
 		return err
 	}

@@ -11,7 +11,7 @@ import (
 
 	"github.com/spf13/pflag"
 
-	"github.com/kvroute/kvroute/bench"
+	"github.com/kvroute/kvroute/bench/load"
 	"github.com/kvroute/kvroute/bench/sim"
 )
 
@@ -89,7 +89,7 @@ func TestDirectMode(t *testing.T) {
 			t.Errorf("summary lacks %q:\n%s", want, out.String())
 		}
 	}
-	var res bench.Result
+	var res load.Result
 	b, err := os.ReadFile(jsonPath)
 	if err == nil {
 		err = json.Unmarshal(b, &res)
@@ -97,7 +97,7 @@ func TestDirectMode(t *testing.T) {
 	if err != nil || res.Summary.Completed != 6 || res.Engine == nil {
 		t.Fatalf("JSON result: %v %+v", err, res.Summary)
 	}
-	var raw []bench.RequestResult
+	var raw []load.RequestResult
 	if b, err = os.ReadFile(rawPath); err == nil {
 		err = json.Unmarshal(b, &raw)
 	}

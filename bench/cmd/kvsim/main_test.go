@@ -8,14 +8,11 @@ import (
 	"strings"
 	"testing"
 
-	"go.uber.org/goleak"
+	"github.com/kvroute/kvroute/bench/leakcheck"
 )
 
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m,
-		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.updateServerDate.func1"),
-		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.(*workerPool).Start.func2"),
-	)
+	leakcheck.VerifyTestMain(m)
 }
 
 func TestRun(t *testing.T) {

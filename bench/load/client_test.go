@@ -1,4 +1,4 @@
-package bench
+package load
 
 import (
 	"bufio"
@@ -11,6 +11,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvroute/kvroute/bench/workload"
 )
 
 // rawServer answers every request on a loopback listener with respond,
@@ -77,7 +79,7 @@ func TestClientStreams(t *testing.T) {
 	cmpl := fmt.Sprintf(cmplChunk, " San") + fmt.Sprintf(cmplChunk, " Francisco") + fmt.Sprintf(cmplChunk, " is")
 	for _, tc := range []struct {
 		name       string
-		api        API
+		api        workload.API
 		respond    func(c net.Conn)
 		wantErr    string
 		wantStatus int
@@ -93,7 +95,7 @@ func TestClientStreams(t *testing.T) {
 		},
 		{
 			name: "chat with role chunk and CRLF lines",
-			api:  APIChat,
+			api:  workload.APIChat,
 			respond: func(c net.Conn) {
 				body := chatRole + fmt.Sprintf(chatChunk, "Hello") + fmt.Sprintf(chatChunk, ` \"world\"`) + usageEv + doneEv
 				chunked(c, []string{strings.ReplaceAll(body, "\n", "\r\n")}, true)
@@ -164,6 +166,19 @@ func TestClientStreams(t *testing.T) {
 	}
 }
 
+// doOnce sends one completions request to url with the given timeout.
+func doOnce(t *testing.T, url string, timeout time.Duration) RequestResult {
+	t.Helper()
+	c, err := newClient(url, workload.APICompletions, timeout)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.close()
+	var res RequestResult
+	c.do(context.Background(), []byte(`{}`), false, 1, &res)
+	return res
+}
+
 func TestClientFailures(t *testing.T) {
 	t.Run("connection refused", func(t *testing.T) {
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -172,11 +187,7 @@ func TestClientFailures(t *testing.T) {
 		}
 		url := "http://" + ln.Addr().String()
 		ln.Close()
-		c, _ := newClient(url, APICompletions, time.Second)
-		defer c.close()
-		var res RequestResult
-		c.do(context.Background(), []byte(`{}`), false, 1, &res)
-		if res.Err != ErrKindConnection {
+		if res := doOnce(t, url, time.Second); res.Err != ErrKindConnection {
 			t.Fatalf("err %q, want connection", res.Err)
 		}
 	})
@@ -184,11 +195,7 @@ func TestClientFailures(t *testing.T) {
 		release := make(chan struct{})
 		defer close(release)
 		url := rawServer(t, func(net.Conn) { <-release })
-		c, _ := newClient(url, APICompletions, 50*time.Millisecond)
-		defer c.close()
-		var res RequestResult
-		c.do(context.Background(), []byte(`{}`), false, 1, &res)
-		if res.Err != ErrKindTimeout {
+		if res := doOnce(t, url, 50*time.Millisecond); res.Err != ErrKindTimeout {
 			t.Fatalf("err %q, want timeout", res.Err)
 		}
 	})
@@ -201,7 +208,7 @@ func TestClientFailures(t *testing.T) {
 			close(started)
 			<-release
 		})
-		c, _ := newClient(url, APICompletions, time.Minute)
+		c, _ := newClient(url, workload.APICompletions, time.Minute)
 		ctx, cancel := context.WithCancel(context.Background())
 		go func() { <-started; cancel(); c.close() }()
 		var res RequestResult
@@ -212,7 +219,7 @@ func TestClientFailures(t *testing.T) {
 	})
 	t.Run("bad base URL", func(t *testing.T) {
 		for _, u := range []string{"", "ftp://x", "127.0.0.1:8000", "http://"} {
-			if _, err := newClient(u, APICompletions, time.Second); err == nil {
+			if _, err := newClient(u, workload.APICompletions, time.Second); err == nil {
 				t.Errorf("accepted %q", u)
 			}
 		}

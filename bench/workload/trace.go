@@ -1,4 +1,4 @@
-package bench
+package workload
 
 import (
 	"bufio"
@@ -9,11 +9,13 @@ import (
 	"time"
 )
 
-// TraceBlockTokens is the block size of Mooncake trace hash ids, in tokens
-// (FAST'25 release: one id per 512-token block).
+// TraceBlockTokens is the block size of Mooncake trace hash ids, in tokens:
+// the traces released with "Mooncake: A KVCache-centric Disaggregated
+// Architecture for LLM Serving" (FAST'25, github.com/kvcache-ai/Mooncake)
+// carry one id per 512-token block.
 const TraceBlockTokens = 512
 
-// TraceRecord is one line of a Mooncake trace (JSONL, FAST'25 release).
+// TraceRecord is one line of a Mooncake trace (JSONL, the FAST'25 release).
 type TraceRecord struct {
 	// Timestamp is the arrival time in milliseconds from the trace start.
 	Timestamp int64 `json:"timestamp"`
@@ -64,7 +66,7 @@ func ReadTrace(r io.Reader, limit int) ([]TraceRecord, error) {
 
 // traceSessions reads c.TracePath and turns every record into a
 // one-request session due at its timestamp ÷ speedup.
-func traceSessions(c WorkloadConfig) ([]Session, error) {
+func traceSessions(c Config) ([]Session, error) {
 	f, err := os.Open(c.TracePath)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrTrace, err)
@@ -81,7 +83,7 @@ func traceSessions(c WorkloadConfig) ([]Session, error) {
 // TraceMaxInput, TraceMaxOutput, Seed) asks: block i of a prompt is the
 // text of its hash id (the same id always gives the same words), a
 // truncated prompt keeps its leading blocks.
-func TraceSessions(recs []TraceRecord, c WorkloadConfig) []Session {
+func TraceSessions(recs []TraceRecord, c Config) []Session {
 	speed := c.TraceSpeedup
 	if speed <= 0 {
 		speed = 1

@@ -1,7 +1,13 @@
-package bench
+// Package load drives a workload at one OpenAI-compatible base URL and
+// measures it the way vLLM's `bench serve` does: arrival processes and rising
+// rate stages, a streaming SSE client, per-request TTFT, ITL, TPOT and E2E
+// latency, throughput and goodput summaries, the engines' own /metrics
+// counters and the machine's CPU over the run.
+package load
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -9,6 +15,9 @@ import (
 	"strings"
 	"time"
 )
+
+// ErrConfig is wrapped by every configuration error.
+var ErrConfig = errors.New("load: invalid config")
 
 // Arrival is how a load spaces its requests.
 type Arrival uint8
@@ -45,11 +54,7 @@ func (a Arrival) String() string {
 func (a Arrival) MarshalText() ([]byte, error) { return []byte(a.String()), nil }
 
 // UnmarshalText implements encoding.TextUnmarshaler.
-func (a *Arrival) UnmarshalText(b []byte) error {
-	v, err := ParseArrival(string(b))
-	*a = v
-	return err
-}
+func (a *Arrival) UnmarshalText(b []byte) (err error) { *a, err = ParseArrival(string(b)); return err }
 
 // ParseArrival converts a flag value (poisson, gamma, constant, closed,
 // trace) to an Arrival.
@@ -176,7 +181,7 @@ type Load struct {
 // Validate reports the first problem of l.
 func (l Load) Validate() error {
 	bad := func(format string, a ...any) error {
-		return fmt.Errorf("%w: load: "+format, append([]any{ErrConfig}, a...)...)
+		return fmt.Errorf("%w: "+format, append([]any{ErrConfig}, a...)...)
 	}
 	switch {
 	case l.Arrival == ArrivalClosed && l.Concurrency < 1:

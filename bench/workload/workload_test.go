@@ -1,4 +1,4 @@
-package bench
+package workload
 
 import (
 	"bytes"
@@ -9,12 +9,13 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvroute/kvroute/bench/leakcheck"
 	"github.com/kvroute/kvroute/bench/sim"
 )
 
-func TestMain(m *testing.M) { verifyNoLeaks(m) }
+func TestMain(m *testing.M) { leakcheck.VerifyTestMain(m) }
 
-func build(t *testing.T, c WorkloadConfig) *Workload {
+func build(t *testing.T, c Config) *Workload {
 	t.Helper()
 	w, err := c.Build()
 	if err != nil {
@@ -26,12 +27,12 @@ func build(t *testing.T, c WorkloadConfig) *Workload {
 func TestWorkloadDeterministic(t *testing.T) {
 	for _, tc := range []struct {
 		name string
-		cfg  WorkloadConfig
+		cfg  Config
 	}{
-		{name: "shared-prefix", cfg: WorkloadConfig{Kind: KindSharedPrefix, Groups: 4, PromptsPerGroup: 3, SystemTokens: 64, QuestionTokens: 8, OutputTokens: 4}},
-		{name: "multi-turn", cfg: WorkloadConfig{Kind: KindMultiTurn, Conversations: 3}},
-		{name: "random", cfg: WorkloadConfig{Kind: KindRandom, Requests: 5, InputTokens: 32}},
-		{name: "hot-prefix", cfg: WorkloadConfig{Kind: KindHotPrefix, Requests: 5, SystemTokens: 64}},
+		{name: "shared-prefix", cfg: Config{Kind: KindSharedPrefix, Groups: 4, PromptsPerGroup: 3, SystemTokens: 64, QuestionTokens: 8, OutputTokens: 4}},
+		{name: "multi-turn", cfg: Config{Kind: KindMultiTurn, Conversations: 3}},
+		{name: "random", cfg: Config{Kind: KindRandom, Requests: 5, InputTokens: 32}},
+		{name: "hot-prefix", cfg: Config{Kind: KindHotPrefix, Requests: 5, SystemTokens: 64}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			a, b := tc.cfg, tc.cfg
@@ -50,7 +51,7 @@ func TestWorkloadDeterministic(t *testing.T) {
 
 func TestSharedPrefixShape(t *testing.T) {
 	const groups, per, sys, q, out = 6, 5, 100, 20, 7
-	w := build(t, WorkloadConfig{Kind: KindSharedPrefix, Seed: 1, Groups: groups, PromptsPerGroup: per,
+	w := build(t, Config{Kind: KindSharedPrefix, Seed: 1, Groups: groups, PromptsPerGroup: per,
 		SystemTokens: sys, QuestionTokens: q, OutputTokens: out})
 	if got := w.Requests(); got != groups*per {
 		t.Fatalf("requests = %d, want %d", got, groups*per)
@@ -65,7 +66,7 @@ func TestSharedPrefixShape(t *testing.T) {
 		if i > 0 && s.Group < w.Sessions[i-1].Group {
 			inOrder = false
 		}
-		prompt := string(appendCompletionPrompt(nil, &s, 0, nil))
+		prompt := string(appendCompletionPrompt(nil, &s, 0, nil, appendRaw))
 		if got, want := sim.CountTokens(prompt), sys+2+q; got != want {
 			t.Fatalf("prompt of %d tokens, want %d (system + \\n\\n + question)", got, want)
 		}
@@ -90,7 +91,7 @@ func TestSharedPrefixShape(t *testing.T) {
 }
 
 func TestMultiTurnShape(t *testing.T) {
-	c := WorkloadConfig{Kind: KindMultiTurn, Seed: 3, Conversations: 8}.Defaults()
+	c := Config{Kind: KindMultiTurn, Seed: 3, Conversations: 8}.Defaults()
 	w := build(t, c)
 	for _, s := range w.Sessions {
 		if s.System != w.Sessions[0].System || sim.CountTokens(s.System) != 500 {
@@ -113,7 +114,7 @@ func TestMultiTurnShape(t *testing.T) {
 // Turn k+1's prompt must extend turn k's prompt followed by its answer,
 // token for token, for both APIs: that is what a prefix cache reuses.
 func TestConversationPrefixStable(t *testing.T) {
-	w := build(t, WorkloadConfig{Kind: KindMultiTurn, Seed: 5, Conversations: 1, TurnsMin: 4, TurnsMax: 4})
+	w := build(t, Config{Kind: KindMultiTurn, Seed: 5, Conversations: 1, TurnsMin: 4, TurnsMax: 4})
 	s := &w.Sessions[0]
 	var answers []string
 	for k := range s.Turns {
@@ -135,7 +136,7 @@ func TestConversationPrefixStable(t *testing.T) {
 }
 
 func TestBodies(t *testing.T) {
-	w := build(t, WorkloadConfig{Kind: KindMultiTurn, Seed: 5, Conversations: 1, TurnsMin: 2, TurnsMax: 2})
+	w := build(t, Config{Kind: KindMultiTurn, Seed: 5, Conversations: 1, TurnsMin: 2, TurnsMax: 2})
 	s := &w.Sessions[0]
 	answers := []string{" quote \" back\\slash\nnew\tline \x01 \xff"}
 	for _, tc := range []struct {
@@ -157,7 +158,7 @@ func TestBodies(t *testing.T) {
 					IncludeUsage bool `json:"include_usage"`
 				} `json:"stream_options"`
 			}
-			raw := appendBody(nil, tc.api, "m", s, 1, answers)
+			raw := AppendBody(nil, tc.api, "m", s, 1, answers)
 			if err := json.Unmarshal(raw, &body); err != nil {
 				t.Fatalf("%v\n%s", err, raw)
 			}
@@ -190,7 +191,7 @@ func TestIdealHitRateClosedForm(t *testing.T) {
 		{name: "one-group", groups: 1, per: 40, sys: 256, que: 256},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			w := build(t, WorkloadConfig{Kind: KindSharedPrefix, Seed: 9, Groups: tc.groups, PromptsPerGroup: tc.per,
+			w := build(t, Config{Kind: KindSharedPrefix, Seed: 9, Groups: tc.groups, PromptsPerGroup: tc.per,
 				SystemTokens: tc.sys, QuestionTokens: tc.que, OutputTokens: 8})
 			got := IdealHitRate(w, APICompletions, 0, 16)
 			p, s, q := float64(tc.per), float64(tc.sys), float64(tc.que)
@@ -204,13 +205,13 @@ func TestIdealHitRateClosedForm(t *testing.T) {
 
 func TestIdealHitRateCases(t *testing.T) {
 	t.Run("random shares nothing", func(t *testing.T) {
-		w := build(t, WorkloadConfig{Kind: KindRandom, Seed: 1, Requests: 20, InputTokens: 256})
+		w := build(t, Config{Kind: KindRandom, Seed: 1, Requests: 20, InputTokens: 256})
 		if got := IdealHitRate(w, APICompletions, 0, 16); got != 0 {
 			t.Fatalf("hit rate %v, want 0", got)
 		}
 	})
 	t.Run("cycling repeats whole prompts", func(t *testing.T) {
-		w := build(t, WorkloadConfig{Kind: KindRandom, Seed: 1, Requests: 10, InputTokens: 160})
+		w := build(t, Config{Kind: KindRandom, Seed: 1, Requests: 10, InputTokens: 160})
 		// Second pass: each prompt of 160 tokens hits 9 blocks (never the
 		// last token, so not the 10th).
 		got := IdealHitRate(w, APICompletions, 20, 16)
@@ -219,7 +220,7 @@ func TestIdealHitRateCases(t *testing.T) {
 		}
 	})
 	t.Run("multi-turn reuses history", func(t *testing.T) {
-		w := build(t, WorkloadConfig{Kind: KindMultiTurn, Seed: 1, Conversations: 4})
+		w := build(t, Config{Kind: KindMultiTurn, Seed: 1, Conversations: 4})
 		for _, api := range []API{APICompletions, APIChat} {
 			if got := IdealHitRate(w, api, 0, 16); got < 0.8 || got > 0.99 {
 				t.Fatalf("%s: hit rate %v, want most of the history reused", api, got)
@@ -238,11 +239,11 @@ func TestTrace(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ss := TraceSessions(recs, WorkloadConfig{Kind: KindTrace, Seed: 3, TraceSpeedup: 2})
+	ss := TraceSessions(recs, Config{Kind: KindTrace, Seed: 3, TraceSpeedup: 2})
 	if got := ss[3].At.Milliseconds(); got != 1000 {
 		t.Fatalf("At = %d ms, want 1000 (2× speed)", got)
 	}
-	text := func(s Session) string { return string(appendUserText(nil, &s.Turns[0])) }
+	text := func(s Session) string { return string(appendUserText(nil, &s.Turns[0], appendRaw)) }
 	a, b, c := text(ss[0]), text(ss[1]), text(ss[2])
 	if sim.CountTokens(a) != 1100 || sim.CountTokens(b) != 1030 {
 		t.Fatalf("lengths %d, %d", sim.CountTokens(a), sim.CountTokens(b))
@@ -257,14 +258,14 @@ func TestTrace(t *testing.T) {
 	}
 	// Hand count at 16-token blocks: request 2 hits 1024 of 1030; request 3
 	// hits 512 of 600; request 4 nothing.
-	w := &Workload{Config: WorkloadConfig{Kind: KindTrace}, Sessions: ss}
+	w := &Workload{Config: Config{Kind: KindTrace}, Sessions: ss}
 	want := (1024.0 + 512) / (1100 + 1030 + 600 + 100)
 	if got := IdealHitRate(w, APICompletions, 0, 16); math.Abs(got-want) > 1e-9 {
 		t.Fatalf("trace hit rate %v, want %v", got, want)
 	}
 
 	t.Run("limits", func(t *testing.T) {
-		ss := TraceSessions(recs, WorkloadConfig{Kind: KindTrace, TraceMaxInput: 700, TraceMaxOutput: 6})
+		ss := TraceSessions(recs, Config{Kind: KindTrace, TraceMaxInput: 700, TraceMaxOutput: 6})
 		if tr := ss[0].Turns[0]; tr.UserTokens != 700 || len(tr.Blocks) != 2 || tr.Blocks[1].Tokens != 188 || tr.OutputTokens != 5 {
 			t.Fatalf("truncated turn %+v", tr)
 		}

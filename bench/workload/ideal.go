@@ -1,4 +1,4 @@
-package bench
+package workload
 
 import (
 	"encoding/binary"

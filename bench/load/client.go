@@ -1,4 +1,4 @@
-package bench
+package load
 
 import (
 	"bytes"
@@ -16,6 +16,8 @@ import (
 
 	"github.com/valyala/fasthttp"
 	"github.com/valyala/fastjson"
+
+	"github.com/kvroute/kvroute/bench/workload"
 )
 
 // Error kinds of RequestResult.Err.
@@ -77,7 +79,7 @@ type client struct {
 // newClient returns a client for api requests to baseURL
 // ("http[s]://host[:port][/prefix]"). timeout bounds one request from send
 // to the end of its stream (wall time).
-func newClient(baseURL string, api API, timeout time.Duration) (*client, error) {
+func newClient(baseURL string, api workload.API, timeout time.Duration) (*client, error) {
 	u, err := url.Parse(strings.TrimRight(baseURL, "/"))
 	if err != nil || u.Host == "" || (u.Scheme != "http" && u.Scheme != "https") {
 		return nil, fmt.Errorf("%w: base URL %q must be http(s)://host[:port][/prefix]", ErrConfig, baseURL)
@@ -204,16 +206,15 @@ func (c *client) do(ctx context.Context, body []byte, keepAnswer bool, scale flo
 	if c.timeout > 0 {
 		req.SetTimeout(c.timeout)
 	}
-	since := func(start time.Time, t time.Time) float64 { return t.Sub(start).Seconds() * scale }
 
 	start := time.Now()
-	err := c.hc.Do(req, resp)
+	since := func(t time.Time) float64 { return t.Sub(start).Seconds() * scale }
 	fail := func(kind string) string {
 		res.Err = kind
-		res.E2EL = since(start, time.Now())
+		res.E2EL = since(time.Now())
 		return ""
 	}
-	if err != nil {
+	if err := c.hc.Do(req, resp); err != nil {
 		return fail(classify(ctx, err, ErrKindConnection))
 	}
 	defer resp.CloseBodyStream() //nolint:errcheck // the stream is done either way
@@ -229,86 +230,113 @@ func (c *client) do(ctx context.Context, body []byte, keepAnswer bool, scale flo
 		stream = bytes.NewReader(resp.Body())
 	}
 
-	p := c.parsers.Get()
-	defer c.parsers.Put(p)
-	var first, last time.Time
-	var chunks int
-	var done bool
-	var streamErr bool
-	for !done {
-		n, rerr := stream.Read(x.buf)
-		now := time.Now()
-		if n > 0 {
-			x.pending = append(x.pending, x.buf[:n]...)
-			consumed := 0
-			for {
-				i := bytes.IndexByte(x.pending[consumed:], '\n')
-				if i < 0 {
-					break
-				}
-				line := bytes.TrimRight(x.pending[consumed:consumed+i], "\r")
-				consumed += i + 1
-				payload, ok := bytes.CutPrefix(line, []byte("data:"))
-				if !ok {
-					continue // blank line, comment or another SSE field
-				}
-				payload = bytes.TrimLeft(payload, " ")
-				if string(payload) == "[DONE]" {
-					done = true
-					break
-				}
-				ev := parseEvent(p, payload)
-				switch {
-				case ev.err:
-					streamErr = true
-				case len(ev.text) > 0:
-					if first.IsZero() {
-						first = now
-					} else {
-						res.ITL = append(res.ITL, float32(since(last, now)))
-					}
-					last = now
-					chunks++
-					if keepAnswer {
-						x.answer = append(x.answer, ev.text...)
-					}
-				}
-				if ev.usage {
-					res.PromptTokens, res.OutputTokens, res.CachedTokens = ev.prompt, ev.completion, ev.cached
-				}
-			}
-			x.pending = append(x.pending[:0], x.pending[consumed:]...)
-		}
-		if done {
-			res.E2EL = since(start, now)
-			// Read the end of the chunked body so the connection is reused.
-			_, _ = io.Copy(io.Discard, io.LimitReader(stream, 64<<10))
-			break
-		}
-		if rerr != nil {
-			if rerr == io.EOF {
-				return fail(ErrKindTruncated)
-			}
-			return fail(classify(ctx, rerr, ErrKindTruncated))
-		}
+	m := meter{res: res, scale: scale, keepAnswer: keepAnswer, answer: x.answer}
+	end, kind := c.read(ctx, stream, x, &m)
+	x.answer = m.answer
+	if kind != "" {
+		return fail(kind)
 	}
-	if streamErr {
+	res.E2EL = since(end)
+	if m.streamErr {
 		return fail(ErrKindStream)
 	}
-	if first.IsZero() {
-		first = time.Now()
+	if m.first.IsZero() {
+		m.first = time.Now()
 	}
-	res.TTFT = since(start, first)
+	res.TTFT = since(m.first)
 	if res.OutputTokens == 0 {
-		res.OutputTokens = chunks
+		res.OutputTokens = m.chunks
 	}
 	if res.OutputTokens > 1 {
 		res.TPOT = (res.E2EL - res.TTFT) / float64(res.OutputTokens-1)
 	}
 	if keepAnswer {
-		return string(x.answer)
+		return string(m.answer)
 	}
 	return ""
+}
+
+// read reads stream into m up to data: [DONE], then drains the rest so the
+// connection can be reused. It returns when [DONE] arrived, or else the
+// error kind that ended the stream first.
+func (c *client) read(ctx context.Context, stream io.Reader, x *exchange, m *meter) (time.Time, string) {
+	p := c.parsers.Get()
+	defer c.parsers.Put(p)
+	for {
+		n, rerr := stream.Read(x.buf)
+		now := time.Now()
+		if n > 0 && m.feed(p, x, x.buf[:n], now) {
+			// Read the end of the chunked body so the connection is reused.
+			_, _ = io.Copy(io.Discard, io.LimitReader(stream, 64<<10))
+			return now, ""
+		}
+		if rerr != nil {
+			if rerr == io.EOF {
+				return now, ErrKindTruncated
+			}
+			return now, classify(ctx, rerr, ErrKindTruncated)
+		}
+	}
+}
+
+// meter accumulates what one response stream carried. Not safe for
+// concurrent use.
+type meter struct {
+	res         *RequestResult
+	scale       float64
+	keepAnswer  bool
+	answer      []byte // the generated text, when keepAnswer
+	first, last time.Time
+	chunks      int  // content chunks
+	streamErr   bool // an error event arrived
+}
+
+// feed appends data (read at now) to x.pending and handles its complete
+// lines; it reports whether data: [DONE] was among them.
+func (m *meter) feed(p *fastjson.Parser, x *exchange, data []byte, now time.Time) bool {
+	x.pending = append(x.pending, data...)
+	consumed := 0
+	done := false
+	for !done {
+		i := bytes.IndexByte(x.pending[consumed:], '\n')
+		if i < 0 {
+			break
+		}
+		line := bytes.TrimRight(x.pending[consumed:consumed+i], "\r")
+		consumed += i + 1
+		payload, ok := bytes.CutPrefix(line, []byte("data:"))
+		if !ok {
+			continue // blank line, comment or another SSE field
+		}
+		payload = bytes.TrimLeft(payload, " ")
+		if done = string(payload) == "[DONE]"; !done {
+			m.event(parseEvent(p, payload), now)
+		}
+	}
+	x.pending = append(x.pending[:0], x.pending[consumed:]...)
+	return done
+}
+
+// event records one parsed chunk that arrived at now.
+func (m *meter) event(ev event, now time.Time) {
+	switch {
+	case ev.err:
+		m.streamErr = true
+	case len(ev.text) > 0:
+		if m.first.IsZero() {
+			m.first = now
+		} else {
+			m.res.ITL = append(m.res.ITL, float32(now.Sub(m.last).Seconds()*m.scale))
+		}
+		m.last = now
+		m.chunks++
+		if m.keepAnswer {
+			m.answer = append(m.answer, ev.text...)
+		}
+	}
+	if ev.usage {
+		m.res.PromptTokens, m.res.OutputTokens, m.res.CachedTokens = ev.prompt, ev.completion, ev.cached
+	}
 }
 
 // classify names a transport error: a cancelled run, a timeout, or other.

@@ -1,4 +1,4 @@
-package bench
+package load
 
 import (
 	"context"
@@ -16,8 +16,10 @@ import (
 	"github.com/prometheus/common/model"
 )
 
-// Engine metric names (vLLM V1; REFERENCE §2). Prefix-cache counters count
-// tokens; vLLM 0.10 also exported them as gpu_prefix_cache_* (deprecated).
+// Engine metric names (vLLM V1, as listed in vLLM's docs, "Production
+// Metrics": docs.vllm.ai/en/stable/usage/metrics). Prefix-cache counters
+// count tokens; vLLM 0.10 also exported them as gpu_prefix_cache_*
+// (deprecated).
 const (
 	metricPrefixQueries    = "vllm:prefix_cache_queries_total"
 	metricPrefixHits       = "vllm:prefix_cache_hits_total"
@@ -99,17 +101,17 @@ func scrapeOne(ctx context.Context, hc *http.Client, base string) (map[string]*d
 	}
 	resp, err := hc.Do(req)
 	if err != nil {
-		return nil, fmt.Errorf("bench: scrape %s: %w", base, err)
+		return nil, fmt.Errorf("load: scrape %s: %w", base, err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		_, _ = io.Copy(io.Discard, resp.Body)
-		return nil, fmt.Errorf("bench: scrape %s: status %d", base, resp.StatusCode)
+		return nil, fmt.Errorf("load: scrape %s: status %d", base, resp.StatusCode)
 	}
 	p := expfmt.NewTextParser(model.UTF8Validation)
 	fams, err := p.TextToMetricFamilies(resp.Body)
 	if err != nil {
-		return nil, fmt.Errorf("bench: scrape %s: %w", base, err)
+		return nil, fmt.Errorf("load: scrape %s: %w", base, err)
 	}
 	return fams, nil
 }

@@ -1,4 +1,4 @@
-package bench
+package workload
 
 import (
 	"strconv"
@@ -20,30 +20,37 @@ import (
 // exchange from the next (SGLang's generated-shared-prefix uses "\n\n").
 const promptSep = "\n\n"
 
-// appendUserText appends turn t's user text, unescaped.
-func appendUserText(b []byte, t *Turn) []byte {
+// appendText appends a piece of text to a prompt: as it is (appendRaw, the
+// prompt the engine sees) or escaped for a JSON string
+// (sim.AppendJSONEscaped, the prompt inside a request body).
+type appendText func(b []byte, text string) []byte
+
+func appendRaw(b []byte, text string) []byte { return append(b, text...) }
+
+// appendUserText appends turn t's user text with add.
+func appendUserText(b []byte, t *Turn, add appendText) []byte {
 	if t.Blocks == nil {
-		return append(b, t.User...)
+		return add(b, t.User)
 	}
 	for _, blk := range t.Blocks {
-		b = append(b, sim.SyntheticText(blk.Tokens, blk.Seed)...)
+		b = add(b, sim.SyntheticText(blk.Tokens, blk.Seed))
 	}
 	return b
 }
 
-// appendCompletionPrompt appends the completions prompt of turn k of s,
-// unescaped; answers holds the answers of turns 0…k−1.
-func appendCompletionPrompt(b []byte, s *Session, k int, answers []string) []byte {
+// appendCompletionPrompt appends the completions prompt of turn k of s with
+// add; answers holds the answers of turns 0…k−1.
+func appendCompletionPrompt(b []byte, s *Session, k int, answers []string, add appendText) []byte {
 	if s.System != "" {
-		b = append(b, s.System...)
-		b = append(b, promptSep...)
+		b = add(b, s.System)
+		b = add(b, promptSep)
 	}
 	for i := 0; i <= k; i++ {
 		if i > 0 {
-			b = append(b, answers[i-1]...)
-			b = append(b, promptSep...)
+			b = add(b, answers[i-1])
+			b = add(b, promptSep)
 		}
-		b = appendUserText(b, &s.Turns[i])
+		b = appendUserText(b, &s.Turns[i], add)
 	}
 	return b
 }
@@ -67,7 +74,7 @@ func appendChatPrompt(b []byte, s *Session, k int, answers []string) []byte {
 		if i > 0 {
 			msg("assistant", func(b []byte) []byte { return append(b, answers[i-1]...) })
 		}
-		msg("user", func(b []byte) []byte { return appendUserText(b, &s.Turns[i]) })
+		msg("user", func(b []byte) []byte { return appendUserText(b, &s.Turns[i], appendRaw) })
 	}
 	return append(b, sim.ChatGenHdr...)
 }
@@ -77,14 +84,14 @@ func appendPrompt(b []byte, api API, s *Session, k int, answers []string) []byte
 	if api == APIChat {
 		return appendChatPrompt(b, s, k, answers)
 	}
-	return appendCompletionPrompt(b, s, k, answers)
+	return appendCompletionPrompt(b, s, k, answers, appendRaw)
 }
 
-// appendBody appends the JSON body of turn k of s: streaming with a usage
+// AppendBody appends the JSON body of turn k of s: streaming with a usage
 // chunk, max_tokens = the turn's output length, ignore_eos so exactly that
 // many tokens are generated. model "" leaves the field out (the server's
 // default model).
-func appendBody(b []byte, api API, model string, s *Session, k int, answers []string) []byte {
+func AppendBody(b []byte, api API, model string, s *Session, k int, answers []string) []byte {
 	b = append(b, '{')
 	if model != "" {
 		b = append(b, `"model":"`...)
@@ -112,36 +119,15 @@ func appendBody(b []byte, api API, model string, s *Session, k int, answers []st
 			if i > 0 {
 				msg("assistant", func(b []byte) []byte { return sim.AppendJSONEscaped(b, answers[i-1]) })
 			}
-			msg("user", func(b []byte) []byte { return appendEscapedUser(b, &s.Turns[i]) })
+			msg("user", func(b []byte) []byte { return appendUserText(b, &s.Turns[i], sim.AppendJSONEscaped) })
 		}
 		b = append(b, "],"...)
 	} else {
 		b = append(b, `"prompt":"`...)
-		if s.System != "" {
-			b = sim.AppendJSONEscaped(b, s.System)
-			b = sim.AppendJSONEscaped(b, promptSep)
-		}
-		for i := 0; i <= k; i++ {
-			if i > 0 {
-				b = sim.AppendJSONEscaped(b, answers[i-1])
-				b = sim.AppendJSONEscaped(b, promptSep)
-			}
-			b = appendEscapedUser(b, &s.Turns[i])
-		}
+		b = appendCompletionPrompt(b, s, k, answers, sim.AppendJSONEscaped)
 		b = append(b, `",`...)
 	}
 	b = append(b, `"max_tokens":`...)
 	b = strconv.AppendInt(b, int64(s.Turns[k].OutputTokens), 10)
 	return append(b, `,"stream":true,"stream_options":{"include_usage":true},"ignore_eos":true}`...)
-}
-
-// appendEscapedUser appends turn t's user text escaped for a JSON string.
-func appendEscapedUser(b []byte, t *Turn) []byte {
-	if t.Blocks == nil {
-		return sim.AppendJSONEscaped(b, t.User)
-	}
-	for _, blk := range t.Blocks {
-		b = sim.AppendJSONEscaped(b, sim.SyntheticText(blk.Tokens, blk.Seed))
-	}
-	return b
 }

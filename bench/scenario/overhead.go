@@ -1,20 +1,19 @@
-package bench
+package scenario
 
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"math"
 	"net"
-	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/valyala/fasthttp"
+
+	"github.com/kvroute/kvroute/bench/load"
+	"github.com/kvroute/kvroute/bench/workload"
 )
 
 // InstantBackend is a fasthttp server that answers every request at once
@@ -90,24 +89,26 @@ type OverheadConfig struct {
 	PromptTokens int `json:"prompt_tokens"`
 	// OutputTokens is the number of streamed chunks (default 4).
 	OutputTokens int `json:"output_tokens"`
-	// Policy routes inside kvroute (default least-request, its default).
+	// Policy routes inside kvroute (default least-request: a cheap pick
+	// without the prefix index, so the figure is the hop with its body
+	// parsing and hashing; kvroute's own default policy is prefix).
 	Policy Policy `json:"-"`
 	Seed   uint64 `json:"seed"`
 }
 
 // OverheadRow compares direct and routed runs at one concurrency.
 type OverheadRow struct {
-	Concurrency int      `json:"concurrency"`
-	Direct      *Summary `json:"direct"`
-	Via         *Summary `json:"via_kvroute"`
+	Concurrency int           `json:"concurrency"`
+	Direct      *load.Summary `json:"direct"`
+	Via         *load.Summary `json:"via_kvroute"`
 	// Added latency (routed − direct) of the E2E latency percentiles, ms.
 	AddedP50 float64 `json:"added_p50_ms"`
 	AddedP90 float64 `json:"added_p90_ms"`
 	AddedP99 float64 `json:"added_p99_ms"`
 	// ThroughputRatio is routed ÷ direct requests per second.
-	ThroughputRatio float64  `json:"throughput_ratio"`
-	CPUDirect       CPUStats `json:"cpu_direct"`
-	CPUVia          CPUStats `json:"cpu_via"`
+	ThroughputRatio float64       `json:"throughput_ratio"`
+	CPUDirect       load.CPUStats `json:"cpu_direct"`
+	CPUVia          load.CPUStats `json:"cpu_via"`
 }
 
 // OverheadReport is RunOverhead's outcome.
@@ -136,16 +137,16 @@ func RunOverhead(ctx context.Context, cfg OverheadConfig) (*OverheadReport, erro
 	if cfg.OutputTokens <= 0 {
 		cfg.OutputTokens = 4
 	}
-	if cfg.Policy.New == nil {
-		for _, p := range Policies() {
-			if p.Name == "least-request" {
-				cfg.Policy = p
-			}
+	if cfg.Policy.Name == "" {
+		p, err := policyNamed("least-request")
+		if err != nil {
+			return nil, err
 		}
+		cfg.Policy = p
 	}
 	rep := &OverheadReport{Config: cfg, Policy: cfg.Policy.Name, Machine: ThisMachine(), Started: time.Now()}
 	defer func() { rep.WallSeconds = time.Since(rep.Started).Seconds() }()
-	w, err := WorkloadConfig{Kind: KindRandom, Seed: cfg.Seed, Requests: 256,
+	w, err := workload.Config{Kind: workload.KindRandom, Seed: cfg.Seed, Requests: 256,
 		InputTokens: cfg.PromptTokens, OutputTokens: cfg.OutputTokens}.Build()
 	if err != nil {
 		return nil, err
@@ -160,9 +161,9 @@ func RunOverhead(ctx context.Context, cfg OverheadConfig) (*OverheadReport, erro
 		return nil, err
 	}
 	defer rt.Close()
-	run := func(url string, c int) (*Result, error) {
-		return Run(ctx, Config{BaseURL: url, Workload: w, Seed: cfg.Seed,
-			Load: Load{Arrival: ArrivalClosed, Concurrency: c, Duration: cfg.Duration}})
+	run := func(url string, c int) (*load.Result, error) {
+		return load.Run(ctx, load.Config{BaseURL: url, Workload: w, Seed: cfg.Seed,
+			Load: load.Load{Arrival: load.ArrivalClosed, Concurrency: c, Duration: cfg.Duration}})
 	}
 	for _, c := range cfg.Concurrency {
 		d, err := run(be.URL, c)
@@ -184,52 +185,4 @@ func RunOverhead(ctx context.Context, cfg OverheadConfig) (*OverheadReport, erro
 		rep.Rows = append(rep.Rows, row)
 	}
 	return rep, nil
-}
-
-// MarkdownOverhead renders the overhead table.
-func MarkdownOverhead(rep *OverheadReport) string {
-	var b strings.Builder
-	b.WriteString("### overhead\n\n")
-	fmt.Fprintf(&b, "Closed loop against an instant fasthttp backend (a fixed %d-chunk streamed completion), direct and through kvroute (%s), %s per measurement, %d-token prompts; E2E latency at the client.\n\n",
-		rep.Config.OutputTokens, rep.Policy, rep.Config.Duration, rep.Config.PromptTokens)
-	b.WriteString("| connections | direct req/s | via kvroute req/s | throughput ratio | direct p50 / p90 / p99 | via kvroute p50 / p90 / p99 | added p50 / p90 / p99 | errors |\n")
-	b.WriteString("|---:|---:|---:|---:|---:|---:|---:|---:|\n")
-	us := func(v float64) string { // v in ms
-		if math.Abs(v) < 1 {
-			return fmt.Sprintf("%.0f µs", v*1e3)
-		}
-		return fmt.Sprintf("%.2f ms", v)
-	}
-	for _, r := range rep.Rows {
-		d, v := r.Direct, r.Via
-		fmt.Fprintf(&b, "| %d | %s | %s | %.2f | %s / %s / %s | %s / %s / %s | %s / %s / %s | %d / %d |\n",
-			r.Concurrency, thousands(int(d.RequestThroughput)), thousands(int(v.RequestThroughput)), r.ThroughputRatio,
-			us(d.E2EL.P50), us(d.E2EL.P90), us(d.E2EL.P99), us(v.E2EL.P50), us(v.E2EL.P90), us(v.E2EL.P99),
-			us(r.AddedP50), us(r.AddedP90), us(r.AddedP99), d.Failed, v.Failed)
-	}
-	for _, r := range rep.Rows {
-		if r.CPUVia.MachineIdle >= 0 {
-			fmt.Fprintf(&b, "\nAt %d connections the machine was %.0f%% idle direct and %.0f%% through kvroute (%d cores; generator, kvroute and backend share them).",
-				r.Concurrency, 100*r.CPUDirect.MachineIdle, 100*r.CPUVia.MachineIdle, r.CPUVia.Cores)
-		}
-	}
-	b.WriteString("\n")
-	return b.String()
-}
-
-// WriteOverhead writes table.md and results.json under dir.
-func WriteOverhead(dir string, rep *OverheadReport) ([]string, error) {
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return nil, err
-	}
-	t := filepath.Join(dir, FileTable)
-	if err := os.WriteFile(t, []byte(MarkdownOverhead(rep)), 0o644); err != nil {
-		return nil, err
-	}
-	b, err := json.MarshalIndent(rep, "", "  ")
-	if err != nil {
-		return []string{t}, err
-	}
-	r := filepath.Join(dir, FileResults)
-	return []string{t, r}, os.WriteFile(r, append(b, '\n'), 0o644)
 }

@@ -1,4 +1,9 @@
-package bench
+// Package report renders kvbench's results for people: a scenario's
+// Markdown tables (per policy and per rate stage), its charts (TTFT CDF,
+// throughput and p90 TTFT against the offered rate), the files a scenario
+// leaves behind (table.md, results.json, raw per-request records), the
+// overhead table, and a vLLM `bench serve`-style summary of a single run.
+package report
 
 import (
 	"bufio"
@@ -9,6 +14,10 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+
+	"github.com/kvroute/kvroute/bench/load"
+	"github.com/kvroute/kvroute/bench/scenario"
+	"github.com/kvroute/kvroute/bench/workload"
 )
 
 // Output file names inside a scenario's directory.
@@ -22,28 +31,13 @@ const (
 	rawPrefix = "raw-"
 )
 
-// WriteReport writes rep under dir (created if needed): the Markdown table,
+// Write writes rep under dir (created if needed): the Markdown table,
 // results.json (everything but per-request records), raw-<policy>.json per
 // policy (one request per line), and the charts. It returns the paths
 // written.
-func WriteReport(dir string, rep *Report) ([]string, error) {
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return nil, err
-	}
-	var files []string
-	write := func(name string, b []byte) error {
-		p := filepath.Join(dir, name)
-		files = append(files, p)
-		return os.WriteFile(p, b, 0o644)
-	}
-	if err := write(FileTable, []byte(MarkdownReport(rep))); err != nil {
-		return files, err
-	}
-	b, err := json.MarshalIndent(rep, "", "  ")
+func Write(dir string, rep *scenario.Report) ([]string, error) {
+	files, err := writeTableAndResults(dir, Markdown(rep), rep)
 	if err != nil {
-		return files, err
-	}
-	if err := write(FileResults, append(b, '\n')); err != nil {
 		return files, err
 	}
 	for _, r := range rep.Runs {
@@ -57,8 +51,39 @@ func WriteReport(dir string, rep *Report) ([]string, error) {
 	return append(files, charts...), err
 }
 
+// writeTableAndResults writes table (Markdown) to table.md and v as
+// indented JSON to results.json under dir (created if needed); it returns
+// the paths written.
+func writeTableAndResults(dir, table string, v any) ([]string, error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	t := filepath.Join(dir, FileTable)
+	if err := os.WriteFile(t, []byte(table), 0o644); err != nil {
+		return nil, err
+	}
+	r := filepath.Join(dir, FileResults)
+	return []string{t, r}, WriteJSON(r, v, true)
+}
+
+// WriteJSON writes v as JSON to path, indented when indent is set, with a
+// final newline.
+func WriteJSON(path string, v any, indent bool) error {
+	var b []byte
+	var err error
+	if indent {
+		b, err = json.MarshalIndent(v, "", "  ")
+	} else {
+		b, err = json.Marshal(v)
+	}
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(path, append(b, '\n'), 0o644)
+}
+
 // writeRaw writes records as a JSON array, one record per line.
-func writeRaw(path string, rs []RequestResult) error {
+func writeRaw(path string, rs []load.RequestResult) error {
 	f, err := os.Create(path)
 	if err != nil {
 		return err
@@ -94,9 +119,9 @@ func fileSafe(s string) string {
 	}, s)
 }
 
-// MarkdownReport renders rep: a heading, a line on the setup, the policy
+// Markdown renders rep: a heading, a line on the setup, the policy
 // table, and a per-stage table when the load had stages.
-func MarkdownReport(rep *Report) string {
+func Markdown(rep *scenario.Report) string {
 	var b strings.Builder
 	sc := &rep.Scenario
 	fmt.Fprintf(&b, "### %s\n\n", sc.Name)
@@ -128,13 +153,13 @@ func MarkdownReport(rep *Report) string {
 // PolicyTable renders one row per run: throughputs, TTFT and ITL
 // percentiles, engine hit rate, errors, and the throughput and p90 TTFT
 // ratios to the baseline run (round-robin) when present.
-func PolicyTable(runs []*Result) string {
+func PolicyTable(runs []*load.Result) string {
 	var b strings.Builder
 	b.WriteString("| policy | req/s | goodput | output tok/s | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p99 | engine hit rate | errors | throughput vs RR | p90 TTFT vs RR |\n")
 	b.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
-	var base *Result
+	var base *load.Result
 	for _, r := range runs {
-		if r.Label == Baseline {
+		if r.Label == scenario.Baseline {
 			base = r
 		}
 	}
@@ -165,7 +190,7 @@ func PolicyTable(runs []*Result) string {
 
 // StageTable renders per-stage rows (policy × offered rate); "" when the
 // runs had no stages.
-func StageTable(runs []*Result) string {
+func StageTable(runs []*load.Result) string {
 	has := false
 	for _, r := range runs {
 		has = has || len(r.Stages) > 0
@@ -192,7 +217,7 @@ func StageTable(runs []*Result) string {
 }
 
 // cpuLine reports the machine's idle CPU over the runs.
-func cpuLine(runs []*Result) string {
+func cpuLine(runs []*load.Result) string {
 	var parts []string
 	for _, r := range runs {
 		c := r.CPU
@@ -208,7 +233,7 @@ func cpuLine(runs []*Result) string {
 	return fmt.Sprintf("Machine CPU idle during each run (%d cores): %s.", runs[0].CPU.Cores, strings.Join(parts, "; "))
 }
 
-func errorsCell(s *Summary) string {
+func errorsCell(s *load.Summary) string {
 	if s.Failed == 0 {
 		return "0"
 	}
@@ -239,7 +264,13 @@ func ms(v float64) string {
 	return fmt.Sprintf("%.1f s", v/1000)
 }
 
-func pct(v float64) string { return fmt.Sprintf("%.1f%%", 100*v) }
+// pct formats a fraction as a percentage; "–" for NaN.
+func pct(v float64) string {
+	if math.IsNaN(v) {
+		return "–"
+	}
+	return fmt.Sprintf("%.1f%%", 100*v)
+}
 
 // thousands formats n with comma separators.
 func thousands(n int) string {
@@ -259,21 +290,21 @@ func thousands(n int) string {
 	return b.String()
 }
 
-func describeWorkload(c WorkloadConfig, api API) string {
+func describeWorkload(c workload.Config, api workload.API) string {
 	var s string
 	switch c.Kind {
-	case KindSharedPrefix:
+	case workload.KindSharedPrefix:
 		s = fmt.Sprintf("shared-prefix, %d groups × %d prompts, system %d + question %d tokens, output %d",
 			c.Groups, c.PromptsPerGroup, c.SystemTokens, c.QuestionTokens, c.OutputTokens)
-	case KindHotPrefix:
+	case workload.KindHotPrefix:
 		s = fmt.Sprintf("hot-prefix, %d requests sharing one %d-token system prompt, question %d, output %d",
 			c.Requests, c.SystemTokens, c.QuestionTokens, c.OutputTokens)
-	case KindRandom:
+	case workload.KindRandom:
 		s = fmt.Sprintf("random, %d requests, %d in / %d out, nothing shared", c.Requests, c.InputTokens, c.OutputTokens)
-	case KindMultiTurn:
+	case workload.KindMultiTurn:
 		s = fmt.Sprintf("multi-turn, %d conversations of %d–%d turns, common prefix %d, user %d–%d, answers %d–%d tokens",
 			c.Conversations, c.TurnsMin, c.TurnsMax, c.PrefixTokens, c.UserMin, c.UserMax, c.AnswerMin, c.AnswerMax)
-	case KindTrace:
+	case workload.KindTrace:
 		s = fmt.Sprintf("Mooncake trace %s", filepath.Base(c.TracePath))
 		if c.TraceLimit > 0 {
 			s += fmt.Sprintf(", first %d requests", c.TraceLimit)
@@ -293,7 +324,7 @@ func describeWorkload(c WorkloadConfig, api API) string {
 	return s + ", " + api.String() + " API, seed " + fmt.Sprint(c.Seed)
 }
 
-func describeSLO(s SLO) string {
+func describeSLO(s load.SLO) string {
 	var parts []string
 	for _, p := range []struct {
 		name string
@@ -306,12 +337,12 @@ func describeSLO(s SLO) string {
 	return strings.Join(parts, " and ")
 }
 
-func describeLoad(l Load) string {
+func describeLoad(l load.Load) string {
 	var s string
 	switch {
-	case l.Arrival == ArrivalClosed:
+	case l.Arrival == load.ArrivalClosed:
 		s = fmt.Sprintf("closed loop, %d concurrent", l.Concurrency)
-	case l.Arrival == ArrivalTrace:
+	case l.Arrival == load.ArrivalTrace:
 		s = "trace timestamps"
 	case len(l.Stages) > 0:
 		parts := make([]string, len(l.Stages))

@@ -1,4 +1,4 @@
-package bench
+package load
 
 import (
 	"context"
@@ -10,6 +10,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/kvroute/kvroute/bench/workload"
 )
 
 // Config configures one load run against one target.
@@ -24,9 +26,9 @@ type Config struct {
 	// Model is the "model" field; "" leaves it out (the server's default).
 	Model string
 	// API selects completions or chat.
-	API API
+	API workload.API
 	// Workload is what to send; Load how.
-	Workload *Workload
+	Workload *workload.Workload
 	Load     Load
 	// SLO sets the objectives goodput counts.
 	SLO SLO
@@ -49,15 +51,15 @@ type Config struct {
 
 // Result is one run's outcome. Times and rates are modelled.
 type Result struct {
-	Label   string    `json:"label"`
-	Target  string    `json:"target"`
-	API     API       `json:"api"`
-	Started time.Time `json:"started"`
+	Label   string       `json:"label"`
+	Target  string       `json:"target"`
+	API     workload.API `json:"api"`
+	Started time.Time    `json:"started"`
 	// WallSeconds is the run's wall-clock length.
 	WallSeconds float64 `json:"wall_s"`
 	TimeScale   float64 `json:"time_scale"`
 	// IdealHitRate is the workload's infinite-cache hit rate for the
-	// requests sent (see IdealHitRate).
+	// requests sent (see workload.IdealHitRate).
 	IdealHitRate float64 `json:"ideal_hit_rate"`
 	Summary      Summary `json:"summary"`
 	// Stages has one entry per load stage when there are several.
@@ -91,7 +93,7 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	if err := cfg.Load.Validate(); err != nil {
 		return nil, err
 	}
-	if cfg.Load.Arrival == ArrivalTrace && cfg.Workload.Config.Kind != KindTrace {
+	if cfg.Load.Arrival == ArrivalTrace && cfg.Workload.Config.Kind != workload.KindTrace {
 		return nil, fmt.Errorf("%w: trace arrivals need a trace workload", ErrConfig)
 	}
 	if cfg.TimeScale <= 0 {
@@ -109,7 +111,7 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	r := &runner{cfg: cfg, client: c, scale: cfg.TimeScale}
 	r.plan()
 	res := &Result{Label: cfg.Label, Target: cfg.BaseURL, API: cfg.API, TimeScale: cfg.TimeScale}
-	res.IdealHitRate = IdealHitRate(cfg.Workload, cfg.API, r.total, DefaultBlockSize)
+	res.IdealHitRate = workload.IdealHitRate(cfg.Workload, cfg.API, r.total, workload.DefaultBlockSize)
 
 	hc := &http.Client{Timeout: scrapeTimeout}
 	defer hc.CloseIdleConnections()
@@ -414,7 +416,7 @@ func sleepUntil(ctx context.Context, t time.Time) bool {
 // send sends one item and records the result.
 func (r *runner) send(ctx context.Context, it *item, stage int) {
 	res := RequestResult{Session: it.session, Turn: it.turn, Stage: stage}
-	body := appendBody(make([]byte, 0, 1024), r.cfg.API, r.cfg.Model, it.s, it.turn, it.conv.answers)
+	body := workload.AppendBody(make([]byte, 0, 1024), r.cfg.API, r.cfg.Model, it.s, it.turn, it.conv.answers)
 	keep := it.turn+1 < len(it.s.Turns)
 	res.Start = time.Since(r.start).Seconds() * r.scale
 	r.sent.Add(1)
@@ -492,14 +494,14 @@ func (r *runner) printProgress() {
 // item is one request handed out by the queue.
 type item struct {
 	conv    *conv
-	s       *Session
+	s       *workload.Session
 	session int // index into Workload.Sessions
 	turn    int
 }
 
 // conv is a session in progress: the answers it has received so far.
 type conv struct {
-	s       *Session
+	s       *workload.Session
 	session int
 	turn    int // next turn to send
 	answers []string
@@ -509,7 +511,7 @@ type conv struct {
 // previous answer arrived (continuations first), else the next fresh
 // session. Safe for concurrent use.
 type queue struct {
-	w *Workload
+	w *workload.Workload
 
 	mu      sync.Mutex
 	total   int // requests to hand out; −1: unlimited
@@ -520,7 +522,7 @@ type queue struct {
 	changed chan struct{}
 }
 
-func newQueue(w *Workload, total int) *queue {
+func newQueue(w *workload.Workload, total int) *queue {
 	return &queue{w: w, total: total, changed: make(chan struct{})}
 }
 

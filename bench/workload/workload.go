@@ -1,6 +1,12 @@
-package bench
+// Package workload generates the seeded request streams kvbench sends: SGLang's
+// generated shared prefix, vLLM's multi-turn conversations, random prompts, a
+// hot prefix and Mooncake trace replay. It owns how a session's turns render
+// as OpenAI request bodies and the ideal (infinite-cache) prefix hit rate a
+// workload allows; it knows nothing of how or where requests are sent.
+package workload
 
 import (
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"time"
@@ -8,7 +14,15 @@ import (
 	"github.com/kvroute/kvroute/bench/sim"
 )
 
-// Workload kinds (WorkloadConfig.Kind).
+// Sentinel errors.
+var (
+	// ErrConfig is wrapped by every configuration error.
+	ErrConfig = errors.New("workload: invalid config")
+	// ErrTrace is wrapped by errors reading a Mooncake trace.
+	ErrTrace = errors.New("workload: bad trace")
+)
+
+// Workload kinds (Config.Kind).
 const (
 	KindSharedPrefix = "shared-prefix"
 	KindMultiTurn    = "multi-turn"
@@ -26,7 +40,7 @@ func Kinds() []string {
 // in its config (seed included) and safe for concurrent reads.
 type Workload struct {
 	// Config is what the workload was built from.
-	Config WorkloadConfig
+	Config Config
 	// Sessions are sent in order (open loop) or handed to workers in order
 	// (closed loop).
 	Sessions []Session
@@ -99,11 +113,11 @@ func (w *Workload) MultiTurn() bool {
 	return false
 }
 
-// WorkloadConfig describes a workload. Fields that do not apply to Kind are
+// Config describes a workload. Fields that do not apply to Kind are
 // ignored; zero fields take the kind's published default (see Defaults).
 // Lengths are in tokens (the simulator's tokenizer: one synthetic word is
 // one token, ~4.8 bytes).
-type WorkloadConfig struct {
+type Config struct {
 	Kind string `json:"kind"`
 	// Seed makes the workload reproducible.
 	Seed uint64 `json:"seed"`
@@ -147,25 +161,27 @@ type WorkloadConfig struct {
 }
 
 // Defaults returns c with every zero field of its kind set to the
-// published default (REFERENCE §5): SGLang generated-shared-prefix 64 × 16,
-// system 2,048, question 128, output 256; vLLM multi-turn 500-token common
-// prefix, 12–18 turns, user 120–160, answers 80–120; random 1,024 in / 128
-// out.
-func (c WorkloadConfig) Defaults() WorkloadConfig {
+// published default: SGLang's generated-shared-prefix dataset 64 × 16,
+// system 2,048, question 128, output 256 (python/sglang/bench_serving.py,
+// --dataset-name generated-shared-prefix); vLLM's multi-turn benchmark
+// 500-token common prefix, 12–18 turns, user 120–160, answers 80–120
+// (benchmarks/multi_turn/generate_multi_turn.json); vLLM's random dataset
+// 1,024 in / 128 out (`vllm bench serve --dataset-name random`). Hot-prefix
+// takes shared-prefix's lengths.
+func (c Config) Defaults() Config {
 	set := func(p *int, v int) {
 		if *p == 0 {
 			*p = v
 		}
 	}
 	switch c.Kind {
-	case KindSharedPrefix:
-		set(&c.Groups, 64)
-		set(&c.PromptsPerGroup, 16)
-		set(&c.SystemTokens, 2048)
-		set(&c.QuestionTokens, 128)
-		set(&c.OutputTokens, 256)
-	case KindHotPrefix:
-		set(&c.Requests, 1024)
+	case KindSharedPrefix, KindHotPrefix:
+		if c.Kind == KindSharedPrefix {
+			set(&c.Groups, 64)
+			set(&c.PromptsPerGroup, 16)
+		} else {
+			set(&c.Requests, 1024)
+		}
 		set(&c.SystemTokens, 2048)
 		set(&c.QuestionTokens, 128)
 		set(&c.OutputTokens, 256)
@@ -191,7 +207,7 @@ func (c WorkloadConfig) Defaults() WorkloadConfig {
 }
 
 // Validate reports the first problem of c (after Defaults).
-func (c WorkloadConfig) Validate() error {
+func (c Config) Validate() error {
 	bad := func(format string, a ...any) error {
 		return fmt.Errorf("%w: %s: "+format, append([]any{ErrConfig, c.Kind}, a...)...)
 	}
@@ -209,12 +225,14 @@ func (c WorkloadConfig) Validate() error {
 	}
 	var errs []error
 	switch c.Kind {
-	case KindSharedPrefix:
-		errs = append(errs, pos("groups", c.Groups), pos("prompts per group", c.PromptsPerGroup),
-			pos("system tokens", c.SystemTokens), pos("question tokens", c.QuestionTokens), pos("output tokens", c.OutputTokens))
-	case KindHotPrefix:
-		errs = append(errs, pos("requests", c.Requests), pos("system tokens", c.SystemTokens),
-			pos("question tokens", c.QuestionTokens), pos("output tokens", c.OutputTokens))
+	case KindSharedPrefix, KindHotPrefix:
+		if c.Kind == KindSharedPrefix {
+			errs = append(errs, pos("groups", c.Groups), pos("prompts per group", c.PromptsPerGroup))
+		} else {
+			errs = append(errs, pos("requests", c.Requests))
+		}
+		errs = append(errs, pos("system tokens", c.SystemTokens), pos("question tokens", c.QuestionTokens),
+			pos("output tokens", c.OutputTokens))
 	case KindRandom:
 		errs = append(errs, pos("requests", c.Requests), pos("input tokens", c.InputTokens), pos("output tokens", c.OutputTokens))
 	case KindMultiTurn:
@@ -245,7 +263,7 @@ func (c WorkloadConfig) Validate() error {
 }
 
 // Build fills defaults, validates and generates the workload.
-func (c WorkloadConfig) Build() (*Workload, error) {
+func (c Config) Build() (*Workload, error) {
 	c = c.Defaults()
 	if err := c.Validate(); err != nil {
 		return nil, err
@@ -281,6 +299,24 @@ const (
 	domLengths
 )
 
+// mix hashes a seed and a few integers into a well-spread 64-bit value
+// (SplitMix64's finaliser folded over the inputs), so every piece of a
+// workload gets its own reproducible seed.
+func mix(seed uint64, parts ...uint64) uint64 {
+	x := splitmix(seed)
+	for _, p := range parts {
+		x = splitmix(x ^ splitmix(p+0x632be59bd9b4e019))
+	}
+	return x
+}
+
+func splitmix(x uint64) uint64 {
+	x += 0x9e3779b97f4a7c15
+	x = (x ^ x>>30) * 0xbf58476d1ce4e5b9
+	x = (x ^ x>>27) * 0x94d049bb133111eb
+	return x ^ x>>31
+}
+
 // sharedPrefix is SGLang's generated-shared-prefix dataset: groups system
 // prompts, perGroup questions each, prompt = system + "\n\n" + question,
 // rows shuffled.
@@ -304,7 +340,7 @@ func sharedPrefix(seed uint64, groups, perGroup, sys, q, out int) []Session {
 }
 
 // random is the no-sharing case: every prompt is its own text.
-func random(c WorkloadConfig) []Session {
+func random(c Config) []Session {
 	ss := make([]Session, c.Requests)
 	for i := range ss {
 		ss[i] = Session{Group: -1, Turns: []Turn{{
@@ -317,7 +353,7 @@ func random(c WorkloadConfig) []Session {
 
 // multiTurn builds conversations with a common prefix and uniform turn,
 // user and answer lengths.
-func multiTurn(c WorkloadConfig) []Session {
+func multiTurn(c Config) []Session {
 	r := rand.New(rand.NewPCG(c.Seed, domLengths))
 	between := func(lo, hi int) int { return lo + r.IntN(hi-lo+1) }
 	prefix := sim.SyntheticText(c.PrefixTokens, mix(c.Seed, domSystem))

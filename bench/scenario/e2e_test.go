@@ -1,0 +1,82 @@
+package scenario_test
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/kvroute/kvroute/bench/load"
+	"github.com/kvroute/kvroute/bench/report"
+	"github.com/kvroute/kvroute/bench/scenario"
+	"github.com/kvroute/kvroute/bench/sim"
+	"github.com/kvroute/kvroute/bench/workload"
+)
+
+// A tiny shared-prefix comparison of every policy, end to end: the runs,
+// and the files bench/report writes from them.
+func TestRunScenarioEndToEnd(t *testing.T) {
+	sc := scenario.Scenario{
+		Name: "tiny-shared-prefix", Description: "test", Pods: 2,
+		Sim:        sim.Config{TimeScale: 50, NumGPUBlocks: 256, Seed: 1},
+		WorkingSet: 4 * 256,
+		Workload: workload.Config{Kind: workload.KindSharedPrefix, Seed: 4, Groups: 4, PromptsPerGroup: 4,
+			SystemTokens: 256, QuestionTokens: 32, OutputTokens: 16},
+		Load: load.Load{Stages: []load.Stage{{Rate: 10, Requests: 8}, {Rate: 20, Requests: 8}}},
+		SLO:  load.SLO{TTFT: 2000},
+	}
+	var log strings.Builder
+	rep, err := scenario.Run(context.Background(), sc, scenario.RunOptions{Log: &log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	files, err := report.Write(dir, rep)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Runs) != len(scenario.Policies()) {
+		t.Fatalf("%d runs, want one per policy", len(rep.Runs))
+	}
+	for _, r := range rep.Runs {
+		if r.Summary.Completed != 16 || r.Summary.Failed != 0 {
+			t.Errorf("%s: completed %d, failed %d %v", r.Label, r.Summary.Completed, r.Summary.Failed, r.Summary.Errors)
+		}
+		if len(r.Stages) != 2 || r.Engine == nil || r.Engine.PrefixQueries == 0 {
+			t.Errorf("%s: %d stages, engine %+v", r.Label, len(r.Stages), r.Engine)
+		}
+	}
+	for _, name := range []string{report.FileTable, report.FileResults, report.FileTTFTCDF, report.FileThroughput, report.FileTTFTRate, "raw-round-robin.json"} {
+		st, err := os.Stat(filepath.Join(dir, name))
+		if err != nil || st.Size() == 0 {
+			t.Errorf("%s not written (%v); wrote %v", name, err, files)
+		}
+	}
+	table, _ := os.ReadFile(filepath.Join(dir, report.FileTable))
+	for _, p := range scenario.Policies() {
+		if !strings.Contains(string(table), "| "+p.Name+" |") {
+			t.Errorf("table has no row for %s:\n%s", p.Name, table)
+		}
+	}
+	var back struct {
+		Runs []struct {
+			Label   string
+			Summary load.Summary
+		}
+		IdealHitRate float64 `json:"ideal_hit_rate"`
+	}
+	b, _ := os.ReadFile(filepath.Join(dir, report.FileResults))
+	if err := json.Unmarshal(b, &back); err != nil {
+		t.Fatal(err)
+	}
+	if len(back.Runs) != len(rep.Runs) || back.Runs[0].Summary.Completed != 16 || back.IdealHitRate <= 0 {
+		t.Fatalf("results.json does not round-trip: %+v", back)
+	}
+	var raw []load.RequestResult
+	b, _ = os.ReadFile(filepath.Join(dir, "raw-round-robin.json"))
+	if err := json.Unmarshal(b, &raw); err != nil || len(raw) != 16 {
+		t.Fatalf("raw records: %d, %v", len(raw), err)
+	}
+}

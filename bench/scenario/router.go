@@ -1,0 +1,182 @@
+package scenario
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/kvroute/kvroute/bench/peers"
+	"github.com/kvroute/kvroute/proxy"
+	"github.com/kvroute/kvroute/routing"
+)
+
+// The policies under comparison and the in-process kvroute the scenarios
+// run behind: the router main builds (proxy.NewRouter with
+// proxy.DefaultConfig), with the peers' policies added to its table.
+
+// Policy is a routing policy under comparison.
+type Policy struct {
+	Name string
+	// About says what the policy stands for in the comparison.
+	About string
+	// Router is the policy's name in the router's table (Name if empty).
+	Router string
+	// Replicas > 1 runs that many independent routers with this policy,
+	// each given a random share of the traffic (no shared state).
+	Replicas int
+}
+
+// router returns the name of p in the router's policy table.
+func (p Policy) router() string {
+	if p.Router != "" {
+		return p.Router
+	}
+	return p.Name
+}
+
+// Baseline is the policy results are compared against: round-robin is what
+// a Kubernetes ClusterIP Service does.
+const Baseline = "round-robin"
+
+// Policies returns the policies a scenario compares, baseline first. A new
+// policy is one more entry here and, for a peer, one more in policyTable.
+func Policies() []Policy {
+	return []Policy{
+		{Name: Baseline, About: "what a ClusterIP Service does"},
+		{Name: "random", About: "uniform random pick"},
+		{Name: "least-request", About: "fewer in-flight of two random pods"},
+		{Name: "prefix", About: "kvroute: prefix-aware, sticky until saturated"},
+		{Name: "prefix-3-replicas", About: "three independent kvroute replicas (prefix), a random third of the traffic each",
+			Router: "prefix", Replicas: 3},
+		{Name: "sglang-cache-aware", About: "SGLang router cache_aware (emulated)"},
+		{Name: "gie-blend", About: "GIE classic scorer blend (emulated)"},
+		{Name: "llm-d-sticky", About: "llm-d sticky-until-saturated (emulated)"},
+	}
+}
+
+// policyTable is kvroute's table of policies (routing.Policies) with the
+// peers' emulations added.
+func policyTable() map[string]routing.NewPolicy {
+	t := routing.Policies()
+	t["sglang-cache-aware"] = func(routing.PolicyConfig) routing.Picker { return peers.NewCacheAware() }
+	t["gie-blend"] = func(routing.PolicyConfig) routing.Picker { return peers.NewBlend(policySeed) }
+	t["llm-d-sticky"] = func(c routing.PolicyConfig) routing.Picker {
+		return peers.NewSticky(c.BlockBytes, c.Index.BlocksPerEndpoint)
+	}
+	return t
+}
+
+// PrefixParams are the prefix policy's parameters in the benchmark: the
+// defaults, overridden by KVBENCH_PREFIX_PARAMS (the JSON of
+// routing.PrefixParams, any subset), so parameters can be explored without
+// a rebuild.
+// kvbench checks the variable at start-up; the policy table then uses the
+// defaults if it is invalid.
+func PrefixParams() (routing.PrefixParams, error) {
+	p := routing.DefaultPrefixParams()
+	if js := os.Getenv("KVBENCH_PREFIX_PARAMS"); js != "" {
+		if err := json.Unmarshal([]byte(js), &p); err != nil {
+			return routing.DefaultPrefixParams(), fmt.Errorf("KVBENCH_PREFIX_PARAMS: %w", err)
+		}
+		if err := p.Validate(); err != nil {
+			return routing.DefaultPrefixParams(), fmt.Errorf("KVBENCH_PREFIX_PARAMS: %w", err)
+		}
+	}
+	return p, nil
+}
+
+// policySeed seeds the randomised policies, so that a rerun draws the same
+// picks for the same order of requests.
+const policySeed = 0x6b76726f757465
+
+// seededIntn returns a reproducible source of random ints, safe for
+// concurrent use (one mutex; fine for a benchmark's router).
+func seededIntn(seed uint64) func(int) int {
+	var mu sync.Mutex
+	r := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+	return func(n int) int {
+		mu.Lock()
+		defer mu.Unlock()
+		return r.IntN(n)
+	}
+}
+
+// SelectPolicies returns the policies of Policies() named in names, in
+// table order; no names means all.
+func SelectPolicies(names []string) ([]Policy, error) {
+	all := Policies()
+	if len(names) == 0 {
+		return all, nil
+	}
+	want := make(map[string]bool, len(names))
+	for _, n := range names {
+		want[n] = true
+	}
+	var out []Policy
+	for _, p := range all {
+		if want[p.Name] {
+			out = append(out, p)
+			delete(want, p.Name)
+		}
+	}
+	if len(want) > 0 {
+		known := make([]string, len(all))
+		for i, p := range all {
+			known[i] = p.Name
+		}
+		for n := range want {
+			return nil, fmt.Errorf("%w: unknown policy %q (known: %v)", ErrConfig, n, known)
+		}
+	}
+	return out, nil
+}
+
+// routerShutdownGrace is how long a benchmark router's in-flight streams
+// may finish when it closes.
+const routerShutdownGrace = 10 * time.Second
+
+// Router is an in-process kvroute on a loopback listener.
+type Router struct {
+	// URL is the router's base URL (http://127.0.0.1:port).
+	URL  string
+	stop context.CancelFunc
+	done chan error
+}
+
+// StartRouter starts kvroute on 127.0.0.1:0 in front of backends with the
+// policy p: the router main builds with its default flags (discovery with
+// health probes and engine scraping, the prefix index sized by the
+// engines' scraped KV capacity), without an access log or an admin
+// listener, its randomised policies seeded. Stop it with Close.
+func StartRouter(p Policy, backends []string) (*Router, error) {
+	cfg := proxy.DefaultConfig()
+	cfg.Backends, cfg.Policy, cfg.Policies = backends, p.router(), policyTable()
+	cfg.Intn = seededIntn(policySeed)
+	cfg.AccessLog = false
+	cfg.Prefix, _ = PrefixParams() // checked by kvbench at start-up
+	rt, err := proxy.NewRouter(cfg, zap.NewNop())
+	if err != nil {
+		return nil, err
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	r := &Router{URL: "http://" + ln.Addr().String(), stop: stop, done: make(chan error, 1)}
+	go func() { r.done <- rt.Run(ctx, ln, nil, routerShutdownGrace) }()
+	return r, nil
+}
+
+// Close drains the router (in-flight streams get 10 s) and waits for it.
+func (r *Router) Close() error {
+	r.stop()
+	return <-r.done
+}

@@ -1,0 +1,221 @@
+// Package scenario runs kvbench's policy comparisons: a simulated fleet
+// (bench/sim) behind a fresh in-process kvroute per routing policy, the same
+// seeded workload and load driven through each (bench/load), and the
+// built-in presets, the demo and the router-overhead measurement. It owns
+// the policy table and the router wiring; rendering results is
+// bench/report's.
+package scenario
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"runtime"
+	"time"
+
+	"github.com/kvroute/kvroute/bench/load"
+	"github.com/kvroute/kvroute/bench/sim"
+	"github.com/kvroute/kvroute/bench/workload"
+)
+
+// ErrConfig is wrapped by every configuration error.
+var ErrConfig = errors.New("scenario: invalid config")
+
+// Scenario is one comparison: a simulated fleet, a workload and a load,
+// run once per policy on a fresh fleet (cold caches) behind a fresh
+// in-process kvroute.
+type Scenario struct {
+	Name        string `json:"name"`
+	Description string `json:"description"`
+	// Pods is the fleet size.
+	Pods int `json:"pods"`
+	// Sim is every pod's configuration (pod i gets Seed+i).
+	Sim sim.Config `json:"-"`
+	// WorkingSet is the workload's prefix working set in tokens, the
+	// figure the pods' KV capacity was sized against (0: not sized).
+	WorkingSet int             `json:"working_set_tokens,omitempty"`
+	API        workload.API    `json:"api"`
+	Workload   workload.Config `json:"workload"`
+	Load       load.Load       `json:"load"`
+	SLO        load.SLO        `json:"slo,omitzero"`
+	Timeout    time.Duration   `json:"timeout,omitempty"`
+	Seed       uint64          `json:"seed"`
+	Fleet      FleetDescriptor `json:"fleet"`
+	// Policies names the policies compared when the caller picks none
+	// (RunOptions.Policies nil); nil: every policy of Policies().
+	Policies []string `json:"policies,omitempty"`
+}
+
+// FleetDescriptor is the part of a scenario's sim.Config worth recording.
+type FleetDescriptor struct {
+	Model               string  `json:"model"`
+	TimeScale           float64 `json:"time_scale"`
+	BlockSize           int     `json:"block_size"`
+	NumGPUBlocks        int     `json:"num_gpu_blocks"`
+	KVTokensPerPod      int     `json:"kv_tokens_per_pod"`
+	MaxNumSeqs          int     `json:"max_num_seqs"`
+	MaxNumBatchedTokens int     `json:"max_num_batched_tokens"`
+	// WorkingSetShare is the prefix working set ÷ the fleet's KV tokens.
+	WorkingSetShare float64 `json:"working_set_share,omitempty"`
+}
+
+// describeFleet fills sc.Fleet from sc.Sim.
+func (sc *Scenario) describeFleet() {
+	cfg := sc.Sim
+	_ = cfg.Validate() // fills defaults; errors surface when the fleet starts
+	kv := cfg.NumGPUBlocks * cfg.BlockSize
+	sc.Fleet = FleetDescriptor{
+		Model: cfg.Model, TimeScale: cfg.TimeScale, BlockSize: cfg.BlockSize,
+		NumGPUBlocks: cfg.NumGPUBlocks, KVTokensPerPod: kv,
+		MaxNumSeqs: cfg.MaxNumSeqs, MaxNumBatchedTokens: cfg.MaxNumBatchedTokens,
+	}
+	if sc.WorkingSet > 0 && kv > 0 && sc.Pods > 0 {
+		sc.Fleet.WorkingSetShare = float64(sc.WorkingSet) / float64(kv*sc.Pods)
+	}
+}
+
+// Machine describes where a report was produced.
+type Machine struct {
+	CPU        string `json:"cpu"`
+	Cores      int    `json:"cores"`
+	GOMAXPROCS int    `json:"gomaxprocs"`
+	GoVersion  string `json:"go_version"`
+	OS         string `json:"os"`
+}
+
+// ThisMachine describes the running machine.
+func ThisMachine() Machine {
+	m := Machine{Cores: runtime.NumCPU(), GOMAXPROCS: runtime.GOMAXPROCS(0),
+		GoVersion: runtime.Version(), OS: runtime.GOOS + "/" + runtime.GOARCH}
+	if f, err := os.Open("/proc/cpuinfo"); err == nil {
+		sc := bufio.NewScanner(f)
+		for sc.Scan() {
+			if k, v, ok := bytes.Cut(sc.Bytes(), []byte(":")); ok && string(bytes.TrimSpace(k)) == "model name" {
+				m.CPU = string(bytes.TrimSpace(v))
+				break
+			}
+		}
+		f.Close()
+	}
+	return m
+}
+
+// Report is a scenario's outcome: one Result per policy.
+type Report struct {
+	Scenario     Scenario       `json:"scenario"`
+	Machine      Machine        `json:"machine"`
+	Started      time.Time      `json:"started"`
+	WallSeconds  float64        `json:"wall_s"`
+	IdealHitRate float64        `json:"ideal_hit_rate"`
+	Runs         []*load.Result `json:"runs"`
+}
+
+// RunOptions tune Run.
+type RunOptions struct {
+	// Policies to compare; nil means the scenario's own (Scenario.Policies).
+	Policies []Policy
+	// Progress receives each policy's live status line (nil: quiet).
+	Progress io.Writer
+	// Log receives one line per policy as it starts (nil: quiet).
+	Log io.Writer
+}
+
+// Run runs sc once per policy, each time on a fresh simulated fleet
+// behind a fresh in-process kvroute, with the same seeded workload, and
+// returns the report. When ctx ends it returns what finished with ctx's
+// error.
+func Run(ctx context.Context, sc Scenario, opt RunOptions) (*Report, error) {
+	if sc.Pods < 1 {
+		return nil, fmt.Errorf("%w: scenario %s: pods must be ≥ 1", ErrConfig, sc.Name)
+	}
+	sc.describeFleet()
+	pols := opt.Policies
+	if pols == nil {
+		var err error
+		if pols, err = SelectPolicies(sc.Policies); err != nil {
+			return nil, fmt.Errorf("scenario %s: %w", sc.Name, err)
+		}
+	}
+	wl, err := sc.Workload.Build()
+	if err != nil {
+		return nil, fmt.Errorf("scenario %s: %w", sc.Name, err)
+	}
+	sc.Workload = wl.Config
+	rep := &Report{Scenario: sc, Machine: ThisMachine(), Started: time.Now()}
+	defer func() { rep.WallSeconds = time.Since(rep.Started).Seconds() }()
+	for _, p := range pols {
+		if opt.Log != nil {
+			fmt.Fprintf(opt.Log, "%s: %s on %d simulated pods behind kvroute\n", sc.Name, p.Name, sc.Pods)
+		}
+		res, err := runPolicy(ctx, sc, wl, p, opt.Progress)
+		if res != nil {
+			rep.Runs = append(rep.Runs, res)
+			rep.IdealHitRate = res.IdealHitRate
+		}
+		if err != nil {
+			return rep, fmt.Errorf("scenario %s, policy %s: %w", sc.Name, p.Name, err)
+		}
+	}
+	return rep, nil
+}
+
+// runPolicy runs one policy of sc on a fresh fleet and router.
+func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy, progress io.Writer) (res *load.Result, err error) {
+	fleet, err := sim.StartFleet(sc.Pods, sc.Sim)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = errors.Join(err, fleet.Close()) }()
+	front, backends := p, fleet.URLs()
+	if p.Replicas > 1 {
+		// Independent replicas, each its own router and state over the
+		// fleet; in front of them a random-policy kvroute hands each a
+		// random share of the traffic, as a Service in front of several
+		// router pods would.
+		var replicas []string
+		for i := 0; i < p.Replicas; i++ {
+			inner, err := StartRouter(p, fleet.URLs())
+			if err != nil {
+				return nil, err
+			}
+			defer func() { err = errors.Join(err, inner.Close()) }()
+			replicas = append(replicas, inner.URL)
+		}
+		backends = replicas
+		if front, err = policyNamed("random"); err != nil {
+			return nil, err
+		}
+	}
+	rt, err := StartRouter(front, backends)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = errors.Join(err, rt.Close()) }()
+	return load.Run(ctx, load.Config{
+		BaseURL:   rt.URL,
+		PodURLs:   fleet.URLs(),
+		Model:     sc.Fleet.Model,
+		API:       sc.API,
+		Workload:  wl,
+		Load:      sc.Load,
+		SLO:       sc.SLO,
+		TimeScale: sc.Fleet.TimeScale,
+		Timeout:   sc.Timeout,
+		Seed:      sc.Seed,
+		Label:     p.Name,
+		Progress:  progress,
+	})
+}
+
+// policyNamed returns the entry of Policies() called name.
+func policyNamed(name string) (Policy, error) {
+	ps, err := SelectPolicies([]string{name})
+	if err != nil {
+		return Policy{}, err
+	}
+	return ps[0], nil
+}

@@ -1,0 +1,97 @@
+package scenario
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/kvroute/kvroute/bench/leakcheck"
+	"github.com/kvroute/kvroute/bench/workload"
+)
+
+func TestMain(m *testing.M) { leakcheck.VerifyTestMain(m) }
+
+// Every built-in scenario, default and full, must describe a valid run: a
+// workload that builds, a load that validates, pods whose KV holds the
+// largest request, and the sizing rule (working set ≈ 70% of the fleet's
+// KV, more than twice one pod's).
+func TestPresets(t *testing.T) {
+	trace := filepath.Join(t.TempDir(), "trace.jsonl")
+	line := `{"timestamp": 0, "input_length": 40000, "output_length": 3000, "hash_ids": [` +
+		strings.TrimSuffix(strings.Repeat("1, ", 79), ", ") + `]}` + "\n"
+	if err := os.WriteFile(trace, []byte(line), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, full := range []bool{false, true} {
+		scs := Builtin(Preset{Full: full, TracePath: trace, Seed: 1})
+		if len(scs) != len(Names())-1 {
+			t.Fatalf("full=%v: %d scenarios, want every name but overhead", full, len(scs))
+		}
+		for _, sc := range append(scs, demo(Preset{Full: full, Seed: 1})) {
+			t.Run(fmt.Sprintf("%s/full=%v", sc.Name, full), func(t *testing.T) {
+				if sc.Pods != DefaultPods {
+					t.Fatalf("%d pods", sc.Pods)
+				}
+				if err := sc.Load.Validate(); err != nil {
+					t.Fatal(err)
+				}
+				cfg := sc.Sim
+				if err := cfg.Validate(); err != nil {
+					t.Fatal(err)
+				}
+				c := sc.Workload.Defaults()
+				if err := c.Validate(); err != nil {
+					t.Fatal(err)
+				}
+				largest := c.SystemTokens + c.QuestionTokens + c.InputTokens + c.OutputTokens + 16
+				switch c.Kind {
+				case workload.KindMultiTurn:
+					largest = c.PrefixTokens + c.TurnsMax*(c.UserMax+c.AnswerMax+16)
+				case workload.KindTrace:
+					largest = c.TraceMaxInput + c.TraceMaxOutput
+				}
+				if kv := cfg.NumGPUBlocks * cfg.BlockSize; kv < 2*largest || largest+1 > cfg.MaxModelLen && c.Kind != workload.KindMultiTurn {
+					t.Fatalf("pod KV %d tokens for requests up to %d tokens (max model len %d)", kv, largest, cfg.MaxModelLen)
+				}
+				if sc.WorkingSet > 0 {
+					sc.describeFleet()
+					share := sc.Fleet.WorkingSetShare
+					if share < 0.65 || share > 0.75 || share*float64(sc.Pods) < 2 {
+						t.Fatalf("working set is %.2f of the fleet's KV, %.1f× one pod's", share, share*float64(sc.Pods))
+					}
+				}
+			})
+		}
+	}
+}
+
+func TestLookup(t *testing.T) {
+	p := Preset{Seed: 1}
+	for _, tc := range []struct {
+		name string
+		ok   bool
+	}{
+		{name: Demo, ok: true},
+		{name: SharedPrefix, ok: true},
+		{name: HotPrefix, ok: true},
+		{name: Trace}, // no trace file
+		{name: Overhead},
+		{name: "nope"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sc, ok := Lookup(p, tc.name)
+			if ok != tc.ok || ok && sc.Name != tc.name {
+				t.Fatalf("Lookup(%q) = %q, %v; want ok %v", tc.name, sc.Name, ok, tc.ok)
+			}
+		})
+	}
+	t.Run("demo policies", func(t *testing.T) {
+		sc, _ := Lookup(p, Demo)
+		pols, err := SelectPolicies(sc.Policies)
+		if err != nil || len(pols) != 4 || pols[0].Name != Baseline {
+			t.Fatalf("demo policies %v: %d, %v", sc.Policies, len(pols), err)
+		}
+	})
+}

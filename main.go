@@ -48,100 +48,83 @@ type config struct {
 	LogFormat    string
 }
 
-// flagGroup is a titled group of flags for --help.
-type flagGroup struct {
-	title string
-	fs    *pflag.FlagSet
-}
-
 // newFlags binds c's fields to flags, in groups; each flag's default is
 // the field's value in c (proxy.DefaultConfig for the router's).
-func newFlags(c *config) (*pflag.FlagSet, []flagGroup) {
-	g := func(title string) flagGroup {
-		fs := pflag.NewFlagSet(title, pflag.ContinueOnError)
-		fs.SortFlags = false
-		return flagGroup{title, fs}
-	}
+func newFlags(c *config) *proxy.Flags {
+	f := proxy.NewFlags("kvroute", "kvroute: a KV-cache-aware router for vLLM and SGLang.\n\nUsage: kvroute [flags]\n\n"+
+		"Every flag may also be set as KVROUTE_<FLAG> in the environment, e.g. KVROUTE_BACKENDS.\n")
+	g := f.Group
 	listen, backends, health, pfx, upstream, ops := g("Listeners"), g("Backends and routing"), g("Health and engine metrics"),
 		g("Prefix-aware routing (--policy prefix)"), g("Upstream connections"), g("Operations")
 
-	listen.fs.StringVar(&c.Listen, "listen", c.Listen, "address of the OpenAI-compatible API listener")
-	listen.fs.StringVar(&c.AdminListen, "admin-listen", c.AdminListen, "address of the admin listener (/metrics, /livez, /readyz, /debug/pprof/)")
-	listen.fs.IntVar(&c.MaxBodyBytes, "max-body-bytes", c.MaxBodyBytes, "largest request body accepted; larger ones get 413")
-	listen.fs.DurationVar(&c.ClientIdleTimeout, "client-idle-timeout", c.ClientIdleTimeout, "close client keep-alive connections idle this long")
+	listen.StringVar(&c.Listen, "listen", c.Listen, "address of the OpenAI-compatible API listener")
+	listen.StringVar(&c.AdminListen, "admin-listen", c.AdminListen, "address of the admin listener (/metrics, /livez, /readyz, /debug/pprof/)")
+	listen.IntVar(&c.MaxBodyBytes, "max-body-bytes", c.MaxBodyBytes, "largest request body accepted; larger ones get 413")
+	listen.DurationVar(&c.ClientIdleTimeout, "client-idle-timeout", c.ClientIdleTimeout, "close client keep-alive connections idle this long")
 
-	backends.fs.StringVar(&c.Service, "service", c.Service, "headless Service of the model-server pods, NAME[:PORT|:PORTNAME] (e.g. vllm.llm.svc.cluster.local:8000); resolved through DNS")
-	backends.fs.StringSliceVar(&c.Backends, "backends", c.Backends, "static model-server base URLs (http://host:port), repeated or comma-separated")
-	backends.fs.StringVar(&c.PrefillService, "prefill-service", c.PrefillService, "headless Service of the prefill pool (disaggregated serving)")
-	backends.fs.StringVar(&c.DecodeService, "decode-service", c.DecodeService, "headless Service of the decode pool (disaggregated serving)")
-	backends.fs.StringSliceVar(&c.PrefillBackends, "prefill-backends", c.PrefillBackends, "static base URLs of the prefill pool")
-	backends.fs.StringSliceVar(&c.DecodeBackends, "decode-backends", c.DecodeBackends, "static base URLs of the decode pool")
-	backends.fs.StringVar(&c.ServiceScheme, "service-scheme", c.ServiceScheme, "scheme of endpoints found through DNS: http or https")
-	backends.fs.StringVar(&c.DNSResolvConf, "dns-resolv-conf", c.DNSResolvConf, "resolver configuration: nameservers, search domains, ndots (as a pod's resolver)")
-	backends.fs.StringVar(&c.DNSServer, "dns-server", c.DNSServer, "DNS server host:port, overriding the resolv.conf nameservers")
-	backends.fs.DurationVar(&c.DNSInterval, "dns-interval", c.DNSInterval, "re-resolve Services this often (sooner when record TTLs are shorter)")
-	backends.fs.StringVar(&c.Policy, "policy", c.Policy, "routing policy: "+strings.Join(routing.PolicyNames(routing.Policies()), ", "))
-	backends.fs.IntVar(&c.Retries, "retries", c.Retries, "times a request may be re-sent to another endpoint on connection failure or 429/502/503/504, before its first response byte")
+	backends.StringVar(&c.Service, "service", c.Service, "headless Service of the model-server pods, NAME[:PORT|:PORTNAME] (e.g. vllm.llm.svc.cluster.local:8000); resolved through DNS")
+	backends.StringSliceVar(&c.Backends, "backends", c.Backends, "static model-server base URLs (http://host:port), repeated or comma-separated")
+	backends.StringVar(&c.PrefillService, "prefill-service", c.PrefillService, "headless Service of the prefill pool (disaggregated serving)")
+	backends.StringVar(&c.DecodeService, "decode-service", c.DecodeService, "headless Service of the decode pool (disaggregated serving)")
+	backends.StringSliceVar(&c.PrefillBackends, "prefill-backends", c.PrefillBackends, "static base URLs of the prefill pool")
+	backends.StringSliceVar(&c.DecodeBackends, "decode-backends", c.DecodeBackends, "static base URLs of the decode pool")
+	backends.StringVar(&c.ServiceScheme, "service-scheme", c.ServiceScheme, "scheme of endpoints found through DNS: http or https")
+	backends.StringVar(&c.DNSResolvConf, "dns-resolv-conf", c.DNSResolvConf, "resolver configuration: nameservers, search domains, ndots (as a pod's resolver)")
+	backends.StringVar(&c.DNSServer, "dns-server", c.DNSServer, "DNS server host:port, overriding the resolv.conf nameservers")
+	backends.DurationVar(&c.DNSInterval, "dns-interval", c.DNSInterval, "re-resolve Services this often (sooner when record TTLs are shorter)")
+	backends.StringVar(&c.Policy, "policy", c.Policy, "routing policy: "+strings.Join(routing.PolicyNames(routing.Policies()), ", "))
+	backends.IntVar(&c.Retries, "retries", c.Retries, "times a request may be re-sent to another endpoint on connection failure or 429/502/503/504, before its first response byte")
 
-	health.fs.DurationVar(&c.HealthInterval, "health-interval", c.HealthInterval, "GET /health every endpoint this often (0: no probes)")
-	health.fs.DurationVar(&c.HealthTimeout, "health-timeout", c.HealthTimeout, "timeout of one health probe")
-	health.fs.IntVar(&c.HealthFailThreshold, "health-fail-threshold", c.HealthFailThreshold, "consecutive failed probes that mark an endpoint down")
-	health.fs.IntVar(&c.HealthRiseThreshold, "health-rise-threshold", c.HealthRiseThreshold, "consecutive good probes that bring it back")
-	health.fs.IntVar(&c.EjectFailures, "eject-failures", c.EjectFailures, "consecutive request failures (connection errors, 5xx) that eject an endpoint (0: never)")
-	health.fs.DurationVar(&c.EjectCooldown, "eject-cooldown", c.EjectCooldown, "first ejection's length; doubles on repeat")
-	health.fs.DurationVar(&c.EjectMaxCooldown, "eject-max-cooldown", c.EjectMaxCooldown, "longest ejection")
-	health.fs.DurationVar(&c.ScrapeInterval, "scrape-interval", c.ScrapeInterval, "scrape every endpoint's /metrics this often for queue and KV usage (0: never)")
-	health.fs.DurationVar(&c.ScrapeTimeout, "scrape-timeout", c.ScrapeTimeout, "timeout of one scrape")
-	health.fs.DurationVar(&c.EndpointDrainLimit, "endpoint-drain-limit", c.EndpointDrainLimit, "an endpoint that left DNS is dropped once idle, or after this long")
+	health.DurationVar(&c.HealthInterval, "health-interval", c.HealthInterval, "GET /health every endpoint this often (0: no probes)")
+	health.DurationVar(&c.HealthTimeout, "health-timeout", c.HealthTimeout, "timeout of one health probe")
+	health.IntVar(&c.HealthFailThreshold, "health-fail-threshold", c.HealthFailThreshold, "consecutive failed probes that mark an endpoint down")
+	health.IntVar(&c.HealthRiseThreshold, "health-rise-threshold", c.HealthRiseThreshold, "consecutive good probes that bring it back")
+	health.IntVar(&c.EjectFailures, "eject-failures", c.EjectFailures, "consecutive request failures (connection errors, 5xx) that eject an endpoint (0: never)")
+	health.DurationVar(&c.EjectCooldown, "eject-cooldown", c.EjectCooldown, "first ejection's length; doubles on repeat")
+	health.DurationVar(&c.EjectMaxCooldown, "eject-max-cooldown", c.EjectMaxCooldown, "longest ejection")
+	health.DurationVar(&c.ScrapeInterval, "scrape-interval", c.ScrapeInterval, "scrape every endpoint's /metrics this often for queue and KV usage (0: never)")
+	health.DurationVar(&c.ScrapeTimeout, "scrape-timeout", c.ScrapeTimeout, "timeout of one scrape")
+	health.DurationVar(&c.EndpointDrainLimit, "endpoint-drain-limit", c.EndpointDrainLimit, "an endpoint that left DNS is dropped once idle, or after this long")
 
-	pfx.fs.IntVar(&c.PrefixBlockBytes, "prefix-block-bytes", c.PrefixBlockBytes, "bytes of the canonical prompt rendering per hashed block (1 KiB ≈ 256 tokens)")
-	pfx.fs.IntVar(&c.PrefixMaxBlocks, "prefix-max-blocks", c.PrefixMaxBlocks, "blocks hashed per request; 256 × 1 KiB covers 256 KiB ≈ 64k tokens")
-	pfx.fs.IntVar(&c.PrefixCapacityBlocks, "prefix-capacity-blocks", c.PrefixCapacityBlocks, "index blocks remembered per endpoint: the engine's KV capacity in blocks (450k tokens / 256 for an 8B model on an H100)")
-	pfx.fs.IntVar(&c.PrefixMaxEntries, "prefix-max-entries", c.PrefixMaxEntries, "cap on (block, endpoint) entries of all endpoints together (≈ 56 bytes each)")
-	pfx.fs.DurationVar(&c.PrefixTTL, "prefix-ttl", c.PrefixTTL, "forget blocks nobody was routed to for this long (0: never)")
-	pfx.fs.Float64Var(&c.Prefix.PrefillTokensPerSec, "prefix-prefill-tokens-per-sec", c.Prefix.PrefillTokensPerSec, "an endpoint's prefill rate, turning uncached tokens into seconds of wait")
-	pfx.fs.Float64Var(&c.Prefix.DecodeCostSec, "prefix-decode-cost", c.Prefix.DecodeCostSec, "seconds of wait one in-flight request adds to a new request's first token")
-	pfx.fs.Float64Var(&c.Prefix.SpillMarginSec, "prefix-spill-margin", c.Prefix.SpillMarginSec, "seconds the warm endpoint's wait may exceed the best alternative's before the request spills")
-	pfx.fs.Float64Var(&c.Prefix.SpillRatio, "prefix-spill-ratio", c.Prefix.SpillRatio, "the warm endpoint keeps a request while its wait is at most this × the best wait + the spill margin")
-	pfx.fs.Float64Var(&c.Prefix.SpillMaxKVUsage, "prefix-spill-max-kv-usage", c.Prefix.SpillMaxKVUsage, "an endpoint takes spills only while its scraped KV usage is below this (a fuller cache would evict the prefixes homed there)")
-	pfx.fs.IntVar(&c.Prefix.MinMatchBlocks, "prefix-min-match-blocks", c.Prefix.MinMatchBlocks, "least matched blocks that make an endpoint warm (a short shared system prompt must not pin the fleet)")
-	pfx.fs.Float64Var(&c.Prefix.TieSec, "prefix-tie", c.Prefix.TieSec, "waits closer than this are ties, broken by rendezvous hashing")
-	pfx.fs.Float64Var(&c.Prefix.QueueCostSec, "prefix-queue-cost", c.Prefix.QueueCostSec, "seconds of wait per request queued in the engine (scraped)")
-	pfx.fs.Float64Var(&c.Prefix.KVCostSec, "prefix-kv-cost", c.Prefix.KVCostSec, "seconds of wait at a full KV cache (scraped usage 1.0), linear in usage")
-	pfx.fs.Float64Var(&c.Prefix.HomeLoadFactor, "prefix-home-load-factor", c.Prefix.HomeLoadFactor, "no endpoint homes more than this × the mean number of recurring prefixes (a prefix is homed on its rendezvous winner unless that endpoint is full)")
+	pfx.IntVar(&c.PrefixBlockBytes, "prefix-block-bytes", c.PrefixBlockBytes, "bytes of the canonical prompt rendering per hashed block (1 KiB ≈ 256 tokens)")
+	pfx.IntVar(&c.PrefixMaxBlocks, "prefix-max-blocks", c.PrefixMaxBlocks, "blocks hashed per request; 256 × 1 KiB covers 256 KiB ≈ 64k tokens")
+	pfx.IntVar(&c.PrefixCapacityBlocks, "prefix-capacity-blocks", c.PrefixCapacityBlocks, "index blocks remembered per endpoint: the engine's KV capacity in blocks (450k tokens / 256 for an 8B model on an H100)")
+	pfx.IntVar(&c.PrefixMaxEntries, "prefix-max-entries", c.PrefixMaxEntries, "cap on (block, endpoint) entries of all endpoints together (≈ 56 bytes each)")
+	pfx.DurationVar(&c.PrefixTTL, "prefix-ttl", c.PrefixTTL, "forget blocks nobody was routed to for this long (0: never)")
+	pfx.Float64Var(&c.Prefix.PrefillTokensPerSec, "prefix-prefill-tokens-per-sec", c.Prefix.PrefillTokensPerSec, "an endpoint's prefill rate, turning uncached tokens into seconds of wait")
+	pfx.Float64Var(&c.Prefix.DecodeCostSec, "prefix-decode-cost", c.Prefix.DecodeCostSec, "seconds of wait one in-flight request adds to a new request's first token")
+	pfx.Float64Var(&c.Prefix.SpillMarginSec, "prefix-spill-margin", c.Prefix.SpillMarginSec, "seconds the warm endpoint's wait may exceed the best alternative's before the request spills")
+	pfx.Float64Var(&c.Prefix.SpillRatio, "prefix-spill-ratio", c.Prefix.SpillRatio, "the warm endpoint keeps a request while its wait is at most this × the best wait + the spill margin")
+	pfx.Float64Var(&c.Prefix.SpillMaxKVUsage, "prefix-spill-max-kv-usage", c.Prefix.SpillMaxKVUsage, "an endpoint takes spills only while its scraped KV usage is below this (a fuller cache would evict the prefixes homed there)")
+	pfx.IntVar(&c.Prefix.MinMatchBlocks, "prefix-min-match-blocks", c.Prefix.MinMatchBlocks, "least matched blocks that make an endpoint warm (a short shared system prompt must not pin the fleet)")
+	pfx.Float64Var(&c.Prefix.TieSec, "prefix-tie", c.Prefix.TieSec, "waits closer than this are ties, broken by rendezvous hashing")
+	pfx.Float64Var(&c.Prefix.QueueCostSec, "prefix-queue-cost", c.Prefix.QueueCostSec, "seconds of wait per request queued in the engine (scraped)")
+	pfx.Float64Var(&c.Prefix.KVCostSec, "prefix-kv-cost", c.Prefix.KVCostSec, "seconds of wait at a full KV cache (scraped usage 1.0), linear in usage")
+	pfx.Float64Var(&c.Prefix.HomeLoadFactor, "prefix-home-load-factor", c.Prefix.HomeLoadFactor, "no endpoint homes more than this × the mean number of recurring prefixes (a prefix is homed on its rendezvous winner unless that endpoint is full)")
 
-	upstream.fs.DurationVar(&c.ConnectTimeout, "connect-timeout", c.ConnectTimeout, "timeout for connecting to a model server")
-	upstream.fs.DurationVar(&c.ResponseHeaderTimeout, "response-header-timeout", c.ResponseHeaderTimeout, "timeout from sending a request to the first response byte (0: none); non-streaming requests answer only after generation")
-	upstream.fs.DurationVar(&c.StreamIdleTimeout, "stream-idle-timeout", c.StreamIdleTimeout, "longest gap between two chunks of a response body (0: none); there is never a total deadline on a stream")
-	upstream.fs.DurationVar(&c.UpstreamIdleTimeout, "upstream-idle-timeout", c.UpstreamIdleTimeout, "close idle upstream keep-alive connections after this; keep below the engine's keep-alive (uvicorn, hence vLLM and SGLang: 5s)")
-	upstream.fs.IntVar(&c.MaxConnsPerEndpoint, "max-conns-per-endpoint", c.MaxConnsPerEndpoint, "upstream connection cap per endpoint (each stream holds one)")
+	upstream.DurationVar(&c.ConnectTimeout, "connect-timeout", c.ConnectTimeout, "timeout for connecting to a model server")
+	upstream.DurationVar(&c.ResponseHeaderTimeout, "response-header-timeout", c.ResponseHeaderTimeout, "timeout from sending a request to the first response byte (0: none); non-streaming requests answer only after generation")
+	upstream.DurationVar(&c.StreamIdleTimeout, "stream-idle-timeout", c.StreamIdleTimeout, "longest gap between two chunks of a response body (0: none); there is never a total deadline on a stream")
+	upstream.DurationVar(&c.UpstreamIdleTimeout, "upstream-idle-timeout", c.UpstreamIdleTimeout, "close idle upstream keep-alive connections after this; keep below the engine's keep-alive (uvicorn, hence vLLM and SGLang: 5s)")
+	upstream.IntVar(&c.MaxConnsPerEndpoint, "max-conns-per-endpoint", c.MaxConnsPerEndpoint, "upstream connection cap per endpoint (each stream holds one)")
 
-	ops.fs.DurationVar(&c.DrainTimeout, "drain-timeout", c.DrainTimeout, "on SIGTERM, how long in-flight requests and streams may finish")
-	ops.fs.StringVar(&c.LogLevel, "log-level", c.LogLevel, "log level: debug, info, warn, error")
-	ops.fs.StringVar(&c.LogFormat, "log-format", c.LogFormat, "log format: json or console")
-	ops.fs.BoolVar(&c.AccessLog, "access-log", c.AccessLog, "log one line per request")
+	ops.DurationVar(&c.DrainTimeout, "drain-timeout", c.DrainTimeout, "on SIGTERM, how long in-flight requests and streams may finish")
+	ops.StringVar(&c.LogLevel, "log-level", c.LogLevel, "log level: debug, info, warn, error")
+	ops.StringVar(&c.LogFormat, "log-format", c.LogFormat, "log format: json or console")
+	ops.BoolVar(&c.AccessLog, "access-log", c.AccessLog, "log one line per request")
 
-	all := pflag.NewFlagSet("kvroute", pflag.ContinueOnError)
-	groups := []flagGroup{listen, backends, health, pfx, upstream, ops}
-	for _, gr := range groups {
-		all.AddFlagSet(gr.fs)
-	}
-	return all, groups
+	return f
 }
 
 // parseConfig reads flags from args and the environment (getenv).
 func parseConfig(args []string, getenv func(string) string, usage io.Writer) (*config, error) {
 	c := &config{Config: proxy.DefaultConfig(), Listen: ":8000", AdminListen: ":9090",
 		DrainTimeout: 30 * time.Second, LogLevel: "info", LogFormat: "json"}
-	fs, groups := newFlags(c)
-	fs.SetOutput(io.Discard)
-	fs.Usage = func() {}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, pflag.ErrHelp) {
-			writeUsage(usage, groups)
-		}
+	flags := newFlags(c)
+	if err := flags.Parse(args, usage); err != nil {
 		return nil, err
 	}
+	fs := flags.All()
 	var errs []error
 	fs.VisitAll(func(f *pflag.Flag) {
 		if f.Changed {
@@ -154,17 +137,7 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (*c
 			}
 		}
 	})
-	if fs.NArg() > 0 {
-		errs = append(errs, fmt.Errorf("unexpected arguments: %q", fs.Args()))
-	}
 	return c, errors.Join(errs...)
-}
-
-func writeUsage(w io.Writer, groups []flagGroup) {
-	fmt.Fprintf(w, "kvroute: a KV-cache-aware router for vLLM and SGLang.\n\nUsage: kvroute [flags]\n\nEvery flag may also be set as KVROUTE_<FLAG> in the environment, e.g. KVROUTE_BACKENDS.\n")
-	for _, g := range groups {
-		fmt.Fprintf(w, "\n%s:\n%s", g.title, g.fs.FlagUsages())
-	}
 }
 
 // Validate reports every problem of c at once.

@@ -72,7 +72,7 @@ func BenchmarkHopLatency(b *testing.B) {
 	} {
 		b.Run(size.name, func(b *testing.B) {
 			backend := instantBackend(b)
-			h := startProxy(b, routing.NewLeastRequest(nil), Options{MaxBodyBytes: 1 << 20}, backend)
+			h := startProxy(b, routing.NewLeastRequest(nil), Options{Limits: Limits{MaxBodyBytes: 1 << 20}}, backend)
 			direct := &fasthttp.HostClient{Addr: strings.TrimPrefix(backend, "http://"), MaxConns: 1}
 			via := &fasthttp.HostClient{Addr: strings.TrimPrefix(h.url, "http://"), MaxConns: 1}
 			req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()

@@ -460,7 +460,7 @@ func TestRetries(t *testing.T) {
 	const body = `{"model":"m","prompt":"hi"}`
 	t.Run("connection refused goes to another endpoint", func(t *testing.T) {
 		good, hits := echoBackend(t, "good")
-		h := startProxy(t, fixedOrder{}, Options{Retries: 2}, closedAddr(t), good.URL)
+		h := startProxy(t, fixedOrder{}, Options{Limits: Limits{Retries: 2}}, closedAddr(t), good.URL)
 		resp := post(t, h.url+"/v1/completions", body)
 		if e := decodeEcho(t, resp); resp.StatusCode != 200 || e.Backend != "good" || e.Body != body {
 			t.Fatalf("status %d from %q", resp.StatusCode, e.Backend)
@@ -473,7 +473,7 @@ func TestRetries(t *testing.T) {
 		t.Run(fmt.Sprintf("%d goes to another endpoint", code), func(t *testing.T) {
 			bad, badHits := statusBackend(t, code)
 			good, _ := echoBackend(t, "good")
-			h := startProxy(t, fixedOrder{}, Options{Retries: 1}, bad.URL, good.URL)
+			h := startProxy(t, fixedOrder{}, Options{Limits: Limits{Retries: 1}}, bad.URL, good.URL)
 			resp := post(t, h.url+"/v1/completions", body)
 			if e := decodeEcho(t, resp); e.Backend != "good" || badHits.Load() != 1 {
 				t.Fatalf("served by %q after %d bad hits", e.Backend, badHits.Load())
@@ -485,7 +485,7 @@ func TestRetries(t *testing.T) {
 		t.Run(fmt.Sprintf("%d is not retried", code), func(t *testing.T) {
 			bad, _ := statusBackend(t, code)
 			good, goodHits := echoBackend(t, "good")
-			h := startProxy(t, fixedOrder{}, Options{Retries: 2}, bad.URL, good.URL)
+			h := startProxy(t, fixedOrder{}, Options{Limits: Limits{Retries: 2}}, bad.URL, good.URL)
 			resp := post(t, h.url+"/v1/completions", body)
 			if got := readAll(t, resp); resp.StatusCode != code || !strings.Contains(got, "status") {
 				t.Fatalf("status %d body %q", resp.StatusCode, got)
@@ -498,14 +498,14 @@ func TestRetries(t *testing.T) {
 	t.Run("last attempt's status is passed through", func(t *testing.T) {
 		a, _ := statusBackend(t, 503)
 		b, _ := statusBackend(t, 503)
-		h := startProxy(t, fixedOrder{}, Options{Retries: 1}, a.URL, b.URL)
+		h := startProxy(t, fixedOrder{}, Options{Limits: Limits{Retries: 1}}, a.URL, b.URL)
 		resp := post(t, h.url+"/v1/completions", body)
 		if readAll(t, resp); resp.StatusCode != 503 {
 			t.Fatalf("status %d", resp.StatusCode)
 		}
 	})
 	t.Run("all endpoints refuse: 502 JSON", func(t *testing.T) {
-		h := startProxy(t, fixedOrder{}, Options{Retries: 3}, closedAddr(t), closedAddr(t))
+		h := startProxy(t, fixedOrder{}, Options{Limits: Limits{Retries: 3}}, closedAddr(t), closedAddr(t))
 		resp := post(t, h.url+"/v1/completions", body)
 		assertOpenAIError(t, resp, 502)
 		if h.inFlight() != 0 {
@@ -526,7 +526,7 @@ func TestRetries(t *testing.T) {
 		}))
 		t.Cleanup(broken.Close)
 		good, goodHits := echoBackend(t, "good")
-		h := startProxy(t, fixedOrder{}, Options{Retries: 2}, broken.URL, good.URL)
+		h := startProxy(t, fixedOrder{}, Options{Limits: Limits{Retries: 2}}, broken.URL, good.URL)
 		resp := post(t, h.url+"/v1/completions", `{"model":"m","prompt":"hi","stream":true}`)
 		got, err := io.ReadAll(resp.Body)
 		resp.Body.Close()
@@ -544,7 +544,7 @@ func TestRetries(t *testing.T) {
 			<-release
 		}))
 		t.Cleanup(func() { close(release); slow.Close() })
-		h := startProxy(t, nil, Options{ResponseHeaderTimeout: 50 * time.Millisecond}, slow.URL)
+		h := startProxy(t, nil, Options{Limits: Limits{ResponseHeaderTimeout: 50 * time.Millisecond}}, slow.URL)
 		resp := post(t, h.url+"/v1/completions", body)
 		assertOpenAIError(t, resp, 504)
 	})
@@ -574,7 +574,7 @@ func assertOpenAIError(t testing.TB, resp *http.Response, status int) {
 
 func TestBadRequests(t *testing.T) {
 	be, hits := echoBackend(t, "a")
-	h := startProxy(t, nil, Options{MaxBodyBytes: 4096}, be.URL)
+	h := startProxy(t, nil, Options{Limits: Limits{MaxBodyBytes: 4096}}, be.URL)
 	tests := []struct {
 		name, path, body string
 		status           int
@@ -611,7 +611,7 @@ func (panicOnRetry) Pick(r *routing.Request, set *discovery.Set) routing.Decisio
 
 func TestPanicReleasesInFlight(t *testing.T) {
 	bad, _ := statusBackend(t, 503)
-	h := startProxy(t, panicOnRetry{}, Options{Retries: 1}, bad.URL)
+	h := startProxy(t, panicOnRetry{}, Options{Limits: Limits{Retries: 1}}, bad.URL)
 	resp := post(t, h.url+"/v1/completions", `{"model":"m","prompt":"hi"}`)
 	assertOpenAIError(t, resp, 500)
 	if h.inFlight() != 0 {
@@ -657,7 +657,7 @@ func TestInFlightAlwaysReleased(t *testing.T) {
 	}
 	backends = append(backends, closedAddr(t))
 	policy := routing.NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1000}), 1024, routing.DefaultPrefixParams())
-	h := startProxy(t, policy, Options{Retries: 1}, backends...)
+	h := startProxy(t, policy, Options{Limits: Limits{Retries: 1}}, backends...)
 	prompts := make([]string, 8)
 	for i := range prompts {
 		prompts[i] = strings.Repeat(fmt.Sprintf("shared system prompt %d. ", i), 200)

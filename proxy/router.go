@@ -50,15 +50,8 @@ type Config struct {
 	ScrapeTimeout       time.Duration
 	EndpointDrainLimit  time.Duration
 
-	MaxBodyBytes          int
-	Retries               int
-	ConnectTimeout        time.Duration
-	ResponseHeaderTimeout time.Duration
-	StreamIdleTimeout     time.Duration
-	UpstreamIdleTimeout   time.Duration
-	ClientIdleTimeout     time.Duration
-	MaxConnsPerEndpoint   int
-	AccessLog             bool
+	Limits
+	AccessLog bool
 
 	PrefixBlockBytes     int
 	PrefixMaxBlocks      int
@@ -97,18 +90,21 @@ func DefaultConfig() Config {
 		ScrapeTimeout:       d.Scrape.Timeout,
 		EndpointDrainLimit:  d.DrainLimit,
 
-		MaxBodyBytes: 64 << 20,
-		Retries:      2,
-		// Dialing a pod on the cluster network takes milliseconds; 5 s
-		// covers a node under pressure without holding a request long on
-		// a dead address.
-		ConnectTimeout: 5 * time.Second,
-		// A non-streaming request answers only after the whole generation.
-		ResponseHeaderTimeout: 10 * time.Minute,
-		UpstreamIdleTimeout:   discovery.EngineIdleTimeout,
-		ClientIdleTimeout:     2 * time.Minute,
-		MaxConnsPerEndpoint:   4096,
-		AccessLog:             true,
+		Limits: Limits{
+			MaxBodyBytes: 64 << 20,
+			Retries:      2,
+			// Dialing a pod on the cluster network takes milliseconds; 5 s
+			// covers a node under pressure without holding a request long
+			// on a dead address.
+			ConnectTimeout: 5 * time.Second,
+			// A non-streaming request answers only after the whole
+			// generation.
+			ResponseHeaderTimeout: 10 * time.Minute,
+			UpstreamIdleTimeout:   discovery.EngineIdleTimeout,
+			ClientIdleTimeout:     2 * time.Minute,
+			MaxConnsPerEndpoint:   4096,
+		},
+		AccessLog: true,
 
 		// 1 KiB of rendering ≈ 256 tokens; 256 blocks cover ≈ 64k tokens.
 		PrefixBlockBytes: 1024,
@@ -242,14 +238,8 @@ func NewRouter(cfg Config, logger *zap.Logger) (*Router, error) {
 				InFlight: e.InFlight(), Requests: e.Requests(), Failures: e.Failures.Load()})
 		}
 	})
-	opt := Options{
-		Picker: pick, Pool: r.Pool, Metrics: m, Logger: logger, AccessLog: cfg.AccessLog,
-		BlockSize: cfg.PrefixBlockBytes, MaxBlocks: cfg.PrefixMaxBlocks,
-		MaxBodyBytes: cfg.MaxBodyBytes, Retries: cfg.Retries,
-		ConnectTimeout: cfg.ConnectTimeout, ResponseHeaderTimeout: cfg.ResponseHeaderTimeout,
-		StreamIdleTimeout: cfg.StreamIdleTimeout, UpstreamIdleTimeout: cfg.UpstreamIdleTimeout,
-		ClientIdleTimeout: cfg.ClientIdleTimeout, MaxConnsPerEndpoint: cfg.MaxConnsPerEndpoint,
-	}
+	opt := Options{Limits: cfg.Limits, Picker: pick, Pool: r.Pool, Metrics: m, Logger: logger,
+		AccessLog: cfg.AccessLog, BlockSize: cfg.PrefixBlockBytes, MaxBlocks: cfg.PrefixMaxBlocks}
 	if r.Prefix != nil {
 		opt.Learner = r.Prefix
 		metrics.RegisterIndex(r.Registry, func() metrics.IndexSample {

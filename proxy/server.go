@@ -47,16 +47,11 @@ var Classes = []string{
 	routing.KindEmbeddings:  routing.KindEmbeddings.String(),
 }
 
-// Options configure a Server. Zero durations mean "no limit", except
-// UpstreamIdleTimeout; zero sizes and UpstreamIdleTimeout take
+// Limits bound a Server's requests and upstream connections; Config and
+// Options share them. Zero durations mean "no limit", except
+// UpstreamIdleTimeout; in Options, zero sizes and UpstreamIdleTimeout take
 // DefaultConfig's values.
-type Options struct {
-	Picker  Picker
-	Pool    *discovery.Pool
-	Metrics *metrics.Metrics
-	Logger  *zap.Logger
-	// AccessLog writes one Info line per request to Logger.
-	AccessLog bool
+type Limits struct {
 	// MaxBodyBytes caps request bodies (413 beyond).
 	MaxBodyBytes int
 	// Retries is how many times a request may be re-sent to another
@@ -70,13 +65,24 @@ type Options struct {
 	// StreamIdleTimeout bounds the gap between two reads of a response body.
 	StreamIdleTimeout time.Duration
 	// UpstreamIdleTimeout closes idle upstream keep-alive connections
-	// (see DefaultConfig).
+	// (see discovery.EngineIdleTimeout).
 	UpstreamIdleTimeout time.Duration
 	// ClientIdleTimeout closes idle client keep-alive connections.
 	ClientIdleTimeout time.Duration
 	// MaxConnsPerEndpoint caps upstream connections per endpoint; every
 	// streaming request holds one for its whole life.
 	MaxConnsPerEndpoint int
+}
+
+// Options configure a Server.
+type Options struct {
+	Limits
+	Picker  Picker
+	Pool    *discovery.Pool
+	Metrics *metrics.Metrics
+	Logger  *zap.Logger
+	// AccessLog writes one Info line per request to Logger.
+	AccessLog bool
 	// BlockSize and MaxBlocks shape prefix hashing (bytes per block, cap).
 	BlockSize, MaxBlocks int
 	// Learner, when set, receives the engine's cached-token counts, read

@@ -35,6 +35,7 @@ import (
 	"github.com/kvroute/kvroute/bench/report"
 	"github.com/kvroute/kvroute/bench/scenario"
 	"github.com/kvroute/kvroute/bench/workload"
+	"github.com/kvroute/kvroute/proxy"
 )
 
 func main() {
@@ -95,78 +96,65 @@ type options struct {
 	cpuProfile string
 }
 
-type flagGroup struct {
-	title string
-	fs    *pflag.FlagSet
-}
-
-func newFlags(o *options) (*pflag.FlagSet, []flagGroup) {
-	g := func(title string) flagGroup {
-		fs := pflag.NewFlagSet(title, pflag.ContinueOnError)
-		fs.SortFlags = false
-		return flagGroup{title, fs}
-	}
+func newFlags(o *options) *proxy.Flags {
+	f := proxy.NewFlags("kvbench", usageHeader)
+	g := f.Group
 	sc, tgt, wl, ld, out := g("Scenarios (simulated fleet behind an in-process kvroute)"), g("Target (direct mode)"),
 		g("Workload (direct mode; lengths in tokens)"), g("Load (direct mode)"), g("Output and misc")
 
-	sc.fs.StringSliceVar(&o.scenarios, "scenario", nil, "scenarios to run: "+strings.Join(scenario.Names(), ", ")+", all of them, or demo (a short shared-prefix run of four policies); default shared-prefix without --base-url")
-	sc.fs.StringSliceVar(&o.policies, "policies", nil, "policies to compare (default all: "+strings.Join(policyNames(), ", ")+"; the demo its own four)")
-	sc.fs.BoolVar(&o.full, "full", false, "published sizes (SGLang/llm-d/vLLM presets) instead of the few-minute defaults")
-	sc.fs.IntVar(&o.pods, "pods", 0, "simulated pods per fleet (0: 8)")
-	sc.fs.Float64Var(&o.timeScale, "time-scale", 0, "simulated time runs this many times faster than real time (0: each scenario's; direct mode: the target kvsim's --time-scale, so latencies are reported in modelled time)")
-	sc.fs.StringVar(&o.out, "out", "bench/results", "directory for scenario results (one subdirectory per scenario)")
-	sc.fs.StringVar(&o.trace, "trace", "", "Mooncake JSONL trace for the trace scenario and --workload trace")
+	sc.StringSliceVar(&o.scenarios, "scenario", nil, "scenarios to run: "+strings.Join(scenario.Names(), ", ")+", all of them, or demo (a short shared-prefix run of four policies); default shared-prefix without --base-url")
+	sc.StringSliceVar(&o.policies, "policies", nil, "policies to compare (default all: "+strings.Join(policyNames(), ", ")+"; the demo its own four)")
+	sc.BoolVar(&o.full, "full", false, "published sizes (SGLang/llm-d/vLLM presets) instead of the few-minute defaults")
+	sc.IntVar(&o.pods, "pods", 0, "simulated pods per fleet (0: 8)")
+	sc.Float64Var(&o.timeScale, "time-scale", 0, "simulated time runs this many times faster than real time (0: each scenario's; direct mode: the target kvsim's --time-scale, so latencies are reported in modelled time)")
+	sc.StringVar(&o.out, "out", "bench/results", "directory for scenario results (one subdirectory per scenario)")
+	sc.StringVar(&o.trace, "trace", "", "Mooncake JSONL trace for the trace scenario and --workload trace")
 
-	tgt.fs.StringVar(&o.baseURL, "base-url", "", "OpenAI-compatible base URL to drive (kvroute, a pod, vLLM); selects direct mode")
-	tgt.fs.StringSliceVar(&o.podURLs, "pod-urls", nil, "engine base URLs whose /metrics give the prefix-cache hit rate (vllm:prefix_cache_hits/queries)")
-	tgt.fs.StringVar(&o.model, "model", "", "model name (default: the first of GET /v1/models)")
-	tgt.fs.StringVar(&o.api, "api", "completions", "completions or chat")
-	tgt.fs.DurationVar(&o.timeout, "timeout", 30*time.Minute, "limit per request, send to end of stream")
+	tgt.StringVar(&o.baseURL, "base-url", "", "OpenAI-compatible base URL to drive (kvroute, a pod, vLLM); selects direct mode")
+	tgt.StringSliceVar(&o.podURLs, "pod-urls", nil, "engine base URLs whose /metrics give the prefix-cache hit rate (vllm:prefix_cache_hits/queries)")
+	tgt.StringVar(&o.model, "model", "", "model name (default: the first of GET /v1/models)")
+	tgt.StringVar(&o.api, "api", "completions", "completions or chat")
+	tgt.DurationVar(&o.timeout, "timeout", 30*time.Minute, "limit per request, send to end of stream")
 
 	w := &o.workload
-	wl.fs.StringVar(&w.Kind, "workload", workload.KindSharedPrefix, "workload: "+strings.Join(workload.Kinds(), ", "))
-	wl.fs.IntVar(&w.Groups, "groups", 0, "shared-prefix: prefix groups (default 64)")
-	wl.fs.IntVar(&w.PromptsPerGroup, "prompts-per-group", 0, "shared-prefix: prompts per group (default 16)")
-	wl.fs.IntVar(&w.SystemTokens, "system-len", 0, "shared-prefix, hot-prefix: system prompt length (default 2048)")
-	wl.fs.IntVar(&w.QuestionTokens, "question-len", 0, "shared-prefix, hot-prefix: question length (default 128)")
-	wl.fs.IntVar(&w.OutputTokens, "output-len", 0, "shared-prefix, hot-prefix, random: output length (default 256; random 128)")
-	wl.fs.IntVar(&w.InputTokens, "input-len", 0, "random: prompt length (default 1024)")
-	wl.fs.IntVar(&w.Requests, "num-prompts", 0, "random, hot-prefix: distinct prompts (default 1024)")
-	wl.fs.IntVar(&w.Conversations, "conversations", 0, "multi-turn: conversations (default 64)")
-	wl.fs.IntVar(&w.PrefixTokens, "prefix-len", 0, "multi-turn: common prefix of all conversations (default 500)")
-	wl.fs.StringVar(&o.turns, "turns", "", "multi-turn: turns per conversation, min-max (default 12-18)")
-	wl.fs.StringVar(&o.userLen, "user-len", "", "multi-turn: user turn length, min-max (default 120-160)")
-	wl.fs.StringVar(&o.answerLen, "answer-len", "", "multi-turn: answer length, min-max (default 80-120)")
-	wl.fs.IntVar(&w.TraceLimit, "trace-limit", 0, "trace: replay only the first N requests (0: all)")
-	wl.fs.Float64Var(&w.TraceSpeedup, "trace-speedup", 1, "trace: divide timestamps by this")
-	wl.fs.IntVar(&w.TraceMaxInput, "trace-max-input", 0, "trace: cut longer prompts to this many tokens (0: no limit)")
-	wl.fs.IntVar(&w.TraceMaxOutput, "trace-max-output", 0, "trace: cap output lengths (0: no limit)")
+	wl.StringVar(&w.Kind, "workload", workload.KindSharedPrefix, "workload: "+strings.Join(workload.Kinds(), ", "))
+	wl.IntVar(&w.Groups, "groups", 0, "shared-prefix: prefix groups (default 64)")
+	wl.IntVar(&w.PromptsPerGroup, "prompts-per-group", 0, "shared-prefix: prompts per group (default 16)")
+	wl.IntVar(&w.SystemTokens, "system-len", 0, "shared-prefix, hot-prefix: system prompt length (default 2048)")
+	wl.IntVar(&w.QuestionTokens, "question-len", 0, "shared-prefix, hot-prefix: question length (default 128)")
+	wl.IntVar(&w.OutputTokens, "output-len", 0, "shared-prefix, hot-prefix, random: output length (default 256; random 128)")
+	wl.IntVar(&w.InputTokens, "input-len", 0, "random: prompt length (default 1024)")
+	wl.IntVar(&w.Requests, "num-prompts", 0, "random, hot-prefix: distinct prompts (default 1024)")
+	wl.IntVar(&w.Conversations, "conversations", 0, "multi-turn: conversations (default 64)")
+	wl.IntVar(&w.PrefixTokens, "prefix-len", 0, "multi-turn: common prefix of all conversations (default 500)")
+	wl.StringVar(&o.turns, "turns", "", "multi-turn: turns per conversation, min-max (default 12-18)")
+	wl.StringVar(&o.userLen, "user-len", "", "multi-turn: user turn length, min-max (default 120-160)")
+	wl.StringVar(&o.answerLen, "answer-len", "", "multi-turn: answer length, min-max (default 80-120)")
+	wl.IntVar(&w.TraceLimit, "trace-limit", 0, "trace: replay only the first N requests (0: all)")
+	wl.Float64Var(&w.TraceSpeedup, "trace-speedup", 1, "trace: divide timestamps by this")
+	wl.IntVar(&w.TraceMaxInput, "trace-max-input", 0, "trace: cut longer prompts to this many tokens (0: no limit)")
+	wl.IntVar(&w.TraceMaxOutput, "trace-max-output", 0, "trace: cap output lengths (0: no limit)")
 
-	ld.fs.StringVar(&o.arrival, "arrival", "poisson", "poisson (gamma with --burstiness), constant, closed (fixed concurrency) or trace (timestamps)")
-	ld.fs.StringVar(&o.rate, "rate", "inf", "requests/s of an open loop, or inf (everything at once)")
-	ld.fs.Float64Var(&o.load.Burstiness, "burstiness", 1, "gamma shape of the gaps: 1 Poisson, < 1 burstier")
-	ld.fs.IntVar(&o.load.Concurrency, "concurrency", 0, "closed loop: requests kept in flight")
-	ld.fs.IntVar(&o.load.MaxConcurrency, "max-concurrency", 0, "open loop: cap on requests in flight (0: none)")
-	ld.fs.StringVar(&o.stages, "stages", "", "rising-rate stages rate:requests,… (e.g. 4:200,8:200,16:200); each follows the last at once, its throughput measured over its own window")
-	ld.fs.IntVar(&o.load.Requests, "requests", 0, "requests to send (0: the workload once; single-turn workloads repeat)")
-	ld.fs.DurationVar(&o.duration, "duration", 0, "stop sending after this long (0: no limit)")
-	ld.fs.DurationVar(&o.sloTTFT, "slo-ttft", 0, "goodput objective on TTFT (0: none)")
-	ld.fs.DurationVar(&o.sloTPOT, "slo-tpot", 0, "goodput objective on TPOT")
-	ld.fs.DurationVar(&o.sloE2EL, "slo-e2el", 0, "goodput objective on E2E latency")
+	ld.StringVar(&o.arrival, "arrival", "poisson", "poisson (gamma with --burstiness), constant, closed (fixed concurrency) or trace (timestamps)")
+	ld.StringVar(&o.rate, "rate", "inf", "requests/s of an open loop, or inf (everything at once)")
+	ld.Float64Var(&o.load.Burstiness, "burstiness", 1, "gamma shape of the gaps: 1 Poisson, < 1 burstier")
+	ld.IntVar(&o.load.Concurrency, "concurrency", 0, "closed loop: requests kept in flight")
+	ld.IntVar(&o.load.MaxConcurrency, "max-concurrency", 0, "open loop: cap on requests in flight (0: none)")
+	ld.StringVar(&o.stages, "stages", "", "rising-rate stages rate:requests,… (e.g. 4:200,8:200,16:200); each follows the last at once, its throughput measured over its own window")
+	ld.IntVar(&o.load.Requests, "requests", 0, "requests to send (0: the workload once; single-turn workloads repeat)")
+	ld.DurationVar(&o.duration, "duration", 0, "stop sending after this long (0: no limit)")
+	ld.DurationVar(&o.sloTTFT, "slo-ttft", 0, "goodput objective on TTFT (0: none)")
+	ld.DurationVar(&o.sloTPOT, "slo-tpot", 0, "goodput objective on TPOT")
+	ld.DurationVar(&o.sloE2EL, "slo-e2el", 0, "goodput objective on E2E latency")
 
-	out.fs.Uint64Var(&o.seed, "seed", 1, "seed of workloads and arrivals")
-	out.fs.StringVar(&o.jsonOut, "json", "", "direct mode: write the result (summary, stages, engine, CPU) as JSON here")
-	out.fs.StringVar(&o.rawOut, "raw", "", "direct mode: write per-request records as JSON here")
-	out.fs.BoolVar(&o.quiet, "quiet", false, "no progress line even on a terminal")
-	out.fs.StringVar(&o.serve, "serve-instant", "", "serve the overhead scenario's instant backend on this address until interrupted (for wrk)")
-	out.fs.StringVar(&o.cpuProfile, "cpu-profile", "", "write a Go CPU profile of the whole run here")
+	out.Uint64Var(&o.seed, "seed", 1, "seed of workloads and arrivals")
+	out.StringVar(&o.jsonOut, "json", "", "direct mode: write the result (summary, stages, engine, CPU) as JSON here")
+	out.StringVar(&o.rawOut, "raw", "", "direct mode: write per-request records as JSON here")
+	out.BoolVar(&o.quiet, "quiet", false, "no progress line even on a terminal")
+	out.StringVar(&o.serve, "serve-instant", "", "serve the overhead scenario's instant backend on this address until interrupted (for wrk)")
+	out.StringVar(&o.cpuProfile, "cpu-profile", "", "write a Go CPU profile of the whole run here")
 
-	all := pflag.NewFlagSet("kvbench", pflag.ContinueOnError)
-	groups := []flagGroup{sc, tgt, wl, ld, out}
-	for _, gr := range groups {
-		all.AddFlagSet(gr.fs)
-	}
-	return all, groups
+	return f
 }
 
 func policyNames() []string {
@@ -177,33 +165,19 @@ func policyNames() []string {
 	return n
 }
 
-func writeUsage(w io.Writer, groups []flagGroup) {
-	fmt.Fprint(w, `kvbench: load generator and routing-policy benchmark for kvroute.
+const usageHeader = `kvbench: load generator and routing-policy benchmark for kvroute.
 
 Usage:
   kvbench [--scenario NAME,...] [--full]          simulated 8-pod fleet behind kvroute, one run per policy
   kvbench --base-url URL [--pod-urls URL,...] ...   drive any OpenAI-compatible server (kvroute, vLLM)
   kvbench --serve-instant 127.0.0.1:8200           the overhead scenario's instant backend, for wrk
-`)
-	for _, g := range groups {
-		fmt.Fprintf(w, "\n%s:\n%s", g.title, g.fs.FlagUsages())
-	}
-}
+`
 
 // run is kvbench's body: it parses args and runs the mode they select.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer, tty bool) error {
 	o := &options{}
-	fs, groups := newFlags(o)
-	fs.SetOutput(io.Discard)
-	fs.Usage = func() {}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, pflag.ErrHelp) {
-			writeUsage(stdout, groups)
-		}
+	if err := newFlags(o).Parse(args, stdout); err != nil {
 		return err
-	}
-	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments: %q", fs.Args())
 	}
 	if _, err := scenario.PrefixParams(); err != nil {
 		return err

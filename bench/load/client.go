@@ -18,6 +18,7 @@ import (
 	"github.com/valyala/fastjson"
 
 	"github.com/kvroute/kvroute/bench/workload"
+	"github.com/kvroute/kvroute/discovery"
 )
 
 // Error kinds of RequestResult.Err.
@@ -100,9 +101,8 @@ func newClient(baseURL string, api workload.API, timeout time.Duration) (*client
 		Dial:  c.conns.dial,
 		// Every stream holds a connection; never refuse one.
 		MaxConns: 1 << 20,
-		// Below uvicorn's (hence vLLM's) 5 s keep-alive, so an idle
-		// connection is never reused just as the server closes it.
-		MaxIdleConnDuration:    3 * time.Second,
+		// An idle connection is never reused just as vLLM closes it.
+		MaxIdleConnDuration:    discovery.EngineIdleTimeout,
 		ReadBufferSize:         16 << 10,
 		WriteBufferSize:        16 << 10,
 		DisablePathNormalizing: true,

@@ -3,6 +3,7 @@ package load
 import (
 	"math"
 	"reflect"
+	"sort"
 	"testing"
 )
 
@@ -207,4 +208,45 @@ func TestWindowRates(t *testing.T) {
 			}
 		})
 	}
+}
+
+// The engine-side view of a run: tests compare the client's TTFT with the
+// engines' histogram.
+
+// Sub returns h − before, bucket by bucket (same bounds assumed).
+func (h Histogram) Sub(before Histogram) Histogram {
+	out := Histogram{Bounds: h.Bounds, Cumulative: make([]float64, len(h.Cumulative)),
+		Count: h.Count - before.Count, Sum: h.Sum - before.Sum}
+	for i := range h.Cumulative {
+		out.Cumulative[i] = h.Cumulative[i]
+		if i < len(before.Cumulative) {
+			out.Cumulative[i] -= before.Cumulative[i]
+		}
+	}
+	return out
+}
+
+// Quantile estimates the q-quantile (0 ≤ q ≤ 1) as Prometheus's
+// histogram_quantile does: linear interpolation inside the bucket that
+// holds the rank, the lowest bucket starting at 0. It also returns that
+// bucket's bounds. NaN when empty or the rank falls in +Inf.
+func (h Histogram) Quantile(q float64) (v, lo, hi float64) {
+	if h.Count == 0 || len(h.Bounds) == 0 {
+		return math.NaN(), 0, 0
+	}
+	rank := q * h.Count
+	i := sort.Search(len(h.Cumulative), func(i int) bool { return h.Cumulative[i] >= rank })
+	if i == len(h.Bounds) {
+		return math.NaN(), h.Bounds[len(h.Bounds)-1], math.Inf(1)
+	}
+	hi = h.Bounds[i]
+	var below float64
+	if i > 0 {
+		lo, below = h.Bounds[i-1], h.Cumulative[i-1]
+	}
+	in := h.Cumulative[i] - below
+	if in == 0 {
+		return hi, lo, hi
+	}
+	return lo + (hi-lo)*(rank-below)/in, lo, hi
 }

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvroute/kvroute/bench/sim"
+	"github.com/kvroute/kvroute/prefix"
 )
 
 // Sentinel errors.
@@ -310,12 +311,9 @@ func mix(seed uint64, parts ...uint64) uint64 {
 	return x
 }
 
-func splitmix(x uint64) uint64 {
-	x += 0x9e3779b97f4a7c15
-	x = (x ^ x>>30) * 0xbf58476d1ce4e5b9
-	x = (x ^ x>>27) * 0x94d049bb133111eb
-	return x ^ x>>31
-}
+// splitmix is SplitMix64's step: the golden-ratio increment, then its
+// finaliser.
+func splitmix(x uint64) uint64 { return prefix.Mix64(x + 0x9e3779b97f4a7c15) }
 
 // sharedPrefix is SGLang's generated-shared-prefix dataset: groups system
 // prompts, perGroup questions each, prompt = system + "\n\n" + question,

@@ -79,6 +79,11 @@ type Endpoint struct {
 	// endpoint is first published; nil for endpoints published on a bare
 	// Pool (no passive ejection then).
 	owner *Fleet
+	// calib learns the endpoint's costs from its leases and scrapes, and
+	// costs is its latest snapshot; calib is set with owner, and nil when
+	// calibration is off or there is no owner.
+	calib *calibrator
+	costs atomic.Pointer[Costs]
 
 	// Active health: consecutive probe results, written by the one prober
 	// worker holding probing.
@@ -191,6 +196,11 @@ func (e *Endpoint) ReportFailure() {
 // on stale values. The result is immutable. One atomic load; safe for
 // concurrent use.
 func (e *Endpoint) Engine() *EngineStats { return e.fresh.Load() }
+
+// Costs returns the endpoint's learned serving costs, nil before the first
+// observation or without calibration. The result is immutable. One atomic
+// load; safe for concurrent use.
+func (e *Endpoint) Costs() *Costs { return e.costs.Load() }
 
 // SetEngine records st as the endpoint's latest engine metrics, fresh until
 // the scraper finds them older than its stale-after limit. The scraper calls

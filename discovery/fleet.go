@@ -37,6 +37,8 @@ type Options struct {
 	Passive PassiveConfig
 	// Scrape configures the engines' /metrics scraping.
 	Scrape ScrapeConfig
+	// Calibration configures the learning of every endpoint's Costs.
+	Calibration CalibrationConfig
 	// DrainLimit is the longest an endpoint that left the Set keeps
 	// draining with requests still in flight before it is dropped anyway
 	// (a stream that never ends must not keep a gone pod forever).
@@ -124,6 +126,7 @@ func New(o Options) (*Fleet, error) {
 	o.Health = o.Health.withDefaults()
 	o.Passive = o.Passive.withDefaults()
 	o.Scrape = o.Scrape.withDefaults()
+	o.Calibration = o.Calibration.withDefaults()
 	if o.DrainLimit == 0 {
 		o.DrainLimit = DefaultDrainLimit
 	}
@@ -229,6 +232,9 @@ func (f *Fleet) update(src *source, eps []*Endpoint) {
 	for _, e := range all {
 		if e.owner == nil { // never published: no reader yet
 			e.owner = f
+			if !f.o.Calibration.Disabled {
+				e.calib = newCalibrator(f.o.Calibration, &e.costs)
+			}
 		}
 	}
 	set := f.pool.publishLocked(all)

@@ -1,26 +1,43 @@
 package discovery
 
+import "time"
+
 // Lease is one request's claim on an endpoint. Acquire counts the request
 // in the endpoint's in-flight requests and its uncached prompt tokens in
 // the endpoint's pending prefill; FirstByte ends the prefill part (the
-// endpoint has computed the prompt); Release ends the claim. Every method
-// is idempotent, so a lease is released exactly once whatever the path
-// (retries, errors, panics, the client leaving mid-stream). A Lease is a
-// value owned by one goroutine at a time: pass it on with Take, which
-// leaves the giver's copy empty. The zero Lease holds nothing.
+// endpoint has computed the prompt); Release or Complete ends the claim.
+// Every method is idempotent, so a lease is released exactly once whatever
+// the path (retries, errors, panics, the client leaving mid-stream). A
+// Lease is a value owned by one goroutine at a time: pass it on with Take,
+// which leaves the giver's copy empty. The zero Lease holds nothing.
+//
+// A lease is also how the endpoint learns its costs (Costs): a streamed
+// response's first byte is a TTFT observation against the load found at
+// Acquire, and its completion a decode-time observation.
 type Lease struct {
 	e       *Endpoint
 	prefill int64 // pending-prefill tokens still counted; 0 after FirstByte
+	// At Acquire: the time, the request's own prefill tokens, and the
+	// endpoint's pending prefill and in-flight requests before it.
+	start              time.Time
+	own, ahead, before int64
+	// firstByte is when a streamed response's first byte came (zero: not
+	// yet, or not streamed).
+	firstByte time.Time
 }
 
 // Acquire claims e for one request that leaves prefillTokens of its prompt
 // for the endpoint to compute.
 func (e *Endpoint) Acquire(prefillTokens int) Lease {
 	p := int64(max(prefillTokens, 0))
-	e.inFlight.Add(1)
-	e.pendingPrefill.Add(p)
+	n := e.inFlight.Add(1)
+	ahead := e.pendingPrefill.Add(p) - p
 	e.requests.Add(1)
-	return Lease{e: e, prefill: p}
+	l := Lease{e: e, prefill: p, own: p, ahead: ahead, before: n - 1}
+	if e.calib != nil {
+		l.start = time.Now()
+	}
+	return l
 }
 
 // Endpoint returns the leased endpoint (nil for the zero Lease).
@@ -30,11 +47,20 @@ func (l *Lease) Endpoint() *Endpoint { return l.e }
 func (l *Lease) Held() bool { return l.e != nil }
 
 // FirstByte ends the lease's pending prefill: the endpoint answered, so the
-// prompt is computed. The request stays in flight.
-func (l *Lease) FirstByte() {
-	if l.e != nil && l.prefill != 0 {
-		l.e.pendingPrefill.Add(-l.prefill)
-		l.prefill = 0
+// prompt is computed. The request stays in flight. streamed tells whether
+// the response is a stream whose first byte is its first token (an SSE
+// response), which makes it a TTFT observation; a whole response's first
+// byte comes only after the generation.
+func (l *Lease) FirstByte(streamed bool) {
+	if l.e == nil || l.prefill < 0 {
+		return
+	}
+	l.e.pendingPrefill.Add(-l.prefill)
+	l.prefill = -1 // done
+	if c := l.e.calib; c != nil && streamed {
+		now := time.Now()
+		l.firstByte = now
+		c.observeTTFT(now.Sub(l.start), l.ahead+l.own, l.own, l.before)
 	}
 }
 
@@ -44,9 +70,22 @@ func (l *Lease) Release() {
 	if l.e == nil {
 		return
 	}
-	l.FirstByte()
+	if l.prefill > 0 {
+		l.e.pendingPrefill.Add(-l.prefill)
+	}
 	l.e.inFlight.Add(-1)
-	l.e = nil
+	*l = Lease{}
+}
+
+// Complete is Release for a response delivered in full: a streamed one
+// also tells the endpoint how long its generation took.
+func (l *Lease) Complete() {
+	if l.e != nil && !l.firstByte.IsZero() {
+		if c := l.e.calib; c != nil {
+			c.observeDecode(time.Since(l.firstByte))
+		}
+	}
+	l.Release()
 }
 
 // Take returns the lease and empties l: the new owner releases it.

@@ -124,6 +124,12 @@ type EngineStats struct {
 	// rate is ΔHits/ΔQueries.
 	PrefixQueries float64 `json:"prefix_queries_total"`
 	PrefixHits    float64 `json:"prefix_hits_total"`
+	// ITLSum and ITLCount are the engine's cumulative inter-token latency
+	// histogram (seconds, tokens): vllm:inter_token_latency_seconds, or
+	// vllm:time_per_output_token_seconds before it; SGLang's likewise. 0
+	// when not exported.
+	ITLSum   float64 `json:"inter_token_latency_seconds_sum,omitempty"`
+	ITLCount float64 `json:"inter_token_latency_seconds_count,omitempty"`
 	// StartTime is process_start_time_seconds (Unix seconds); 0 when absent.
 	StartTime float64 `json:"process_start_time_seconds,omitempty"`
 	// At is when the scrape completed.
@@ -161,14 +167,28 @@ const (
 	mSGLPrompt       = "sglang:prompt_tokens_total"
 	mSGLCached       = "sglang:cached_tokens_total"
 	mStartTime       = "process_start_time_seconds"
+	// Inter-token latency histograms, newest name first; their _sum and
+	// _count samples are read.
+	mVLLMITL    = "vllm:inter_token_latency_seconds"
+	mVLLMTPOT   = "vllm:time_per_output_token_seconds"
+	mSGLITL     = "sglang:inter_token_latency_seconds"
+	mSGLTPOT    = "sglang:time_per_output_token_seconds"
+	sumSuffix   = "_sum"
+	countSuffix = "_count"
 )
+
+// itlNames are the inter-token latency histograms of each engine, in order
+// of preference.
+var itlNames = map[string][]string{"vllm": {mVLLMITL, mVLLMTPOT}, "sglang": {mSGLITL, mSGLTPOT}}
 
 // wanted reports whether a sample line's metric name is one kvroute reads.
 func wanted(name []byte) bool {
 	switch string(name) {
 	case mVLLMRunning, mVLLMWaiting, mVLLMKVUsage, mVLLMGPUKVUsage, mVLLMCacheConfig,
 		mVLLMPrompt, mVLLMQueries, mVLLMHits,
-		mSGLRunning, mSGLWaiting, mSGLUsage, mSGLPrompt, mSGLCached, mStartTime:
+		mSGLRunning, mSGLWaiting, mSGLUsage, mSGLPrompt, mSGLCached, mStartTime,
+		mVLLMITL + sumSuffix, mVLLMITL + countSuffix, mVLLMTPOT + sumSuffix, mVLLMTPOT + countSuffix,
+		mSGLITL + sumSuffix, mSGLITL + countSuffix, mSGLTPOT + sumSuffix, mSGLTPOT + countSuffix:
 		return true
 	}
 	return false
@@ -272,6 +292,13 @@ func parseEngine(text, scratch []byte) (EngineStats, []byte, error) {
 		return s, scratch, ErrNoEngineMetrics
 	}
 	s.KVUsage = min(max(s.KVUsage, 0), 1)
+	for _, name := range itlNames[s.Engine] {
+		if c, n := sum(name + countSuffix); n > 0 {
+			s.ITLSum, _ = sum(name + sumSuffix)
+			s.ITLCount = c
+			break
+		}
+	}
 	if st, n := sum(mStartTime); n > 0 {
 		s.StartTime = st / float64(n)
 	}
@@ -388,6 +415,12 @@ func (w *scrapeWorker) scrape(ctx context.Context, e *Endpoint) {
 	}
 	st := &s
 	e.SetEngine(st)
+	if c := e.calib; c != nil {
+		if restarted {
+			c.restart()
+		}
+		c.observeEngine(s.ITLSum, s.ITLCount, s.ITLCount > 0, s.Running, s.Waiting)
+	}
 	if restarted {
 		f.m.restarts[r].Inc()
 		f.log.Info("engine restarted; forgetting its cache", zap.String("endpoint", e.URL))

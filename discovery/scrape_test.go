@@ -48,7 +48,8 @@ func TestParseEngine(t *testing.T) {
 			name: "vLLM V1, two DP engines",
 			text: func(t *testing.T) []byte { return readFixture(t, "vllm-v1-dp2.txt") },
 			want: EngineStats{Engine: "vllm", Running: 7, Waiting: 3, KVUsage: 0.5, KVCapacityTokens: 255200,
-				PromptTokens: 4600, PrefixQueries: 4000, PrefixHits: 2000, StartTime: 1.77775786492e+09},
+				PromptTokens: 4600, PrefixQueries: 4000, PrefixHits: 2000, StartTime: 1.77775786492e+09,
+				ITLSum: 20, ITLCount: 1600}, // summed over the engines: 12.5 ms a token
 		},
 		{
 			name: "vLLM V0, old KV name",
@@ -71,18 +72,21 @@ func TestParseEngine(t *testing.T) {
 			name: "shared: vLLM 0.19 full scrape",
 			text: func(t *testing.T) []byte { return sharedSample(t, "vllm-metrics.txt") },
 			want: EngineStats{Engine: "vllm", KVCapacityTokens: 16 * 7975, PromptTokens: 115898,
-				PrefixQueries: 115898, PrefixHits: 101440, StartTime: 1.77775786492e+09},
+				PrefixQueries: 115898, PrefixHits: 101440, StartTime: 1.77775786492e+09,
+				ITLSum: 412.552094290033, ITLCount: 17571}, // vllm:inter_token_latency_seconds
 		},
 		{
 			name: "shared: vLLM 0.9 full scrape",
 			text: func(t *testing.T) []byte { return sharedSample(t, "vllm-metrics-old.txt") },
-			want: EngineStats{Engine: "vllm", KVCapacityTokens: 16 * 2340, PromptTokens: 14},
+			want: EngineStats{Engine: "vllm", KVCapacityTokens: 16 * 2340, PromptTokens: 14,
+				ITLSum: 2.254702091217041, ITLCount: 106}, // vllm:time_per_output_token_seconds
 		},
 		{
 			name: "shared: SGLang doc sample",
 			text: func(t *testing.T) []byte { return sharedSample(t, "sglang-metrics.txt") },
 			want: EngineStats{Engine: "sglang", Running: 162, Waiting: 2826, KVUsage: 0.28,
-				PromptTokens: 8.128902e+06, PrefixQueries: 8.128902e+06},
+				PromptTokens: 8.128902e+06, PrefixQueries: 8.128902e+06,
+				ITLSum: 866964.5791549598, ITLCount: 7.400757e+06},
 		},
 		{
 			name:    "not an engine",

@@ -1,0 +1,323 @@
+package discovery
+
+import (
+	"math"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Costs are an endpoint's serving costs as kvroute has measured them: what
+// a routing policy needs to turn a load into a wait, learned per endpoint so
+// that no engine's speed is assumed. A Costs value is an immutable snapshot
+// (Endpoint.Costs); a zero field means "not measured yet".
+//
+// Sources. The router's own requests, through their leases: every streamed
+// response's time to first byte, against the prompt tokens left to compute
+// ahead of and including it and the requests in flight when it was sent,
+// fits TTFT ≈ fixed + tokens / prefill rate + in-flight × per-request cost
+// (a least-squares fit with forgetting, regularised toward the prior
+// prefill rate, robust to outliers); the time from first byte to the end of
+// a stream gives the decode time of a request. And the engine's /metrics,
+// when scraped: the mean inter-token latency over each scrape interval
+// (vLLM's vllm:inter_token_latency_seconds, before V1
+// vllm:time_per_output_token_seconds; SGLang's
+// sglang:time_per_output_token_seconds) gives the decode step, and the
+// number of running requests while others wait (vllm:num_requests_running
+// against vllm:num_requests_waiting) gives the batch limit, the engine's
+// max_num_seqs or the number of sequences its KV cache holds.
+type Costs struct {
+	// PrefillTokensPerSec is the rate at which the endpoint computes
+	// uncached prompt tokens, queue included: the slope of its TTFT in the
+	// tokens to compute. The prior (CalibrationConfig) until measured.
+	PrefillTokensPerSec float64 `json:"prefill_tokens_per_sec"`
+	// FixedSec is the part of a TTFT that no load explains: the network,
+	// request parsing, tokenisation, the first engine step.
+	FixedSec float64 `json:"fixed_sec"`
+	// InFlightSec is what one more request in flight adds to a TTFT
+	// (decode work sharing the steps that compute the prompt).
+	InFlightSec float64 `json:"ttft_per_in_flight_sec"`
+	// DecodeStepSec is the engine's mean inter-token latency (0: unknown).
+	DecodeStepSec float64 `json:"decode_step_sec"`
+	// DecodeSec is the mean time from a stream's first byte to its end: how
+	// long a request holds a place in the running batch (0: unknown).
+	DecodeSec float64 `json:"decode_sec"`
+	// PrefillTokens is the mean number of prompt tokens a request left to
+	// compute, as the policy estimated them (0: unknown).
+	PrefillTokens float64 `json:"prefill_tokens_per_request"`
+	// BatchLimit is the most requests the engine was seen running while
+	// others waited (0: never seen saturated).
+	BatchLimit int `json:"batch_limit"`
+	// Sample counts: TTFTs fitted, decode times, scrape intervals with
+	// tokens, and scrapes that showed a waiting queue.
+	TTFTSamples   int `json:"ttft_samples"`
+	DecodeSamples int `json:"decode_samples"`
+	StepSamples   int `json:"decode_step_samples"`
+	LimitSamples  int `json:"batch_limit_samples"`
+}
+
+// CalibrationConfig configures the learning of endpoints' Costs.
+type CalibrationConfig struct {
+	// Disabled turns learning off: Endpoint.Costs stays nil.
+	Disabled bool
+	// PrefillTokensPerSec is the prior prefill rate (the fit starts from
+	// it and is pulled toward it while samples are few). Default 20,000.
+	PrefillTokensPerSec float64
+	// Window is the number of samples after which an old one counts for
+	// 1/e as much as a new one. Default 500: a few minutes of traffic on
+	// one endpoint, short enough to follow an engine's change of speed.
+	Window int
+}
+
+// Defaults of CalibrationConfig.
+const (
+	DefaultPriorPrefillTokensPerSec = 20000
+	DefaultCalibrationWindow        = 500
+)
+
+func (c CalibrationConfig) withDefaults() CalibrationConfig {
+	c.PrefillTokensPerSec = orDefault(c.PrefillTokensPerSec, DefaultPriorPrefillTokensPerSec)
+	c.Window = orDefault(c.Window, DefaultCalibrationWindow)
+	return c
+}
+
+// Bounds of what learning may conclude, so that a burst of nonsense (a
+// paused process, a clock jump) cannot make an endpoint look infinitely
+// fast or slow: the prefill rate stays within a factor of rateBound of the
+// prior, the fixed latency below maxFixedSec.
+const (
+	rateBound   = 100.0
+	maxFixedSec = 10.0
+	// Outliers: a TTFT further than outlierScale × the running mean
+	// absolute residual from the fit is clipped to that distance, once
+	// warmupSamples samples have set the scale.
+	outlierScale  = 3.0
+	warmupSamples = 10
+	// Means of decode times, prefill tokens and decode steps move by this
+	// share of each new sample.
+	meanRate = 0.05
+	// limitWindow is how many saturated scrapes the batch limit is the
+	// maximum of.
+	limitWindow = 32
+)
+
+// Feature scales of the fit, so its matrix is well conditioned: tokens in
+// thousands, requests in tens.
+const (
+	tokenUnit    = 1000.0
+	inFlightUnit = 10.0
+)
+
+// calibrator learns one endpoint's Costs. Its methods are safe for
+// concurrent use; each publishes a new snapshot.
+type calibrator struct {
+	mu  sync.Mutex
+	cfg CalibrationConfig
+	out *atomic.Pointer[Costs] // where snapshots are published
+	fit regression
+	// Running means and their sample counts.
+	decodeSec, prefillTokens, stepSec float64
+	decodeN, prefillN, stepN          int
+	// The running counts of the last saturated scrapes, a ring.
+	limits [limitWindow]int
+	limitN int
+	// The inter-token latency histogram at the last scrape.
+	lastITLSum, lastITLCount float64
+	haveITL                  bool
+}
+
+func newCalibrator(cfg CalibrationConfig, out *atomic.Pointer[Costs]) *calibrator {
+	cfg = cfg.withDefaults()
+	c := &calibrator{cfg: cfg, out: out}
+	lambda := 1 - 1/float64(cfg.Window)
+	// Prior: no fixed latency, the prior prefill rate, no in-flight cost,
+	// each worth about one sample of typical magnitude (2k tokens, a few
+	// requests in flight): a handful of samples outweighs it.
+	c.fit.init([3]float64{0, tokenUnit / cfg.PrefillTokensPerSec, 0}, [3]float64{1, 4, 1}, lambda)
+	return c
+}
+
+// observeTTFT adds one streamed response: its time to first byte ttfb,
+// the prompt tokens left to compute ahead of and including it when it was
+// sent (tokens) and the requests in flight before it (inFlight).
+func (c *calibrator) observeTTFT(ttfb time.Duration, tokens, prefill, inFlight int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.prefillN++
+	c.prefillTokens = mean(c.prefillTokens, float64(prefill), c.prefillN)
+	// Past the batch limit a request also waits for a place in the batch,
+	// which the fit does not model: such samples would bias the rate.
+	if l := c.limit(); l == 0 || inFlight < int64(l) {
+		c.fit.add([3]float64{1, float64(tokens) / tokenUnit, float64(inFlight) / inFlightUnit}, ttfb.Seconds())
+	}
+	c.publish()
+}
+
+// observeDecode adds one stream's time from first byte to end.
+func (c *calibrator) observeDecode(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.decodeN++
+	c.decodeSec = mean(c.decodeSec, d.Seconds(), c.decodeN)
+	c.publish()
+}
+
+// observeEngine adds one scrape: the cumulative inter-token latency
+// histogram's sum and count (itlOK false when the engine exports none) and
+// the running and waiting requests.
+func (c *calibrator) observeEngine(itlSum, itlCount float64, itlOK bool, running, waiting int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if itlOK {
+		dSum, dCount := itlSum-c.lastITLSum, itlCount-c.lastITLCount
+		// A reset (engine restart) shows as counts going down: start over
+		// from this scrape.
+		if c.haveITL && dCount >= 1 && dSum >= 0 {
+			c.stepN++
+			c.stepSec = mean(c.stepSec, dSum/dCount, c.stepN)
+		}
+		c.lastITLSum, c.lastITLCount, c.haveITL = itlSum, itlCount, true
+	}
+	if waiting > 0 && running > 0 {
+		c.limits[c.limitN%limitWindow] = int(min(running, math.MaxInt32))
+		c.limitN++
+	}
+	c.publish()
+}
+
+// restart forgets what depends on the engine process: the histogram
+// baseline and the batch limit (a restarted engine may be configured
+// differently). The fitted speeds stay: the hardware did not change.
+func (c *calibrator) restart() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.haveITL, c.limitN = false, 0
+	c.publish()
+}
+
+// limit returns the batch limit: the largest running count of the last
+// limitWindow saturated scrapes (0: none).
+func (c *calibrator) limit() int {
+	l := 0
+	for i := range min(c.limitN, limitWindow) {
+		l = max(l, c.limits[i])
+	}
+	return l
+}
+
+// publish stores a new snapshot of the learned costs; c.mu is held, so
+// snapshots are published in order.
+func (c *calibrator) publish() {
+	th := c.fit.theta
+	lo, hi := tokenUnit/(c.cfg.PrefillTokensPerSec*rateBound), tokenUnit*rateBound/c.cfg.PrefillTokensPerSec
+	s := &Costs{
+		PrefillTokensPerSec: tokenUnit / min(max(th[1], lo), hi),
+		FixedSec:            min(max(th[0], 0), maxFixedSec),
+		InFlightSec:         max(th[2], 0) / inFlightUnit,
+		DecodeStepSec:       c.stepSec,
+		DecodeSec:           c.decodeSec,
+		PrefillTokens:       c.prefillTokens,
+		BatchLimit:          c.limit(),
+		TTFTSamples:         c.fit.n,
+		DecodeSamples:       c.decodeN,
+		StepSamples:         c.stepN,
+		LimitSamples:        min(c.limitN, limitWindow),
+	}
+	c.out.Store(s)
+}
+
+// mean folds x into the running mean m of n samples: the plain mean while
+// n is small, then an exponential average moving by meanRate.
+func mean(m, x float64, n int) float64 {
+	return m + (x-m)*max(1/float64(n), meanRate)
+}
+
+// regression is a least-squares fit of y ≈ θ·x over three features with
+// exponential forgetting (λ per sample), regularised toward a prior θ0 of
+// diagonal precision w that keeps its weight however many samples come:
+//
+//	A = λA + x xᵀ + (1−λ) diag(w),  b = λb + x y + (1−λ) w∘θ0,  θ = A⁻¹b
+//
+// Samples whose residual exceeds outlierScale × the running mean absolute
+// residual are clipped to that residual (Huber's estimator, in effect).
+type regression struct {
+	a      [3][3]float64
+	b      [3]float64
+	prior  [3]float64
+	w      [3]float64
+	lambda float64
+	theta  [3]float64
+	scale  float64 // running mean absolute residual
+	n      int
+}
+
+func (g *regression) init(prior, w [3]float64, lambda float64) {
+	g.prior, g.w, g.lambda, g.theta = prior, w, lambda, prior
+	for i := range 3 {
+		g.a[i][i] = w[i]
+		g.b[i] = w[i] * prior[i]
+	}
+}
+
+func (g *regression) add(x [3]float64, y float64) {
+	if math.IsNaN(y) || math.IsInf(y, 0) || y < 0 {
+		return
+	}
+	pred := g.theta[0]*x[0] + g.theta[1]*x[1] + g.theta[2]*x[2]
+	r := y - pred
+	if g.n >= warmupSamples {
+		lim := outlierScale * g.scale
+		r = min(max(r, -lim), lim)
+	}
+	if g.n == 0 {
+		g.scale = math.Abs(r)
+	} else {
+		g.scale += (math.Abs(r) - g.scale) * max(1/float64(g.n+1), meanRate)
+	}
+	y = pred + r
+	l := g.lambda
+	for i := range 3 {
+		for j := range 3 {
+			g.a[i][j] = l*g.a[i][j] + x[i]*x[j]
+		}
+		g.a[i][i] += (1 - l) * g.w[i]
+		g.b[i] = l*g.b[i] + x[i]*y + (1-l)*g.w[i]*g.prior[i]
+	}
+	if th, ok := solve3(g.a, g.b); ok {
+		g.theta = th
+	}
+	g.n++
+}
+
+// solve3 solves a x = b by Gaussian elimination with partial pivoting; ok
+// is false for a (numerically) singular a.
+func solve3(a [3][3]float64, b [3]float64) (x [3]float64, ok bool) {
+	for col := range 3 {
+		p := col
+		for r := col + 1; r < 3; r++ {
+			if math.Abs(a[r][col]) > math.Abs(a[p][col]) {
+				p = r
+			}
+		}
+		if math.Abs(a[p][col]) < 1e-12 {
+			return x, false
+		}
+		a[col], a[p] = a[p], a[col]
+		b[col], b[p] = b[p], b[col]
+		for r := col + 1; r < 3; r++ {
+			f := a[r][col] / a[col][col]
+			for k := col; k < 3; k++ {
+				a[r][k] -= f * a[col][k]
+			}
+			b[r] -= f * b[col]
+		}
+	}
+	for i := 2; i >= 0; i-- {
+		s := b[i]
+		for k := i + 1; k < 3; k++ {
+			s -= a[i][k] * x[k]
+		}
+		x[i] = s / a[i][i]
+	}
+	return x, true
+}

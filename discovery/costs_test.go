@@ -1,0 +1,179 @@
+package discovery
+
+import (
+	"math"
+	"math/rand/v2"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// engineTruth is a synthetic endpoint whose TTFT is known exactly.
+type engineTruth struct {
+	rate      float64 // prefill tokens/s
+	fixed     float64 // seconds
+	perFlight float64 // seconds per request in flight
+}
+
+func (e engineTruth) ttft(tokens, inFlight int64) float64 {
+	return e.fixed + float64(tokens)/e.rate + float64(inFlight)*e.perFlight
+}
+
+func newTestCalibrator(prior float64) (*calibrator, *atomic.Pointer[Costs]) {
+	out := new(atomic.Pointer[Costs])
+	return newCalibrator(CalibrationConfig{PrefillTokensPerSec: prior}, out), out
+}
+
+// feed sends n observations drawn like real traffic: prompts of varied
+// length, some cached, some queued behind others, 5% noise, and one in 20
+// a wild outlier (a paused process, a retried connection).
+func feed(c *calibrator, truth engineTruth, n int, rng *rand.Rand) {
+	for range n {
+		own := int64(rng.IntN(4096))
+		if rng.IntN(3) == 0 {
+			own = int64(rng.IntN(64)) // a cached prefix: a few tokens left
+		}
+		ahead := int64(0)
+		if rng.IntN(2) == 0 {
+			ahead = int64(rng.IntN(8192))
+		}
+		inFlight := int64(rng.IntN(12))
+		y := truth.ttft(ahead+own, inFlight) * (1 + 0.05*rng.NormFloat64())
+		if rng.IntN(20) == 0 {
+			y *= 10 + 20*rng.Float64()
+		}
+		c.observeTTFT(time.Duration(y*float64(time.Second)), ahead+own, own, inFlight)
+	}
+}
+
+// The fit recovers a known prefill rate from 300 noisy observations with
+// outliers, whatever the prior: an engine a tenth of the prior's speed,
+// one at the prior, one three times faster.
+func TestCalibrationLearnsThePrefillRate(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		truth engineTruth
+	}{
+		{name: "slow large model", truth: engineTruth{rate: 2000, fixed: 0.05, perFlight: 0.004}},
+		{name: "the prior's engine", truth: engineTruth{rate: 20000, fixed: 0.02, perFlight: 0.0003}},
+		{name: "fast small model", truth: engineTruth{rate: 60000, fixed: 0.008, perFlight: 0.0001}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, out := newTestCalibrator(20000)
+			feed(c, tc.truth, 300, rand.New(rand.NewPCG(1, 2)))
+			got := out.Load()
+			if rel := math.Abs(got.PrefillTokensPerSec-tc.truth.rate) / tc.truth.rate; rel > 0.1 {
+				t.Errorf("prefill rate %.0f tokens/s, truth %.0f (off by %.0f%%)", got.PrefillTokensPerSec, tc.truth.rate, 100*rel)
+			}
+			if math.Abs(got.FixedSec-tc.truth.fixed) > 0.02 {
+				t.Errorf("fixed %.3f s, truth %.3f s", got.FixedSec, tc.truth.fixed)
+			}
+			if got.TTFTSamples != 300 || got.PrefillTokens <= 0 {
+				t.Errorf("samples %d, mean prefill tokens %.0f", got.TTFTSamples, got.PrefillTokens)
+			}
+		})
+	}
+}
+
+// Before any sample there is nothing; a first sample moves the estimate
+// only part of the way from the prior; nonsense stays within the bounds.
+func TestCalibrationColdStartAndBounds(t *testing.T) {
+	c, out := newTestCalibrator(20000)
+	if out.Load() != nil {
+		t.Fatal("costs before any observation")
+	}
+	// One request of 2,000 tokens that took 2 s (1,000 tokens/s).
+	c.observeTTFT(2*time.Second, 2000, 2000, 0)
+	if r := out.Load().PrefillTokensPerSec; r <= 1000 || r >= 20000 {
+		t.Errorf("after one sample the rate is %.0f: it should lie between the sample's and the prior's", r)
+	}
+	for range 500 { // a paused process: every TTFT an hour
+		c.observeTTFT(time.Hour, 1000, 1000, 0)
+	}
+	got := out.Load()
+	if got.PrefillTokensPerSec < 20000/rateBound*0.999 || got.FixedSec > maxFixedSec {
+		t.Errorf("learning left its bounds: %+v", got)
+	}
+}
+
+// Requests sent past the batch limit also waited for a place in the batch:
+// their TTFTs do not enter the prefill fit.
+func TestCalibrationSkipsSamplesPastTheBatchLimit(t *testing.T) {
+	c, out := newTestCalibrator(20000)
+	c.observeEngine(0, 0, false, 8, 3) // 8 running while 3 wait: the limit is 8
+	truth := engineTruth{rate: 2000, fixed: 0.05}
+	feed(c, truth, 200, rand.New(rand.NewPCG(3, 4)))
+	before := *out.Load()
+	for range 100 { // queued behind a full batch: a minute each
+		c.observeTTFT(time.Minute, 100, 100, 20)
+	}
+	after := out.Load()
+	if after.BatchLimit != 8 || after.TTFTSamples != before.TTFTSamples {
+		t.Fatalf("limit %d, samples %d → %d", after.BatchLimit, before.TTFTSamples, after.TTFTSamples)
+	}
+	if after.PrefillTokensPerSec != before.PrefillTokensPerSec {
+		t.Errorf("the rate moved from %.0f to %.0f on samples past the limit", before.PrefillTokensPerSec, after.PrefillTokensPerSec)
+	}
+}
+
+// The decode step is the mean inter-token latency over each scrape
+// interval; a counter reset (engine restart) starts over without a bogus
+// sample, and a restart forgets the batch limit.
+func TestCalibrationFromEngineScrapes(t *testing.T) {
+	c, out := newTestCalibrator(20000)
+	c.observeEngine(10, 1000, true, 4, 0) // baseline only
+	if got := out.Load(); got.StepSamples != 0 || got.DecodeStepSec != 0 {
+		t.Fatalf("a first scrape is only a baseline: %+v", got)
+	}
+	c.observeEngine(10+0.02*500, 1500, true, 8, 2) // 500 tokens at 20 ms
+	c.observeEngine(20+0.03*500, 2000, true, 6, 1) // 500 tokens at 30 ms
+	got := out.Load()
+	if got.StepSamples != 2 || math.Abs(got.DecodeStepSec-0.025) > 1e-9 {
+		t.Errorf("decode step %.4f s over %d samples, want 0.025 over 2", got.DecodeStepSec, got.StepSamples)
+	}
+	if got.BatchLimit != 8 || got.LimitSamples != 2 {
+		t.Errorf("batch limit %d over %d samples, want 8 over 2", got.BatchLimit, got.LimitSamples)
+	}
+	c.restart()
+	c.observeEngine(1, 100, true, 3, 0) // counters restarted from zero
+	got = out.Load()
+	if got.StepSamples != 2 || got.BatchLimit != 0 {
+		t.Errorf("after a restart: %+v", got)
+	}
+	c.observeEngine(1+0.01*100, 200, true, 3, 0)
+	if got := out.Load(); got.StepSamples != 3 || got.DecodeStepSec >= 0.025 {
+		t.Errorf("no new sample after the restart: %+v", got)
+	}
+}
+
+// A lease feeds its endpoint's calibrator: a streamed first byte is a TTFT
+// sample, a completed stream a decode-time sample; a whole response's
+// first byte and a released (failed) stream are neither.
+func TestLeaseObservations(t *testing.T) {
+	e, err := NewEndpoint("http://10.0.0.1:8000", RoleMixed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.calib = newCalibrator(CalibrationConfig{}, &e.costs)
+	busy := e.Acquire(500) // ahead of the next one
+	l := e.Acquire(1000)
+	l.FirstByte(true)
+	l.Complete()
+	got := e.Costs()
+	if got == nil || got.TTFTSamples != 1 || got.DecodeSamples != 1 || got.PrefillTokens != 1000 {
+		t.Fatalf("after one stream: %+v", got)
+	}
+	whole := e.Acquire(10)
+	whole.FirstByte(false)
+	whole.Complete()
+	cut := e.Acquire(10)
+	cut.FirstByte(true)
+	cut.Release()
+	busy.Release()
+	if got := e.Costs(); got.TTFTSamples != 2 || got.DecodeSamples != 1 {
+		t.Errorf("want 2 TTFT samples (the cut stream's first byte counts) and 1 decode sample: %+v", got)
+	}
+	if e.InFlight() != 0 || e.PendingPrefill() != 0 {
+		t.Errorf("leases leaked: %d in flight, %d pending", e.InFlight(), e.PendingPrefill())
+	}
+}

@@ -11,6 +11,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -91,14 +92,15 @@ func newFlags(c *config) *proxy.Flags {
 	pfx.IntVar(&c.PrefixCapacityBlocks, "prefix-capacity-blocks", c.PrefixCapacityBlocks, "index blocks remembered per endpoint: the engine's KV capacity in blocks (450k tokens / 256 for an 8B model on an H100)")
 	pfx.IntVar(&c.PrefixMaxEntries, "prefix-max-entries", c.PrefixMaxEntries, "cap on (block, endpoint) entries of all endpoints together (≈ 56 bytes each)")
 	pfx.DurationVar(&c.PrefixTTL, "prefix-ttl", c.PrefixTTL, "forget blocks nobody was routed to for this long (0: never)")
-	pfx.Float64Var(&c.Prefix.PrefillTokensPerSec, "prefix-prefill-tokens-per-sec", c.Prefix.PrefillTokensPerSec, "an endpoint's prefill rate, turning uncached tokens into seconds of wait")
-	pfx.Float64Var(&c.Prefix.DecodeCostSec, "prefix-decode-cost", c.Prefix.DecodeCostSec, "seconds of wait one in-flight request adds to a new request's first token")
+	pfx.Float64Var(&c.Prefix.PrefillTokensPerSec, "prefix-prefill-tokens-per-sec", c.Prefix.PrefillTokensPerSec, "prior prefill rate of an endpoint, turning uncached tokens into seconds of wait (learned per endpoint; setting it pins it)")
+	pfx.Float64Var(&c.Prefix.DecodeCostSec, "prefix-decode-cost", c.Prefix.DecodeCostSec, "prior seconds of wait one in-flight request adds: one decode step (learned per endpoint from the engine's inter-token latency; setting it pins it)")
+	pfx.IntVar(&c.Prefix.BatchLimit, "prefix-batch-limit", c.Prefix.BatchLimit, "requests an endpoint runs at once, its max_num_seqs (0: learned per endpoint from the engine's running and waiting counts; setting it pins it)")
 	pfx.Float64Var(&c.Prefix.SpillMarginSec, "prefix-spill-margin", c.Prefix.SpillMarginSec, "seconds the warm endpoint's wait may exceed the best alternative's before the request spills")
 	pfx.Float64Var(&c.Prefix.SpillRatio, "prefix-spill-ratio", c.Prefix.SpillRatio, "the warm endpoint keeps a request while its wait is at most this × the best wait + the spill margin")
 	pfx.Float64Var(&c.Prefix.SpillMaxKVUsage, "prefix-spill-max-kv-usage", c.Prefix.SpillMaxKVUsage, "an endpoint takes spills only while its scraped KV usage is below this (a fuller cache would evict the prefixes homed there)")
 	pfx.IntVar(&c.Prefix.MinMatchBlocks, "prefix-min-match-blocks", c.Prefix.MinMatchBlocks, "least matched blocks that make an endpoint warm (a short shared system prompt must not pin the fleet)")
 	pfx.Float64Var(&c.Prefix.TieSec, "prefix-tie", c.Prefix.TieSec, "waits closer than this are ties, broken by rendezvous hashing")
-	pfx.Float64Var(&c.Prefix.QueueCostSec, "prefix-queue-cost", c.Prefix.QueueCostSec, "seconds of wait per request queued in the engine (scraped)")
+	pfx.Float64Var(&c.Prefix.QueueCostSec, "prefix-queue-cost", c.Prefix.QueueCostSec, "prior seconds of wait per request queued in the engine, scraped (learned per endpoint as its mean prefill time or batch turnover; setting it pins it)")
 	pfx.Float64Var(&c.Prefix.KVCostSec, "prefix-kv-cost", c.Prefix.KVCostSec, "seconds of wait at a full KV cache (scraped usage 1.0), linear in usage")
 	pfx.Float64Var(&c.Prefix.HomeLoadFactor, "prefix-home-load-factor", c.Prefix.HomeLoadFactor, "no endpoint homes more than this × the mean number of recurring prefixes (a prefix is homed on its rendezvous winner unless that endpoint is full)")
 
@@ -137,6 +139,16 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (*c
 			}
 		}
 	})
+	// A learned constant that the operator set is pinned: their value is
+	// the truth on every endpoint.
+	for flag, name := range map[string]string{"prefix-prefill-tokens-per-sec": routing.PinPrefillRate,
+		"prefix-decode-cost": routing.PinDecodeCost, "prefix-queue-cost": routing.PinQueueCost,
+		"prefix-batch-limit": routing.PinBatchLimit} {
+		if fs.Changed(flag) {
+			c.Prefix.Pinned = append(c.Prefix.Pinned, name)
+		}
+	}
+	slices.Sort(c.Prefix.Pinned)
 	return c, errors.Join(errs...)
 }
 

@@ -172,3 +172,23 @@ func TestRunRejectsBadConfig(t *testing.T) {
 		t.Fatalf("err = %v", err)
 	}
 }
+
+// A learned constant set by flag or environment is pinned; the others stay
+// learned.
+func TestSetConstantsArePinned(t *testing.T) {
+	c, err := parseConfig([]string{"--backends", "http://a:1", "--prefix-decode-cost", "0.02"}, func(k string) string {
+		if k == "KVROUTE_PREFIX_BATCH_LIMIT" {
+			return "8"
+		}
+		return ""
+	}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(c.Prefix.Pinned, ","); got != "batch_limit,decode_cost_sec" || c.Prefix.BatchLimit != 8 {
+		t.Errorf("pinned %q, batch limit %d", got, c.Prefix.BatchLimit)
+	}
+	if err := c.Validate(); err != nil {
+		t.Error(err)
+	}
+}

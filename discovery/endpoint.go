@@ -202,6 +202,11 @@ func (e *Endpoint) Engine() *EngineStats { return e.fresh.Load() }
 // load; safe for concurrent use.
 func (e *Endpoint) Costs() *Costs { return e.costs.Load() }
 
+// SetCosts replaces the endpoint's learned costs with c, for an embedder
+// with measurements of its own, and tests; the endpoint's calibration
+// replaces them again at its next observation.
+func (e *Endpoint) SetCosts(c *Costs) { e.costs.Store(c) }
+
 // SetEngine records st as the endpoint's latest engine metrics, fresh until
 // the scraper finds them older than its stale-after limit. The scraper calls
 // it; so may an embedder with its own metrics source, and tests.

@@ -34,6 +34,9 @@ type EndpointStatus struct {
 	DrainingSec float64 `json:"draining_sec,omitempty"`
 	// Engine is the latest successful scrape, fresh or not; nil if none.
 	Engine *EngineStatus `json:"engine,omitempty"`
+	// Learned is what calibration has measured of the endpoint; nil if
+	// nothing yet.
+	Learned *Costs `json:"learned,omitempty"`
 }
 
 // EngineStatus is the latest scrape of an endpoint with its age.
@@ -69,7 +72,7 @@ func (f *Fleet) status(e *Endpoint, now time.Time) EndpointStatus {
 		InFlight: e.InFlight(), InFlightPrefill: e.PendingPrefill(),
 		Requests: e.Requests(), Failures: e.Failures.Load(),
 		ProbeFailures: e.probeFails.Load(), ProbeSuccesses: e.probeOKs.Load(),
-		ConsecutiveFailures: e.passiveFails.Load(),
+		ConsecutiveFailures: e.passiveFails.Load(), Learned: e.Costs(),
 	}
 	f.ejectMu.Lock()
 	s.Ejections, s.CooldownSec = e.ejectLevel, e.cooldown.Seconds()

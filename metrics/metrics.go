@@ -28,6 +28,16 @@ type EndpointSample struct {
 	URL, Role          string
 	InFlight           int64
 	Requests, Failures uint64
+	// Costs are the endpoint's learned costs; nil before any observation.
+	Costs *CostsSample
+}
+
+// CostsSample is what an endpoint's calibration has learned (see
+// discovery.Costs); zero values are reported only once measured.
+type CostsSample struct {
+	PrefillTokensPerSec, FixedSec, DecodeStepSec, DecodeSec float64
+	BatchLimit                                              int
+	TTFTSamples, DecodeSamples, StepSamples, LimitSamples   int
 }
 
 // Metrics is the set of kvroute's collectors. Safe for concurrent use.
@@ -258,12 +268,27 @@ var (
 		"Requests dispatched to the endpoint (attempts, retries included).", []string{"endpoint", "role"}, nil)
 	descEndpointFailures = prometheus.NewDesc(Namespace+"_endpoint_failures_total",
 		"Failed attempts on the endpoint (connection errors, timeouts, 5xx).", []string{"endpoint", "role"}, nil)
+	descPrefillRate = prometheus.NewDesc(Namespace+"_endpoint_prefill_tokens_per_second",
+		"Learned prefill rate of the endpoint: the slope of its TTFT in the prompt tokens to compute.", []string{"endpoint", "role"}, nil)
+	descFixed = prometheus.NewDesc(Namespace+"_endpoint_ttft_fixed_seconds",
+		"Learned part of the endpoint's TTFT that no load explains (network, tokenisation, first step).", []string{"endpoint", "role"}, nil)
+	descDecodeStep = prometheus.NewDesc(Namespace+"_endpoint_decode_step_seconds",
+		"Learned decode step of the endpoint: its engine's mean inter-token latency.", []string{"endpoint", "role"}, nil)
+	descDecode = prometheus.NewDesc(Namespace+"_endpoint_decode_seconds",
+		"Learned mean time from a stream's first byte to its end on the endpoint.", []string{"endpoint", "role"}, nil)
+	descBatchLimit = prometheus.NewDesc(Namespace+"_endpoint_batch_limit",
+		"Learned batch limit of the endpoint: the most requests its engine ran while others waited.", []string{"endpoint", "role"}, nil)
+	descCalibrationSamples = prometheus.NewDesc(Namespace+"_endpoint_calibration_samples",
+		"Observations behind the endpoint's learned costs, by kind (ttft, decode, decode_step, batch_limit).", []string{"endpoint", "role", "kind"}, nil)
 )
 
 func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descEndpointInFlight
 	ch <- descEndpointRequests
 	ch <- descEndpointFailures
+	for _, d := range []*prometheus.Desc{descPrefillRate, descFixed, descDecodeStep, descDecode, descBatchLimit, descCalibrationSamples} {
+		ch <- d
+	}
 }
 
 func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
@@ -271,5 +296,19 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descEndpointInFlight, prometheus.GaugeValue, float64(s.InFlight), s.URL, s.Role)
 		ch <- prometheus.MustNewConstMetric(descEndpointRequests, prometheus.CounterValue, float64(s.Requests), s.URL, s.Role)
 		ch <- prometheus.MustNewConstMetric(descEndpointFailures, prometheus.CounterValue, float64(s.Failures), s.URL, s.Role)
+		if c := s.Costs; c != nil {
+			gauge := func(d *prometheus.Desc, v float64, labels ...string) {
+				ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, append([]string{s.URL, s.Role}, labels...)...)
+			}
+			gauge(descPrefillRate, c.PrefillTokensPerSec)
+			gauge(descFixed, c.FixedSec)
+			gauge(descDecodeStep, c.DecodeStepSec)
+			gauge(descDecode, c.DecodeSec)
+			gauge(descBatchLimit, float64(c.BatchLimit))
+			gauge(descCalibrationSamples, float64(c.TTFTSamples), "ttft")
+			gauge(descCalibrationSamples, float64(c.DecodeSamples), "decode")
+			gauge(descCalibrationSamples, float64(c.StepSamples), "decode_step")
+			gauge(descCalibrationSamples, float64(c.LimitSamples), "batch_limit")
+		}
 	})
 }

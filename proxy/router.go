@@ -234,8 +234,15 @@ func NewRouter(cfg Config, logger *zap.Logger) (*Router, error) {
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), fleet)
 	m := metrics.New(r.Registry, Classes, func(yield func(metrics.EndpointSample)) {
 		for _, e := range r.Pool.Load().Endpoints {
-			yield(metrics.EndpointSample{URL: e.URL, Role: e.Role.String(),
-				InFlight: e.InFlight(), Requests: e.Requests(), Failures: e.Failures.Load()})
+			s := metrics.EndpointSample{URL: e.URL, Role: e.Role.String(),
+				InFlight: e.InFlight(), Requests: e.Requests(), Failures: e.Failures.Load()}
+			if c := e.Costs(); c != nil {
+				s.Costs = &metrics.CostsSample{PrefillTokensPerSec: c.PrefillTokensPerSec, FixedSec: c.FixedSec,
+					DecodeStepSec: c.DecodeStepSec, DecodeSec: c.DecodeSec, BatchLimit: c.BatchLimit,
+					TTFTSamples: c.TTFTSamples, DecodeSamples: c.DecodeSamples, StepSamples: c.StepSamples,
+					LimitSamples: c.LimitSamples}
+			}
+			yield(s)
 		}
 	})
 	opt := Options{Limits: cfg.Limits, Picker: pick, Pool: r.Pool, Metrics: m, Logger: logger,
@@ -265,6 +272,8 @@ func newFleet(cfg *Config, logger *zap.Logger, pfx *routing.Prefix) (*discovery.
 			Cooldown: cfg.EjectCooldown, MaxCooldown: cfg.EjectMaxCooldown},
 		Scrape:     discovery.ScrapeConfig{Disabled: cfg.ScrapeInterval == 0, Interval: cfg.ScrapeInterval, Timeout: cfg.ScrapeTimeout},
 		DrainLimit: cfg.EndpointDrainLimit,
+		// The prefix policy's prefill rate is the calibration's prior.
+		Calibration: discovery.CalibrationConfig{PrefillTokensPerSec: cfg.Prefix.PrefillTokensPerSec},
 	}
 	if pfx != nil {
 		pfx.Follow(&o)

@@ -385,6 +385,9 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 		reqID: append(b.rec.reqID[:0], reqID...), method: append(b.rec.method[:0], ctx.Method()...),
 		path: append(b.rec.path[:0], ctx.Path()...), ep: d.Endpoint, decision: d, prefix: b.learn}
 
+	// A streamed answer's first byte is its first token: the lease makes
+	// it a TTFT observation of the endpoint's costs.
+	b.stream = resp.StatusCode() == fasthttp.StatusOK && isEventStream(resp)
 	rd := resp.BodyStream()
 	if rd == nil { // HEAD, 204, 304: no body
 		b.markFirstByte()
@@ -422,6 +425,7 @@ type upstreamBody struct {
 	cached      numScanner
 	prompt      numScanner
 	promptBytes int
+	stream      bool // a 200 SSE response
 	firstByte   bool
 	readErr     error
 }
@@ -449,7 +453,7 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 // the prompt, so the lease's pending prefill ends.
 func (b *upstreamBody) markFirstByte() {
 	b.firstByte = true
-	b.lease.FirstByte()
+	b.lease.FirstByte(b.stream)
 	b.s.opt.Metrics.FirstByte(b.rec.class, time.Since(b.rec.start).Seconds())
 }
 
@@ -461,7 +465,11 @@ func (b *upstreamBody) CloseWithError(err error) error {
 	s, ep := b.s, b.rec.ep
 	_ = b.resp.CloseBodyStream()
 	fasthttp.ReleaseResponse(b.resp)
-	b.lease.Release()
+	if err == nil && b.readErr == nil {
+		b.lease.Complete()
+	} else {
+		b.lease.Release()
+	}
 	switch {
 	case b.readErr != nil:
 		ep.ReportFailure()

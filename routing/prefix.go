@@ -22,126 +22,25 @@ const (
 	ReasonCold = "cold"
 )
 
-// PrefixParams are the prefix policy's tunables. They may be replaced at
-// run time (SetParams) without a restart. Times are in seconds of engine
-// time, so they hold whatever the engine's speed.
-type PrefixParams struct {
-	// PrefillTokensPerSec is an endpoint's prefill rate: 20,000 tokens/s
-	// for an 8B model on one H100 (16 GFLOP per token at about a third of
-	// its 989 bf16 TFLOPS). It turns prompt tokens
-	// still to compute into seconds.
-	PrefillTokensPerSec float64 `json:"prefill_tokens_per_sec"`
-	// DecodeCostSec is the cost of one more in-flight request on an
-	// endpoint. Each running sequence makes every decode step ≈ 0.12–0.23 ms
-	// longer (a 2k–4k-token context is 256–512 MiB of KV read per step at
-	// ≈ 2.2 TB/s of effective HBM bandwidth), so a new request both
-	// waits longer for its first token and slows every other stream by that
-	// much per output token — 30–60 ms over a 256-token answer. 10 ms
-	// weighs that against prefill seconds; measured on the shared-prefix
-	// and hot-prefix scenarios (1.5 ms kept hot prefixes on one pod too
-	// long).
-	DecodeCostSec float64 `json:"decode_cost_sec"`
-	// SpillMarginSec is how much longer the wait behind the warm endpoint
-	// may be than the best idle endpoint's (recompute included) before the
-	// request spills there. Larger is stickier: more hits, longer queues.
-	// 50 ms (with SpillRatio 1.25) met the hot-prefix TTFT target while
-	// keeping the shared-prefix hit rate; 100 ms and 1.5 did not.
-	SpillMarginSec float64 `json:"spill_margin_sec"`
-	// SpillRatio makes the margin grow with load: the warm endpoint keeps
-	// the request while its wait is at most SpillRatio × the best idle
-	// endpoint's wait + SpillMarginSec. Only idle endpoints (nothing
-	// queued: scraped num_requests_waiting 0, or without a fresh scrape
-	// less than SpillMarginSec of prefill pending) take spills, so when
-	// every endpoint queues nothing spills — a spill then only adds a
-	// recompute (the affinity collapse of routers that flip to least-load
-	// under load).
-	SpillRatio float64 `json:"spill_ratio"`
-	// SpillMaxKVUsage: a freshly scraped endpoint takes spills only while
-	// its engine's KV usage (blocks held by running requests) is below
-	// this. Above it, the spilled prompt is cached by evicting the prefixes
-	// homed there, so a saturated fleet would trade its hit rate for
-	// spills that only move the queue; on shared-prefix at 64 req/s,
-	// spilling regardless of usage kept 82% of prompts cached against 89%
-	// with 0.8, and 12.7k against 14.5k output tokens/s. An endpoint
-	// idle enough to be worth spilling to runs a few requests and sits
-	// far below 0.8.
-	SpillMaxKVUsage float64 `json:"spill_max_kv_usage"`
-	// MinMatchBlocks is the least match that makes an endpoint warm, so one
-	// short shared system prompt cannot pin the fleet to one endpoint. It
-	// is also the depth of the block that keys rendezvous hashing.
-	MinMatchBlocks int `json:"min_match_blocks"`
-	// TieSec: endpoints whose costs differ by less are tied; ties go to the
-	// rendezvous-hash winner, so replicas agree and prefixes spread.
-	TieSec float64 `json:"tie_sec"`
-	// QueueCostSec is the wait one request queued in the engine (scraped
-	// num_requests_waiting) adds: about one typical prefill, 2k tokens at
-	// 20k tokens/s. The engine's queue includes other routers' requests,
-	// which the in-flight counters cannot see.
-	QueueCostSec float64 `json:"queue_cost_sec"`
-	// KVCostSec is the wait added at a full KV cache (scraped usage 1.0),
-	// linearly: a full cache admits new prompts only as sequences finish and
-	// evicts cached prefixes to do so.
-	KVCostSec float64 `json:"kv_cost_sec"`
-	// HomeLoadFactor bounds how unevenly recurring prefixes are homed: no
-	// endpoint homes more than HomeLoadFactor × the mean (see homes). 1
-	// balances exactly and moves the most prefixes off their rendezvous
-	// winner; rendezvous alone is the limit of a large factor. 1.1 puts at
-	// most 9 of 64 prefixes on any of 8 endpoints, where rendezvous alone
-	// put 12 or 13 on one.
-	HomeLoadFactor float64 `json:"home_load_factor"`
-}
-
-// DefaultPrefixParams returns the documented defaults.
-func DefaultPrefixParams() PrefixParams {
-	return PrefixParams{
-		PrefillTokensPerSec: 20000,
-		DecodeCostSec:       0.01,
-		SpillMarginSec:      0.05,
-		SpillRatio:          1.25,
-		SpillMaxKVUsage:     0.8,
-		MinMatchBlocks:      2,
-		TieSec:              0.001,
-		QueueCostSec:        0.1,
-		KVCostSec:           0.05,
-		HomeLoadFactor:      1.1,
-	}
-}
-
-// Validate reports a parameter set that cannot be used.
-func (p PrefixParams) Validate() error {
-	switch {
-	case !(p.PrefillTokensPerSec > 0):
-		return errBadParam("prefill_tokens_per_sec must be positive")
-	case !(p.SpillRatio >= 1):
-		return errBadParam("spill_ratio must be at least 1")
-	case !(p.SpillMaxKVUsage > 0 && p.SpillMaxKVUsage <= 1):
-		return errBadParam("spill_max_kv_usage must be in (0, 1]")
-	case !(p.HomeLoadFactor >= 1):
-		return errBadParam("home_load_factor must be at least 1")
-	case p.DecodeCostSec < 0 || p.SpillMarginSec < 0 || p.TieSec < 0 || p.QueueCostSec < 0 || p.KVCostSec < 0:
-		return errBadParam("decode_cost_sec, spill_margin_sec, tie_sec, queue_cost_sec and kv_cost_sec must not be negative")
-	case p.MinMatchBlocks < 1:
-		return errBadParam("min_match_blocks must be at least 1")
-	}
-	return nil
-}
-
-type errBadParam string
-
-func (e errBadParam) Error() string { return "routing: " + string(e) }
-
 // Prefix is the prefix-aware, sticky-until-saturated policy. It estimates,
 // for every usable endpoint, how long this request would wait for its first
 // token there:
 //
-//	wait = max(in-flight prefill tokens / prefill rate, engine queue × queue cost)
+//	wait = fixed
+//	     + max(in-flight prefill tokens / prefill rate + slot wait, engine queue × queue cost)
 //	     + this request's uncached tokens / prefill rate
 //	     + max(in-flight requests, engine running + waiting) × decode cost
 //	     + engine KV usage × KV cost
+//	slot wait = max(0, in-flight requests − batch limit + 1) × decode time / batch limit
 //
 // where the engine terms count only when freshly scraped (else the
 // router's own counters stand alone), and the uncached tokens are the prompt
-// minus the prefix the index believes the endpoint holds.
+// minus the prefix the index believes the endpoint holds. The constants are
+// the endpoint's own (discovery.Costs): its prefill rate and fixed latency
+// fitted to its TTFTs, its decode cost the engine's inter-token latency, its
+// batch limit the most requests it ran while others waited, the queue cost
+// its mean prefill time or batch turnover; PrefixParams holds the priors
+// used until they are measured, and the values it pins.
 //
 // Every prefix key (the block at depth MinMatchBlocks) has a home (homes:
 // balanced rendezvous hashing over the recurring keys, the same in every
@@ -149,13 +48,16 @@ func (e errBadParam) Error() string { return "routing: " + string(e) }
 // blocks never moves a prefix. The target is the warm endpoint (deepest
 // useful match; the home while its wait is within the spill rule, among
 // equal matches and, for a recurring key, where the index shows the home
-// cold; then the lowest wait), or for a prefix warm nowhere its home. The
+// cold; then the lowest wait), or for a prefix warm nowhere its home (for a
+// key that does not recur, only while the home would start it about as
+// soon as the endpoint with the shortest wait). The
 // target keeps the request unless its wait in the router's own view (its
 // own in-flight requests and prefill) exceeds SpillRatio × the best idle
 // endpoint's wait + SpillMarginSec (an established home is tested without
 // the recompute, as if warm); then the request spills to that idle endpoint, whose cache
-// becomes warm too. Idle means nothing queued there in the router's view
-// and, when scraped, the engine's, with KV usage below SpillMaxKVUsage.
+// becomes warm too. Idle means nothing queued there and a free place in its
+// batch in the router's view and, when scraped, the engine's, with KV usage
+// below SpillMaxKVUsage.
 // Ties go to the rendezvous-hash winner. The pick is recorded in the index
 // at once, so a burst of same-prefix requests follows the first. Safe for
 // concurrent use.
@@ -325,9 +227,18 @@ type Term struct {
 	EngineWaiting    *int64   `json:"engine_waiting,omitempty"`
 	EngineRunning    *int64   `json:"engine_running,omitempty"`
 	EngineKVUsage    *float64 `json:"engine_kv_usage,omitempty"`
-	WaitSec          float64  `json:"wait_sec"`
-	Rendezvous       uint64   `json:"rendezvous"`
-	Skipped          string   `json:"skipped,omitempty"`
+	// The wait model's constants for this endpoint (learned, or the
+	// priors) and, when measured, what was learned with its sample counts.
+	PrefillTokensPerSec float64          `json:"prefill_tokens_per_sec"`
+	FixedSec            float64          `json:"fixed_sec"`
+	DecodeCostSec       float64          `json:"decode_cost_sec"`
+	QueueCostSec        float64          `json:"queue_cost_sec"`
+	SlotCostSec         float64          `json:"slot_cost_sec"`
+	BatchLimit          int64            `json:"batch_limit"`
+	Learned             *discovery.Costs `json:"learned,omitempty"`
+	WaitSec             float64          `json:"wait_sec"`
+	Rendezvous          uint64           `json:"rendezvous"`
+	Skipped             string           `json:"skipped,omitempty"`
 }
 
 // decide returns the decision; terms, when not nil, receives each
@@ -399,49 +310,11 @@ func matchedBlocks(matches []prefix.Match, id uint64) int {
 	return 0
 }
 
-// load is an endpoint's load at decision time, each counter read once.
-type load struct {
-	inFlight int64                  // this router's requests in flight
-	pending  int64                  // this router's prefill tokens not yet computed
-	eng      *discovery.EngineStats // the engine's own view; nil unless freshly scraped
-}
-
-func loadOf(e *discovery.Endpoint) load {
-	return load{inFlight: e.InFlight(), pending: e.PendingPrefill(), eng: e.Engine()}
-}
-
-// wait is the wait model of Prefix's doc comment: the seconds until a
-// request leaving uncached tokens to compute gets its first token on an
-// endpoint under load l. wait takes the larger of the router's and the
-// engine's view of each term; own is the router's view alone. idle
-// reports whether the endpoint may take spills: nothing queued there in
-// either view, and KV room in the engine's.
-func (p *PrefixParams) wait(l load, uncached int) (wait, own float64, idle bool) {
-	prefill := float64(uncached) / p.PrefillTokensPerSec
-	queue := float64(l.pending) / p.PrefillTokensPerSec
-	own = queue + prefill + float64(l.inFlight)*p.DecodeCostSec
-	// When every endpoint queues, a spill just adds a recompute.
-	idle = queue <= p.SpillMarginSec
-	eng := l.eng
-	if eng == nil {
-		return own, own, idle
-	}
-	// The engine also sees other routers' requests; the router's own
-	// counters are fresher (the scrape is up to an interval old, and the
-	// router's pending prefill shows the spills it sent since).
-	inFlight := max(l.inFlight, eng.Running+eng.Waiting)
-	queue = max(queue, float64(eng.Waiting)*p.QueueCostSec)
-	wait = queue + prefill + float64(inFlight)*p.DecodeCostSec + eng.KVUsage*p.KVCostSec
-	// A spilled prompt fills a nearly full cache by evicting the prefixes
-	// homed there, whose next requests then recompute.
-	idle = idle && eng.Waiting == 0 && eng.KVUsage < p.SpillMaxKVUsage
-	return wait, own, idle
-}
-
 // candidate is one endpoint's terms in a decision.
 type candidate struct {
 	e        *discovery.Endpoint
 	load     load
+	rates    rates
 	wait     float64 // the wait estimate
 	own      float64 // the wait from this router's own counters alone
 	idle     bool    // may take spills
@@ -459,7 +332,8 @@ func newCandidate(e *discovery.Endpoint, matched int, key uint64, promptTokens i
 		c.blocks = matched // a shorter match counts neither for warmth nor for cost
 	}
 	c.uncached = max(0, promptTokens-int(float64(c.blocks)*tokensPerBlock))
-	c.wait, c.own, c.idle = prm.wait(c.load, c.uncached)
+	c.rates = prm.ratesOf(c.load.costs)
+	c.wait, c.own, c.idle = prm.wait(c.load, c.rates, c.uncached)
 	return c
 }
 
@@ -467,7 +341,9 @@ func newCandidate(e *discovery.Endpoint, matched int, key uint64, promptTokens i
 func (c candidate) term() Term {
 	t := Term{Endpoint: c.e.URL, MatchedBlocks: c.blocks, Warm: c.warm, Idle: c.idle,
 		UncachedTokens: c.uncached, InFlightPrefill: c.load.pending, InFlightRequests: c.load.inFlight,
-		WaitSec: c.wait, Rendezvous: c.score}
+		WaitSec: c.wait, Rendezvous: c.score, Learned: c.load.costs,
+		PrefillTokensPerSec: c.rates.prefill, FixedSec: c.rates.fixed, DecodeCostSec: c.rates.decode,
+		QueueCostSec: c.rates.queue, SlotCostSec: c.rates.slot, BatchLimit: c.rates.limit}
 	if eng := c.load.eng; eng != nil {
 		t.EngineWaiting, t.EngineRunning, t.EngineKVUsage = &eng.Waiting, &eng.Running, &eng.KVUsage
 	}
@@ -486,6 +362,7 @@ func skippedTerm(r *Request, e *discovery.Endpoint) Term {
 type picks struct {
 	warm candidate // the deepest match, then the shortest wait
 	free candidate // the idle endpoint with the shortest wait (spill target)
+	best candidate // the endpoint with the shortest wait
 	home candidate // the candidate of the key's home
 	top  candidate // the plain rendezvous winner
 }
@@ -500,6 +377,9 @@ func (ch *picks) add(c candidate, home bool, tie float64) {
 	}
 	if c.idle && c.beats(ch.free, tie) {
 		ch.free = c
+	}
+	if c.beats(ch.best, tie) {
+		ch.best = c
 	}
 	if c.warm && (ch.warm.e == nil || c.blocks > ch.warm.blocks || c.blocks == ch.warm.blocks && c.beats(ch.warm, tie)) {
 		ch.warm = c
@@ -523,7 +403,7 @@ func (ch *picks) preferHome(established bool, prm *PrefixParams) candidate {
 		return warm
 	}
 	if h.blocks < warm.blocks {
-		saved := float64(h.uncached-warm.uncached) / prm.PrefillTokensPerSec
+		saved := float64(h.uncached-warm.uncached) / h.rates.prefill
 		h.wait, h.own = h.wait-saved, h.own-saved
 		h.blocks, h.uncached = warm.blocks, warm.uncached
 	}
@@ -546,14 +426,22 @@ func (ch *picks) preferHome(established bool, prm *PrefixParams) candidate {
 // that is. An established home leaves the request only when it is
 // saturated as a warm endpoint would be (its wait without the recompute):
 // the index forgetting is no evidence that the engine did, and another
-// router may keep the prefix there.
+// router may keep the prefix there. A prefix warm nowhere that does not
+// recur has nothing cached to keep: it goes home only while the home would
+// start it about as soon as the endpoint with the shortest wait, busy or
+// not (the spill rule against that endpoint), so that on engines with small
+// batches new prompts do not queue behind each other while others idle.
 func (ch *picks) target(established bool, prm *PrefixParams) (candidate, string) {
 	target, reason := ch.preferHome(established, prm), ReasonWarm
 	spillTest := target.own
 	if target.e == nil {
 		target, reason, spillTest = ch.home, ReasonCold, ch.home.own
-		if established {
-			spillTest -= float64(ch.home.uncached) / prm.PrefillTokensPerSec
+		if !established {
+			if ch.home.wait > ch.best.wait*prm.SpillRatio+prm.SpillMarginSec {
+				return ch.best, ReasonCold
+			}
+		} else {
+			spillTest -= float64(ch.home.uncached) / ch.home.rates.prefill
 		}
 	}
 	if ch.free.e != nil && spillTest > ch.free.wait*prm.SpillRatio+prm.SpillMarginSec {

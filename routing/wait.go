@@ -1,0 +1,85 @@
+package routing
+
+import "github.com/kvroute/kvroute/discovery"
+
+// load is an endpoint's load at decision time, each counter read once.
+type load struct {
+	inFlight int64                  // this router's requests in flight
+	pending  int64                  // this router's prefill tokens not yet computed
+	eng      *discovery.EngineStats // the engine's own view; nil unless freshly scraped
+	costs    *discovery.Costs       // the endpoint's learned costs; nil until measured
+}
+
+func loadOf(e *discovery.Endpoint) load {
+	return load{inFlight: e.InFlight(), pending: e.PendingPrefill(), eng: e.Engine(), costs: e.Costs()}
+}
+
+// rates are the wait model's constants for one endpoint: its learned costs
+// where measured and not pinned, else the parameters (the priors).
+type rates struct {
+	fixed   float64 // seconds of every TTFT that no load explains
+	prefill float64 // uncached prompt tokens computed per second
+	decode  float64 // seconds per request in flight
+	queue   float64 // seconds per request waiting in the engine
+	slot    float64 // seconds per request beyond the batch limit
+	limit   int64   // requests the engine runs at once; 0: unknown
+}
+
+// ratesOf returns the constants for an endpoint whose learned costs are c
+// (nil: none yet).
+func (p *PrefixParams) ratesOf(c *discovery.Costs) rates {
+	r := rates{prefill: p.PrefillTokensPerSec, decode: p.DecodeCostSec, queue: p.QueueCostSec, limit: int64(p.BatchLimit)}
+	if c == nil {
+		return r
+	}
+	if !p.pinned(PinPrefillRate) {
+		r.prefill, r.fixed = c.PrefillTokensPerSec, c.FixedSec
+	}
+	if !p.pinned(PinDecodeCost) && c.DecodeStepSec > 0 {
+		r.decode = c.DecodeStepSec
+	}
+	if !p.pinned(PinBatchLimit) && c.BatchLimit > 0 {
+		r.limit = int64(c.BatchLimit)
+	}
+	if r.limit > 0 && c.DecodeSec > 0 {
+		// A place in the batch frees up every decode time ÷ limit.
+		r.slot = c.DecodeSec / float64(r.limit)
+	}
+	if !p.pinned(PinQueueCost) && c.PrefillTokens > 0 {
+		r.queue = max(c.PrefillTokens/r.prefill, r.slot)
+	}
+	return r
+}
+
+// wait is the wait model of Prefix's doc comment: the seconds until a
+// request leaving uncached tokens to compute gets its first token on an
+// endpoint under load l with constants r. wait takes the larger of the
+// router's and the engine's view of each term; own is the router's view
+// alone. idle reports whether the endpoint may take spills: nothing queued
+// there in either view, a free place in its batch, and KV room in the
+// engine's view.
+func (p *PrefixParams) wait(l load, r rates, uncached int) (wait, own float64, idle bool) {
+	prefill := float64(uncached) / r.prefill
+	queue := float64(l.pending) / r.prefill
+	var slot float64
+	if r.limit > 0 && l.inFlight >= r.limit {
+		slot = float64(l.inFlight-r.limit+1) * r.slot
+	}
+	own = r.fixed + queue + slot + prefill + float64(l.inFlight)*r.decode
+	// When every endpoint queues, a spill just adds a recompute.
+	idle = queue <= p.SpillMarginSec && (r.limit == 0 || l.inFlight < r.limit)
+	eng := l.eng
+	if eng == nil {
+		return own, own, idle
+	}
+	// The engine also sees other routers' requests; the router's own
+	// counters are fresher (the scrape is up to an interval old, and the
+	// router's pending prefill shows the spills it sent since).
+	inFlight := max(l.inFlight, eng.Running+eng.Waiting)
+	queue = max(queue+slot, float64(eng.Waiting)*r.queue)
+	wait = r.fixed + queue + prefill + float64(inFlight)*r.decode + eng.KVUsage*p.KVCostSec
+	// A spilled prompt fills a nearly full cache by evicting the prefixes
+	// homed there, whose next requests then recompute.
+	idle = idle && eng.Waiting == 0 && eng.KVUsage < p.SpillMaxKVUsage
+	return wait, own, idle
+}

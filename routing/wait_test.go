@@ -1,0 +1,120 @@
+package routing
+
+import (
+	"testing"
+
+	"github.com/kvroute/kvroute/discovery"
+)
+
+// slowEngine is what calibration learns of a large model on small GPUs:
+// 1,000 prefill tokens/s, 30 ms decode steps, 4 sequences at a time, each
+// generating for 3 s.
+var slowEngine = discovery.Costs{PrefillTokensPerSec: 1000, FixedSec: 0.05, DecodeStepSec: 0.03,
+	DecodeSec: 3, PrefillTokens: 1500, BatchLimit: 4, TTFTSamples: 300, DecodeSamples: 300, StepSamples: 30, LimitSamples: 5}
+
+// Learned costs replace the priors, except where pinned.
+func TestLearnedRatesReplacePriors(t *testing.T) {
+	p := DefaultPrefixParams()
+	r := p.ratesOf(&slowEngine)
+	want := rates{fixed: 0.05, prefill: 1000, decode: 0.03, queue: 1.5, slot: 0.75, limit: 4}
+	if r != want {
+		t.Errorf("learned: %+v, want %+v", r, want)
+	}
+	if r := p.ratesOf(nil); r.prefill != p.PrefillTokensPerSec || r.decode != p.DecodeCostSec || r.limit != 0 || r.fixed != 0 {
+		t.Errorf("nothing learned yet: %+v", r)
+	}
+	p.BatchLimit = 16
+	p.Pinned = []string{PinPrefillRate, PinDecodeCost, PinQueueCost, PinBatchLimit}
+	if err := p.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	r = p.ratesOf(&slowEngine)
+	if r.prefill != p.PrefillTokensPerSec || r.decode != p.DecodeCostSec || r.queue != p.QueueCostSec || r.limit != 16 || r.fixed != 0 {
+		t.Errorf("pinned: %+v", r)
+	}
+	p.Pinned = []string{"magic"}
+	if p.Validate() == nil {
+		t.Error("an unknown pinned name was accepted")
+	}
+}
+
+// learnedSet is a set of n endpoints that calibration has measured as c.
+func learnedSet(t *testing.T, n int, c discovery.Costs) *discovery.Set {
+	set := testSet(t, n)
+	for _, e := range set.Endpoints {
+		cc := c
+		e.SetCosts(&cc)
+	}
+	return set
+}
+
+// On an engine that runs few sequences at once, a warm endpoint past its
+// batch limit makes requests wait for a place; they spill to an endpoint
+// with a free one, although the prior constants (20k tokens/s, no limit)
+// would have kept them waiting. With the limit pinned high, the same load
+// is no reason to leave.
+func TestBatchLimitMakesTheWarmEndpointSpill(t *testing.T) {
+	pinned := DefaultPrefixParams()
+	pinned.BatchLimit, pinned.Pinned = 256, []string{PinBatchLimit}
+	for _, tc := range []struct {
+		name   string
+		params PrefixParams
+		want   string
+	}{
+		{name: "learned limit of 4", params: DefaultPrefixParams(), want: ReasonSpill},
+		{name: "limit pinned at 256", params: pinned, want: ReasonWarm},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			set := learnedSet(t, 3, slowEngine)
+			p := newTestPrefix(tc.params)
+			sys := system(60, 8192)
+			warm := p.Pick(request(sys+"a"), set).Endpoint
+			defer occupy(warm, 10, 0)() // 10 running or waiting
+			d := p.Pick(request(sys+"b"), set)
+			if d.Reason != tc.want || (d.Endpoint == warm) != (tc.want == ReasonWarm) {
+				t.Fatalf("%+v, want %s", d, tc.want)
+			}
+		})
+	}
+}
+
+// homeOf returns the home the policy would give r's key, without counting
+// r as seen.
+func homeOf(t *testing.T, p *Prefix, r *Request, set *discovery.Set) string {
+	t.Helper()
+	_, terms := p.Explain(r, set)
+	for _, tm := range terms {
+		if tm.Home {
+			return tm.Endpoint
+		}
+	}
+	t.Fatal("no home")
+	return ""
+}
+
+// A prompt that shares nothing with earlier ones goes home while its home
+// has room, and where it starts soonest while its home is busy: nothing
+// cached is at stake.
+func TestColdPromptsAvoidABusyHome(t *testing.T) {
+	set := learnedSet(t, 4, slowEngine)
+	p := newTestPrefix(DefaultPrefixParams())
+	r := request(system(70, 8192) + "q")
+	busy := homeOf(t, p, r, set)
+	var other *Request
+	for i := 0; other == nil; i++ {
+		if o := request(system(80+i, 8192) + "q"); homeOf(t, p, o, set) != busy {
+			other = o
+		}
+	}
+	for _, e := range set.Endpoints {
+		if e.URL == busy {
+			defer occupy(e, 10, 3000)()
+		}
+	}
+	if d := p.Pick(r, set); d.Endpoint == nil || d.Endpoint.URL == busy || d.Reason != ReasonCold {
+		t.Errorf("a new prompt queued on its busy home: %+v", d)
+	}
+	if d := p.Pick(other, set); d.Endpoint == nil || !d.Home || d.Reason != ReasonCold {
+		t.Errorf("a new prompt left an idle home: %+v", d)
+	}
+}

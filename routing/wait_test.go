@@ -118,3 +118,35 @@ func TestColdPromptsAvoidABusyHome(t *testing.T) {
 		t.Errorf("a new prompt left an idle home: %+v", d)
 	}
 }
+
+// An endpoint measured twice as fast (twice the prefill rate, half the
+// decode step and decode time) takes about twice the requests when both
+// are needed: prompts that share nothing, held in flight, spread until
+// their waits are about equal (a new prompt stays home while its home's
+// wait is within the spill rule of the best: 1.25× + 50 ms, so the slow
+// endpoint keeps somewhat more than a third).
+func TestFasterEndpointTakesMoreLoad(t *testing.T) {
+	set := testSet(t, 2)
+	slow, fast := slowEngine, slowEngine
+	slow.BatchLimit, fast.BatchLimit = 64, 64
+	fast.PrefillTokensPerSec *= 2
+	fast.DecodeStepSec /= 2
+	fast.DecodeSec /= 2
+	set.Endpoints[0].SetCosts(&slow)
+	set.Endpoints[1].SetCosts(&fast)
+	p := newTestPrefix(DefaultPrefixParams())
+	var held []discovery.Lease
+	defer func() {
+		for i := range held {
+			held[i].Release()
+		}
+	}()
+	for i := range 60 {
+		_, l := dispatch(p, request(system(1000+i, 4096)), set)
+		held = append(held, l)
+	}
+	ns, nf := set.Endpoints[0].InFlight(), set.Endpoints[1].InFlight()
+	if ratio := float64(nf) / float64(ns); ratio < 1.5 || ratio > 2.5 {
+		t.Errorf("fast endpoint holds %d, slow %d (%.2f×), want about 2×", nf, ns, ratio)
+	}
+}

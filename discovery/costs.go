@@ -17,7 +17,10 @@ import (
 // ahead of and including it and the requests in flight when it was sent,
 // fits TTFT ≈ fixed + tokens / prefill rate + in-flight × per-request cost
 // (a least-squares fit with forgetting, regularised toward the prior
-// prefill rate, robust to outliers); the time from first byte to the end of
+// prefill rate, robust to outliers); the tokens are split into the
+// request's own, which the engine computes after everything ahead, and
+// those of the requests still before their first byte, some of which the
+// engine has already computed, so each has its own rate; the time from first byte to the end of
 // a stream gives the decode time of a request. And the engine's /metrics,
 // when scraped: the mean inter-token latency over each scrape interval
 // (vLLM's vllm:inter_token_latency_seconds, before V1
@@ -31,6 +34,11 @@ type Costs struct {
 	// uncached prompt tokens, queue included: the slope of its TTFT in the
 	// tokens to compute. The prior (CalibrationConfig) until measured.
 	PrefillTokensPerSec float64 `json:"prefill_tokens_per_sec"`
+	// PendingTokensPerSec is the rate at which the router's pending
+	// prefill ahead of a request drains, as that request's TTFT shows it:
+	// faster than the prefill rate, since part of what is pending is
+	// already computed when the request arrives.
+	PendingTokensPerSec float64 `json:"pending_tokens_per_sec"`
 	// FixedSec is the part of a TTFT that no load explains: the network,
 	// request parsing, tokenisation, the first engine step.
 	FixedSec float64 `json:"fixed_sec"`
@@ -130,25 +138,28 @@ func newCalibrator(cfg CalibrationConfig, out *atomic.Pointer[Costs]) *calibrato
 	cfg = cfg.withDefaults()
 	c := &calibrator{cfg: cfg, out: out}
 	lambda := 1 - 1/float64(cfg.Window)
-	// Prior: no fixed latency, the prior prefill rate, no in-flight cost,
-	// each worth about one sample of typical magnitude (2k tokens, a few
-	// requests in flight): a handful of samples outweighs it.
-	c.fit.init([3]float64{0, tokenUnit / cfg.PrefillTokensPerSec, 0}, [3]float64{1, 4, 1}, lambda)
+	// Prior: no fixed latency, the prior prefill rate for the request's
+	// own tokens and for those ahead of it, no in-flight cost, each worth
+	// about one sample of typical magnitude (2k tokens, a few requests in
+	// flight): a handful of samples outweighs it.
+	prior := tokenUnit / cfg.PrefillTokensPerSec
+	c.fit.init([features]float64{0, prior, prior, 0}, [features]float64{1, 4, 4, 1}, lambda)
 	return c
 }
 
 // observeTTFT adds one streamed response: its time to first byte ttfb,
-// the prompt tokens left to compute ahead of and including it when it was
-// sent (tokens) and the requests in flight before it (inFlight).
-func (c *calibrator) observeTTFT(ttfb time.Duration, tokens, prefill, inFlight int64) {
+// its own prompt tokens to compute (own), the router's pending prefill
+// tokens ahead of it when it was sent (ahead) and the requests in flight
+// before it (inFlight).
+func (c *calibrator) observeTTFT(ttfb time.Duration, own, ahead, inFlight int64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.prefillN++
-	c.prefillTokens = mean(c.prefillTokens, float64(prefill), c.prefillN)
+	c.prefillTokens = mean(c.prefillTokens, float64(own), c.prefillN)
 	// Past the batch limit a request also waits for a place in the batch,
 	// which the fit does not model: such samples would bias the rate.
 	if l := c.limit(); l == 0 || inFlight < int64(l) {
-		c.fit.add([3]float64{1, float64(tokens) / tokenUnit, float64(inFlight) / inFlightUnit}, ttfb.Seconds())
+		c.fit.add([features]float64{1, float64(own) / tokenUnit, float64(ahead) / tokenUnit, float64(inFlight) / inFlightUnit}, ttfb.Seconds())
 	}
 	c.publish()
 }
@@ -212,8 +223,9 @@ func (c *calibrator) publish() {
 	lo, hi := tokenUnit/(c.cfg.PrefillTokensPerSec*rateBound), tokenUnit*rateBound/c.cfg.PrefillTokensPerSec
 	s := &Costs{
 		PrefillTokensPerSec: tokenUnit / min(max(th[1], lo), hi),
+		PendingTokensPerSec: tokenUnit / min(max(th[2], lo), hi),
 		FixedSec:            min(max(th[0], 0), maxFixedSec),
-		InFlightSec:         max(th[2], 0) / inFlightUnit,
+		InFlightSec:         max(th[3], 0) / inFlightUnit,
 		DecodeStepSec:       c.stepSec,
 		DecodeSec:           c.decodeSec,
 		PrefillTokens:       c.prefillTokens,
@@ -232,7 +244,11 @@ func mean(m, x float64, n int) float64 {
 	return m + (x-m)*max(1/float64(n), meanRate)
 }
 
-// regression is a least-squares fit of y ≈ θ·x over three features with
+// features are the fit's: 1, the request's own tokens, the tokens ahead of
+// it, the requests in flight.
+const features = 4
+
+// regression is a least-squares fit of y ≈ θ·x over the features with
 // exponential forgetting (λ per sample), regularised toward a prior θ0 of
 // diagonal precision w that keeps its weight however many samples come:
 //
@@ -241,29 +257,32 @@ func mean(m, x float64, n int) float64 {
 // Samples whose residual exceeds outlierScale × the running mean absolute
 // residual are clipped to that residual (Huber's estimator, in effect).
 type regression struct {
-	a      [3][3]float64
-	b      [3]float64
-	prior  [3]float64
-	w      [3]float64
+	a      [features][features]float64
+	b      [features]float64
+	prior  [features]float64
+	w      [features]float64
 	lambda float64
-	theta  [3]float64
+	theta  [features]float64
 	scale  float64 // running mean absolute residual
 	n      int
 }
 
-func (g *regression) init(prior, w [3]float64, lambda float64) {
+func (g *regression) init(prior, w [features]float64, lambda float64) {
 	g.prior, g.w, g.lambda, g.theta = prior, w, lambda, prior
-	for i := range 3 {
+	for i := range features {
 		g.a[i][i] = w[i]
 		g.b[i] = w[i] * prior[i]
 	}
 }
 
-func (g *regression) add(x [3]float64, y float64) {
+func (g *regression) add(x [features]float64, y float64) {
 	if math.IsNaN(y) || math.IsInf(y, 0) || y < 0 {
 		return
 	}
-	pred := g.theta[0]*x[0] + g.theta[1]*x[1] + g.theta[2]*x[2]
+	var pred float64
+	for i := range features {
+		pred += g.theta[i] * x[i]
+	}
 	r := y - pred
 	if g.n >= warmupSamples {
 		lim := outlierScale * g.scale
@@ -276,25 +295,25 @@ func (g *regression) add(x [3]float64, y float64) {
 	}
 	y = pred + r
 	l := g.lambda
-	for i := range 3 {
-		for j := range 3 {
+	for i := range features {
+		for j := range features {
 			g.a[i][j] = l*g.a[i][j] + x[i]*x[j]
 		}
 		g.a[i][i] += (1 - l) * g.w[i]
 		g.b[i] = l*g.b[i] + x[i]*y + (1-l)*g.w[i]*g.prior[i]
 	}
-	if th, ok := solve3(g.a, g.b); ok {
+	if th, ok := solve(g.a, g.b); ok {
 		g.theta = th
 	}
 	g.n++
 }
 
-// solve3 solves a x = b by Gaussian elimination with partial pivoting; ok
+// solve solves a x = b by Gaussian elimination with partial pivoting; ok
 // is false for a (numerically) singular a.
-func solve3(a [3][3]float64, b [3]float64) (x [3]float64, ok bool) {
-	for col := range 3 {
+func solve(a [features][features]float64, b [features]float64) (x [features]float64, ok bool) {
+	for col := range features {
 		p := col
-		for r := col + 1; r < 3; r++ {
+		for r := col + 1; r < features; r++ {
 			if math.Abs(a[r][col]) > math.Abs(a[p][col]) {
 				p = r
 			}
@@ -304,17 +323,17 @@ func solve3(a [3][3]float64, b [3]float64) (x [3]float64, ok bool) {
 		}
 		a[col], a[p] = a[p], a[col]
 		b[col], b[p] = b[p], b[col]
-		for r := col + 1; r < 3; r++ {
+		for r := col + 1; r < features; r++ {
 			f := a[r][col] / a[col][col]
-			for k := col; k < 3; k++ {
+			for k := col; k < features; k++ {
 				a[r][k] -= f * a[col][k]
 			}
 			b[r] -= f * b[col]
 		}
 	}
-	for i := 2; i >= 0; i-- {
+	for i := features - 1; i >= 0; i-- {
 		s := b[i]
-		for k := i + 1; k < 3; k++ {
+		for k := i + 1; k < features; k++ {
 			s -= a[i][k] * x[k]
 		}
 		x[i] = s / a[i][i]

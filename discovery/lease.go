@@ -60,7 +60,7 @@ func (l *Lease) FirstByte(streamed bool) {
 	if c := l.e.calib; c != nil && streamed {
 		now := time.Now()
 		l.firstByte = now
-		c.observeTTFT(now.Sub(l.start), l.ahead+l.own, l.own, l.before)
+		c.observeTTFT(now.Sub(l.start), l.own, l.ahead, l.before)
 	}
 }
 

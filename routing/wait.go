@@ -19,6 +19,7 @@ func loadOf(e *discovery.Endpoint) load {
 type rates struct {
 	fixed   float64 // seconds of every TTFT that no load explains
 	prefill float64 // uncached prompt tokens computed per second
+	pending float64 // pending prefill tokens ahead drained per second
 	decode  float64 // seconds per request in flight
 	queue   float64 // seconds per request waiting in the engine
 	slot    float64 // seconds per request beyond the batch limit
@@ -28,12 +29,13 @@ type rates struct {
 // ratesOf returns the constants for an endpoint whose learned costs are c
 // (nil: none yet).
 func (p *PrefixParams) ratesOf(c *discovery.Costs) rates {
-	r := rates{prefill: p.PrefillTokensPerSec, decode: p.DecodeCostSec, queue: p.QueueCostSec, limit: int64(p.BatchLimit)}
+	r := rates{prefill: p.PrefillTokensPerSec, pending: p.PrefillTokensPerSec, decode: p.DecodeCostSec,
+		queue: p.QueueCostSec, limit: int64(p.BatchLimit)}
 	if c == nil {
 		return r
 	}
 	if !p.pinned(PinPrefillRate) {
-		r.prefill, r.fixed = c.PrefillTokensPerSec, c.FixedSec
+		r.prefill, r.pending, r.fixed = c.PrefillTokensPerSec, c.PendingTokensPerSec, c.FixedSec
 	}
 	if !p.pinned(PinDecodeCost) && c.DecodeStepSec > 0 {
 		r.decode = c.DecodeStepSec
@@ -60,7 +62,7 @@ func (p *PrefixParams) ratesOf(c *discovery.Costs) rates {
 // engine's view.
 func (p *PrefixParams) wait(l load, r rates, uncached int) (wait, own float64, idle bool) {
 	prefill := float64(uncached) / r.prefill
-	queue := float64(l.pending) / r.prefill
+	queue := float64(l.pending) / r.pending
 	var slot float64
 	if r.limit > 0 && l.inFlight >= r.limit {
 		slot = float64(l.inFlight-r.limit+1) * r.slot

@@ -9,14 +9,14 @@ import (
 // slowEngine is what calibration learns of a large model on small GPUs:
 // 1,000 prefill tokens/s, 30 ms decode steps, 4 sequences at a time, each
 // generating for 3 s.
-var slowEngine = discovery.Costs{PrefillTokensPerSec: 1000, FixedSec: 0.05, DecodeStepSec: 0.03,
+var slowEngine = discovery.Costs{PrefillTokensPerSec: 1000, PendingTokensPerSec: 1500, FixedSec: 0.05, DecodeStepSec: 0.03,
 	DecodeSec: 3, PrefillTokens: 1500, BatchLimit: 4, TTFTSamples: 300, DecodeSamples: 300, StepSamples: 30, LimitSamples: 5}
 
 // Learned costs replace the priors, except where pinned.
 func TestLearnedRatesReplacePriors(t *testing.T) {
 	p := DefaultPrefixParams()
 	r := p.ratesOf(&slowEngine)
-	want := rates{fixed: 0.05, prefill: 1000, decode: 0.03, queue: 1.5, slot: 0.75, limit: 4}
+	want := rates{fixed: 0.05, prefill: 1000, pending: 1500, decode: 0.03, queue: 1.5, slot: 0.75, limit: 4}
 	if r != want {
 		t.Errorf("learned: %+v, want %+v", r, want)
 	}
@@ -130,6 +130,7 @@ func TestFasterEndpointTakesMoreLoad(t *testing.T) {
 	slow, fast := slowEngine, slowEngine
 	slow.BatchLimit, fast.BatchLimit = 64, 64
 	fast.PrefillTokensPerSec *= 2
+	fast.PendingTokensPerSec *= 2
 	fast.DecodeStepSec /= 2
 	fast.DecodeSec /= 2
 	set.Endpoints[0].SetCosts(&slow)

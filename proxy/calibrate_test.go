@@ -1,0 +1,130 @@
+package proxy
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvroute/kvroute/bench/sim"
+	"github.com/kvroute/kvroute/discovery"
+)
+
+// startRouter runs the router main builds (NewRouter with cfg) on
+// 127.0.0.1:0 until the test ends and returns it with its base URL.
+func startRouter(t *testing.T, cfg Config) (*Router, string) {
+	t.Helper()
+	rt, err := NewRouter(cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- rt.Run(ctx, ln, nil, 5*time.Second) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("router: %v", err)
+		}
+	})
+	return rt, "http://" + ln.Addr().String()
+}
+
+// words is a vocabulary for prompts that share nothing.
+var words = strings.Fields("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike " +
+	"november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu")
+
+// streamPrompts sends n streamed completions of random, unshared prompts of
+// 100 to 4,000 words through url, conc at a time, reading each to its end.
+func streamPrompts(t *testing.T, url, model string, n, conc int) {
+	t.Helper()
+	rng := rand.New(rand.NewPCG(7, uint64(n)))
+	bodies := make(chan string, n)
+	for i := range n {
+		var b strings.Builder
+		fmt.Fprintf(&b, "request %d:", i)
+		for range 100 + rng.IntN(3900) {
+			b.WriteString(" " + words[rng.IntN(len(words))])
+		}
+		bodies <- fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2,"stream":true,"stream_options":{"include_usage":true}}`, model, b.String())
+	}
+	close(bodies)
+	var wg sync.WaitGroup
+	for range conc {
+		wg.Go(func() {
+			for body := range bodies {
+				resp, err := testClient.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				sc := bufio.NewScanner(resp.Body)
+				for sc.Scan() {
+				}
+				resp.Body.Close()
+				if resp.StatusCode != http.StatusOK {
+					t.Errorf("status %d", resp.StatusCode)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+}
+
+// Within 300 requests of a cold start, the router learns each engine's
+// prefill rate to within 25% from its own streams' times to first byte,
+// whatever the prior: here the prior (20k tokens/s) is the H100 pod's rate
+// in modelled time, and off by 10× and 100× for the others in wall time.
+// (The simulators run faster than real time; the router sees wall time,
+// so the truth is the configured rate × the time scale.)
+func TestRouterLearnsEachEnginesPrefillRate(t *testing.T) {
+	slow := sim.DefaultConfig()
+	slow.PrefillTokensPerSec, slow.MaxNumSeqs, slow.MemBandwidth = 2000, 8, 0.5e12 // ≈ 30 ms decode steps
+	slow.TimeScale = 20
+	fast := sim.DefaultConfig()
+	fast.TimeScale = 2
+	for _, tc := range []struct {
+		name string
+		cfg  sim.Config
+	}{
+		{name: "8B on an H100 at 2× speed", cfg: fast},
+		{name: "2k tokens/s engine at 20× speed", cfg: slow},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			fleet := startSimFleet(t, 1, tc.cfg)
+			cfg := DefaultConfig()
+			cfg.Backends, cfg.AccessLog = fleet.URLs(), false
+			rt, url := startRouter(t, cfg)
+			streamPrompts(t, url, tc.cfg.Model, 300, 4)
+			ep := rt.Pool.Load().Endpoints[0]
+			var got *discovery.Costs
+			for deadline := time.Now().Add(5 * time.Second); got == nil || got.TTFTSamples < 300; {
+				if time.Now().After(deadline) {
+					t.Fatalf("costs %+v after 300 streams", got)
+				}
+				got = ep.Costs()
+				time.Sleep(10 * time.Millisecond) // the last streams' first bytes are recorded asynchronously
+			}
+			truth := tc.cfg.PrefillTokensPerSec * tc.cfg.TimeScale
+			rel := math.Abs(got.PrefillTokensPerSec-truth) / truth
+			t.Logf("learned %.0f tokens/s (truth %.0f, off by %.0f%%), fixed %.1f ms, %d samples",
+				got.PrefillTokensPerSec, truth, 100*rel, 1000*got.FixedSec, got.TTFTSamples)
+			if rel > 0.25 {
+				t.Errorf("learned prefill rate %.0f tokens/s, truth %.0f", got.PrefillTokensPerSec, truth)
+			}
+		})
+	}
+}

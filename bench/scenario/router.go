@@ -19,7 +19,8 @@ import (
 
 // The policies under comparison and the in-process kvroute the scenarios
 // run behind: the router main builds (proxy.NewRouter with
-// proxy.DefaultConfig), with the peers' policies added to its table.
+// proxy.DefaultConfig), with the peers' policies added to its table and a
+// policy's own settings (Policy.Configure) applied.
 
 // Policy is a routing policy under comparison.
 type Policy struct {
@@ -31,6 +32,10 @@ type Policy struct {
 	// Replicas > 1 runs that many independent routers with this policy,
 	// each given a random share of the traffic (no shared state).
 	Replicas int
+	// Configure, if set, adjusts the router's configuration for this
+	// policy after the benchmark's defaults (e.g. a peer's own engine
+	// metrics refresh).
+	Configure func(*proxy.Config)
 }
 
 // router returns the name of p in the router's policy table.
@@ -56,19 +61,28 @@ func Policies() []Policy {
 		{Name: "prefix-3-replicas", About: "three independent kvroute replicas (prefix), a random third of the traffic each",
 			Router: "prefix", Replicas: 3},
 		{Name: "sglang-cache-aware", About: "SGLang router cache_aware (emulated)"},
-		{Name: "gie-blend", About: "GIE classic scorer blend (emulated)"},
-		{Name: "llm-d-sticky", About: "llm-d sticky-until-saturated (emulated)"},
+		{Name: "gie-blend", About: "GIE classic scorer blend, engine metrics every 50 ms (emulated)",
+			Configure: func(c *proxy.Config) { c.ScrapeInterval = gieMetricsInterval }},
+		{Name: "llm-d-token-load", About: "llm-d token-load: prefix-cache-affinity filter, token-load scorer (emulated)"},
 	}
 }
+
+// gieMetricsInterval is GIE's engine metrics refresh
+// (--refresh-metrics-interval, default 50 ms, in
+// kubernetes-sigs/gateway-api-inference-extension pkg/epp/server/options.go):
+// its queue and KV scorers read engine metrics that fresh, where kvroute
+// scrapes every second. Discovery withdraws values older than three
+// intervals (150 ms).
+const gieMetricsInterval = 50 * time.Millisecond
 
 // policyTable is kvroute's table of policies (routing.Policies) with the
 // peers' emulations added.
 func policyTable() map[string]routing.NewPolicy {
 	t := routing.Policies()
 	t["sglang-cache-aware"] = func(routing.PolicyConfig) routing.Picker { return peers.NewCacheAware() }
-	t["gie-blend"] = func(routing.PolicyConfig) routing.Picker { return peers.NewBlend(policySeed) }
-	t["llm-d-sticky"] = func(c routing.PolicyConfig) routing.Picker {
-		return peers.NewSticky(c.BlockBytes, c.Index.BlocksPerEndpoint)
+	t["gie-blend"] = func(c routing.PolicyConfig) routing.Picker { return peers.NewBlend(c.BlockBytes, policySeed) }
+	t["llm-d-token-load"] = func(c routing.PolicyConfig) routing.Picker {
+		return peers.NewTokenLoad(c.BlockBytes, c.Index.BlocksPerEndpoint, policySeed)
 	}
 	return t
 }
@@ -138,6 +152,20 @@ func SelectPolicies(names []string) ([]Policy, error) {
 	return out, nil
 }
 
+// routerConfig is the configuration StartRouter builds the router for p
+// from.
+func routerConfig(p Policy, backends []string) proxy.Config {
+	cfg := proxy.DefaultConfig()
+	cfg.Backends, cfg.Policy, cfg.Policies = backends, p.router(), policyTable()
+	cfg.Intn = seededIntn(policySeed)
+	cfg.AccessLog = false
+	cfg.Prefix, _ = PrefixParams() // checked by kvbench at start-up
+	if p.Configure != nil {
+		p.Configure(&cfg)
+	}
+	return cfg
+}
+
 // routerShutdownGrace is how long a benchmark router's in-flight streams
 // may finish when it closes.
 const routerShutdownGrace = 10 * time.Second
@@ -154,14 +182,10 @@ type Router struct {
 // policy p: the router main builds with its default flags (discovery with
 // health probes and engine scraping, the prefix index sized by the
 // engines' scraped KV capacity), without an access log or an admin
-// listener, its randomised policies seeded. Stop it with Close.
+// listener, its randomised policies seeded, then adjusted by
+// p.Configure. Stop it with Close.
 func StartRouter(p Policy, backends []string) (*Router, error) {
-	cfg := proxy.DefaultConfig()
-	cfg.Backends, cfg.Policy, cfg.Policies = backends, p.router(), policyTable()
-	cfg.Intn = seededIntn(policySeed)
-	cfg.AccessLog = false
-	cfg.Prefix, _ = PrefixParams() // checked by kvbench at start-up
-	rt, err := proxy.NewRouter(cfg, zap.NewNop())
+	rt, err := proxy.NewRouter(routerConfig(p, backends), zap.NewNop())
 	if err != nil {
 		return nil, err
 	}

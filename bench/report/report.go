@@ -2,7 +2,8 @@
 // Markdown tables (per policy and per rate stage), its charts (TTFT CDF,
 // throughput and p90 TTFT against the offered rate), the files a scenario
 // leaves behind (table.md, results.json, raw per-request records), the
-// overhead table, and a vLLM `bench serve`-style summary of a single run.
+// overhead table, the policy matrix across engine profiles, and a vLLM
+// `bench serve`-style summary of a single run.
 package report
 
 import (
@@ -17,6 +18,7 @@ import (
 
 	"github.com/kvroute/kvroute/bench/load"
 	"github.com/kvroute/kvroute/bench/scenario"
+	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/bench/workload"
 )
 
@@ -129,14 +131,18 @@ func Markdown(rep *scenario.Report) string {
 		fmt.Fprintf(&b, "%s\n\n", sc.Description)
 	}
 	f := sc.Fleet
-	fmt.Fprintf(&b, "%d simulated pods (%s cost model, %d KV blocks × %d tokens = %s tokens per pod",
-		sc.Pods, f.Model, f.NumGPUBlocks, f.BlockSize, thousands(f.KVTokensPerPod))
+	fmt.Fprintf(&b, "%d simulated pods (%s, %d KV blocks × %d tokens = %s tokens per pod",
+		sc.Pods, costModel(sc), f.NumGPUBlocks, f.BlockSize, thousands(f.KVTokensPerPod))
 	if f.WorkingSetShare > 0 {
 		fmt.Fprintf(&b, "; prefix working set %s tokens = %.0f%% of the fleet's KV, %.1f× one pod's",
 			thousands(sc.WorkingSet), 100*f.WorkingSetShare, f.WorkingSetShare*float64(sc.Pods))
 	}
 	fmt.Fprintf(&b, "), time scale %g. Workload: %s. Load: %s. Ideal hit rate (infinite cache): %s.\n\n",
 		f.TimeScale, describeWorkload(sc.Workload, sc.API), describeLoad(sc.Load), pct(rep.IdealHitRate))
+	if z := sc.Sizing; z != nil && z.Factor != 1 {
+		fmt.Fprintf(&b, "Load fitted to the profile: rates × %.2g (its pods' modelled capacity, %.2f requests/s each against h100-8b's %.2f), request counts × %.2g, time scale × %.3g.\n\n",
+			z.Factor, z.PodCapacity, z.ReferenceCapacity, z.Requests, z.TimeScale)
+	}
 	if slo := sc.SLO; !slo.IsZero() {
 		fmt.Fprintf(&b, "Goodput counts requests/s meeting %s.\n\n", describeSLO(slo))
 	}
@@ -148,6 +154,16 @@ func Markdown(rep *scenario.Report) string {
 		fmt.Fprintf(&b, "\nBy stage (offered rate in requests/s):\n\n%s", st)
 	}
 	return b.String()
+}
+
+// costModel names the pods' cost model: the model's for the default
+// profile (as before profiles), else the profile and its hardware.
+func costModel(sc *scenario.Scenario) string {
+	p, err := sim.LookupProfile(sc.Profile)
+	if sc.Profile == "" || sc.Profile == sim.DefaultProfile || err != nil {
+		return sc.Fleet.Model + " cost model"
+	}
+	return fmt.Sprintf("profile %s: %s", p.Name, p.About)
 }
 
 // PolicyTable renders one row per run: throughputs, TTFT and ITL

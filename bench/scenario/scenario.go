@@ -2,8 +2,9 @@
 // (bench/sim) behind a fresh in-process kvroute per routing policy, the same
 // seeded workload and load driven through each (bench/load), and the
 // built-in presets, the demo and the router-overhead measurement. It owns
-// the policy table and the router wiring; rendering results is
-// bench/report's.
+// the policy table, the router wiring, the fitting of loads to engine
+// profiles (Sizing) and the matrix's choice of workloads, profiles and
+// policies; rendering results is bench/report's.
 package scenario
 
 import (
@@ -33,8 +34,15 @@ type Scenario struct {
 	Description string `json:"description"`
 	// Pods is the fleet size.
 	Pods int `json:"pods"`
-	// Sim is every pod's configuration (pod i gets Seed+i).
+	// Profile names the pods' engine profile (sim.Profiles); "" runs Sim
+	// as it is.
+	Profile string `json:"profile,omitempty"`
+	// Sim is every pod's configuration (pod i gets Seed+i); with a Profile
+	// its zero engine fields come from the profile's engines (see
+	// PodConfigs).
 	Sim sim.Config `json:"-"`
+	// Sizing says how the load was fitted to the profile (nil: not fitted).
+	Sizing *Sizing `json:"sizing,omitempty"`
 	// WorkingSet is the workload's prefix working set in tokens, the
 	// figure the pods' KV capacity was sized against (0: not sized).
 	WorkingSet int             `json:"working_set_tokens,omitempty"`
@@ -50,25 +58,32 @@ type Scenario struct {
 	Policies []string `json:"policies,omitempty"`
 }
 
-// FleetDescriptor is the part of a scenario's sim.Config worth recording.
+// FleetDescriptor is the part of a scenario's sim.Config worth recording:
+// pod 0's, and the engine of every pod.
 type FleetDescriptor struct {
-	Model               string  `json:"model"`
-	TimeScale           float64 `json:"time_scale"`
-	BlockSize           int     `json:"block_size"`
-	NumGPUBlocks        int     `json:"num_gpu_blocks"`
-	KVTokensPerPod      int     `json:"kv_tokens_per_pod"`
-	MaxNumSeqs          int     `json:"max_num_seqs"`
-	MaxNumBatchedTokens int     `json:"max_num_batched_tokens"`
+	// Engines names each pod's engine (sim.Engine.Name) when the scenario
+	// has a profile.
+	Engines             []string `json:"engines,omitempty"`
+	Model               string   `json:"model"`
+	TimeScale           float64  `json:"time_scale"`
+	BlockSize           int      `json:"block_size"`
+	NumGPUBlocks        int      `json:"num_gpu_blocks"`
+	KVTokensPerPod      int      `json:"kv_tokens_per_pod"`
+	MaxNumSeqs          int      `json:"max_num_seqs"`
+	MaxNumBatchedTokens int      `json:"max_num_batched_tokens"`
 	// WorkingSetShare is the prefix working set ÷ the fleet's KV tokens.
 	WorkingSetShare float64 `json:"working_set_share,omitempty"`
 }
 
-// describeFleet fills sc.Fleet from sc.Sim.
+// describeFleet fills sc.Fleet from sc.Sim and the profile.
 func (sc *Scenario) describeFleet() {
 	cfg := sc.Sim
+	if cfgs, err := sc.PodConfigs(); err == nil && len(cfgs) > 0 {
+		cfg = cfgs[0]
+	}
 	_ = cfg.Validate() // fills defaults; errors surface when the fleet starts
 	kv := cfg.NumGPUBlocks * cfg.BlockSize
-	sc.Fleet = FleetDescriptor{
+	sc.Fleet = FleetDescriptor{Engines: sc.engineNames(),
 		Model: cfg.Model, TimeScale: cfg.TimeScale, BlockSize: cfg.BlockSize,
 		NumGPUBlocks: cfg.NumGPUBlocks, KVTokensPerPod: kv,
 		MaxNumSeqs: cfg.MaxNumSeqs, MaxNumBatchedTokens: cfg.MaxNumBatchedTokens,
@@ -76,6 +91,27 @@ func (sc *Scenario) describeFleet() {
 	if sc.WorkingSet > 0 && kv > 0 && sc.Pods > 0 {
 		sc.Fleet.WorkingSetShare = float64(sc.WorkingSet) / float64(kv*sc.Pods)
 	}
+}
+
+// profileNote is " (profile NAME)" for a profile other than the default.
+func (sc *Scenario) profileNote() string {
+	if sc.Profile == "" || sc.Profile == sim.DefaultProfile {
+		return ""
+	}
+	return " (profile " + sc.Profile + ")"
+}
+
+// engineNames returns each pod's engine name, nil without a profile.
+func (sc *Scenario) engineNames() []string {
+	p, err := sim.LookupProfile(sc.Profile)
+	if sc.Profile == "" || err != nil {
+		return nil
+	}
+	names := make([]string, sc.Pods)
+	for i := range names {
+		names[i] = p.Engine(i).Name
+	}
+	return names
 }
 
 // Machine describes where a report was produced.
@@ -149,7 +185,7 @@ func Run(ctx context.Context, sc Scenario, opt RunOptions) (*Report, error) {
 	defer func() { rep.WallSeconds = time.Since(rep.Started).Seconds() }()
 	for _, p := range pols {
 		if opt.Log != nil {
-			fmt.Fprintf(opt.Log, "%s: %s on %d simulated pods behind kvroute\n", sc.Name, p.Name, sc.Pods)
+			fmt.Fprintf(opt.Log, "%s: %s on %d simulated pods%s behind kvroute\n", sc.Name, p.Name, sc.Pods, sc.profileNote())
 		}
 		res, err := runPolicy(ctx, sc, wl, p, opt.Progress)
 		if res != nil {
@@ -165,7 +201,11 @@ func Run(ctx context.Context, sc Scenario, opt RunOptions) (*Report, error) {
 
 // runPolicy runs one policy of sc on a fresh fleet and router.
 func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy, progress io.Writer) (res *load.Result, err error) {
-	fleet, err := sim.StartFleet(sc.Pods, sc.Sim)
+	cfgs, err := sc.PodConfigs()
+	if err != nil {
+		return nil, err
+	}
+	fleet, err := sim.StartFleetOf(cfgs...)
 	if err != nil {
 		return nil, err
 	}

@@ -8,14 +8,16 @@ import (
 	"testing"
 
 	"github.com/kvroute/kvroute/bench/leakcheck"
+	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/bench/workload"
 )
 
 func TestMain(m *testing.M) { leakcheck.VerifyTestMain(m) }
 
-// Every built-in scenario, default and full, must describe a valid run: a
-// workload that builds, a load that validates, pods whose KV holds the
-// largest request, and the sizing rule (working set ≈ 70% of the fleet's
+// Every built-in scenario, default and full, on every profile, must
+// describe a valid run: a workload that builds, a load that validates, pods
+// whose KV holds the largest request (and no more than the profile's
+// hardware holds), and the sizing rule (working set ≈ 70% of the fleet's
 // KV, more than twice one pod's).
 func TestPresets(t *testing.T) {
 	trace := filepath.Join(t.TempDir(), "trace.jsonl")
@@ -24,45 +26,58 @@ func TestPresets(t *testing.T) {
 	if err := os.WriteFile(trace, []byte(line), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	for _, full := range []bool{false, true} {
-		scs := Builtin(Preset{Full: full, TracePath: trace, Seed: 1})
-		if len(scs) != len(Names())-1 {
-			t.Fatalf("full=%v: %d scenarios, want every name but overhead", full, len(scs))
+	for _, prof := range sim.ProfileNames() {
+		for _, full := range []bool{false, true} {
+			p := Preset{Full: full, TracePath: trace, Seed: 1, Profile: prof}
+			scs := Builtin(p)
+			if len(scs) != len(Names())-1 {
+				t.Fatalf("full=%v: %d scenarios, want every name but overhead", full, len(scs))
+			}
+			d, _ := Lookup(p, Demo)
+			for _, sc := range append(scs, d) {
+				t.Run(fmt.Sprintf("%s/%s/full=%v", prof, sc.Name, full), func(t *testing.T) { checkPreset(t, sc, prof) })
+			}
 		}
-		for _, sc := range append(scs, demo(Preset{Full: full, Seed: 1})) {
-			t.Run(fmt.Sprintf("%s/full=%v", sc.Name, full), func(t *testing.T) {
-				if sc.Pods != DefaultPods {
-					t.Fatalf("%d pods", sc.Pods)
-				}
-				if err := sc.Load.Validate(); err != nil {
-					t.Fatal(err)
-				}
-				cfg := sc.Sim
-				if err := cfg.Validate(); err != nil {
-					t.Fatal(err)
-				}
-				c := sc.Workload.Defaults()
-				if err := c.Validate(); err != nil {
-					t.Fatal(err)
-				}
-				largest := c.SystemTokens + c.QuestionTokens + c.InputTokens + c.OutputTokens + 16
-				switch c.Kind {
-				case workload.KindMultiTurn:
-					largest = c.PrefixTokens + c.TurnsMax*(c.UserMax+c.AnswerMax+16)
-				case workload.KindTrace:
-					largest = c.TraceMaxInput + c.TraceMaxOutput
-				}
-				if kv := cfg.NumGPUBlocks * cfg.BlockSize; kv < 2*largest || largest+1 > cfg.MaxModelLen && c.Kind != workload.KindMultiTurn {
-					t.Fatalf("pod KV %d tokens for requests up to %d tokens (max model len %d)", kv, largest, cfg.MaxModelLen)
-				}
-				if sc.WorkingSet > 0 {
-					sc.describeFleet()
-					share := sc.Fleet.WorkingSetShare
-					if share < 0.65 || share > 0.75 || share*float64(sc.Pods) < 2 {
-						t.Fatalf("working set is %.2f of the fleet's KV, %.1f× one pod's", share, share*float64(sc.Pods))
-					}
-				}
-			})
+	}
+}
+
+// checkPreset checks one built-in scenario on profile prof.
+func checkPreset(t *testing.T, sc Scenario, prof string) {
+	if sc.Pods != DefaultPods || sc.Profile != prof || sc.Sizing == nil {
+		t.Fatalf("%d pods, profile %q, sizing %v", sc.Pods, sc.Profile, sc.Sizing)
+	}
+	if err := sc.Load.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	cfgs, err := sc.PodConfigs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := sc.Workload.Defaults()
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	largest := c.SystemTokens + c.QuestionTokens + c.InputTokens + c.OutputTokens + 16
+	switch c.Kind {
+	case workload.KindMultiTurn:
+		largest = c.PrefixTokens + c.TurnsMax*(c.UserMax+c.AnswerMax+16)
+	case workload.KindTrace:
+		largest = c.TraceMaxInput + c.TraceMaxOutput
+	}
+	profile, _ := sim.LookupProfile(prof)
+	for i, cfg := range cfgs {
+		if kv := cfg.NumGPUBlocks * cfg.BlockSize; kv < 2*largest || largest+1 > cfg.MaxModelLen && c.Kind != workload.KindMultiTurn {
+			t.Fatalf("pod %d KV %d tokens for requests up to %d tokens (max model len %d)", i, kv, largest, cfg.MaxModelLen)
+		}
+		if cfg.NumGPUBlocks > profile.Engine(i).NumGPUBlocks || cfg.Model != cfgs[0].Model {
+			t.Fatalf("pod %d: %d KV blocks (hardware: %d), model %s", i, cfg.NumGPUBlocks, profile.Engine(i).NumGPUBlocks, cfg.Model)
+		}
+	}
+	if sc.WorkingSet > 0 {
+		sc.describeFleet()
+		share := sc.Fleet.WorkingSetShare
+		if share < 0.65 || share > 0.75 || share*float64(sc.Pods) < 2 {
+			t.Fatalf("working set is %.2f of the fleet's KV, %.1f× one pod's", share, share*float64(sc.Pods))
 		}
 	}
 }

@@ -24,6 +24,10 @@ type Preset struct {
 	TracePath string
 	// Seed seeds workloads and arrivals.
 	Seed uint64
+	// Profile names the pods' engine profile (sim.Profiles); "" is
+	// sim.DefaultProfile, h100-8b, for which the scenarios were written.
+	// On another the loads are fitted to it (see SizeFor).
+	Profile string
 }
 
 // DefaultPods is the default fleet size.
@@ -60,7 +64,7 @@ func Names() []string {
 // trace scenario without a trace, and for unknown names.
 func Lookup(p Preset, name string) (Scenario, bool) {
 	if name == Demo {
-		return demo(p), true
+		return fit(p, demo(p)), true
 	}
 	for _, sc := range Builtin(p) {
 		if sc.Name == name {
@@ -73,13 +77,26 @@ func Lookup(p Preset, name string) (Scenario, bool) {
 // Builtin returns the built-in policy comparisons for p, those of Names
 // but overhead (see RunOverhead). The default sizes keep the prefix working
 // set at ≈ 70% of the fleet's KV and more than twice one pod's by shrinking
-// the pods' KV, not by growing the workload.
+// the pods' KV, not by growing the workload. On a profile other than
+// h100-8b the loads are fitted to it (see SizeFor); the workloads' shapes
+// and the KV sizing stay.
 func Builtin(p Preset) []Scenario {
 	out := []Scenario{sharedPrefix(p), multiTurn(p), random(p), hotPrefix(p)}
 	if p.TracePath != "" {
 		out = append(out, trace(p))
 	}
+	for i := range out {
+		out[i] = fit(p, out[i])
+	}
 	return out
+}
+
+// profile returns the engine profile p asks for.
+func (p Preset) profile() string {
+	if p.Profile == "" {
+		return sim.DefaultProfile
+	}
+	return p.Profile
 }
 
 // pods returns the fleet size p asks for.
@@ -90,18 +107,18 @@ func (p Preset) pods() int {
 	return p.Pods
 }
 
-// simConfig is the pods' configuration: the Llama-3.1-8B-on-H100 cost model
-// (bench/sim defaults) with KV capacity shrunk so that workingSet tokens
-// are kvShare of the fleet's, and time running timeScale× faster.
+// simConfig is the pods' configuration: the profile's cost model (Scenario.
+// Profile fills the engine fields left zero here; h100-8b is the bench/sim
+// defaults) with KV capacity shrunk so that workingSet tokens are kvShare
+// of the fleet's, and time running timeScale× faster.
 func simConfig(p Preset, pods, workingSet int, timeScale float64) sim.Config {
-	cfg := sim.DefaultConfig()
-	cfg.Seed = p.Seed
-	cfg.TimeScale = timeScale
+	cfg := sim.Config{Seed: p.Seed, TimeScale: timeScale}
 	if p.TimeScale > 0 {
 		cfg.TimeScale = p.TimeScale
 	}
 	if workingSet > 0 {
-		cfg.NumGPUBlocks = int(math.Ceil(float64(workingSet) / kvShare / float64(pods) / float64(cfg.BlockSize)))
+		block := sim.DefaultConfig().BlockSize
+		cfg.NumGPUBlocks = int(math.Ceil(float64(workingSet) / kvShare / float64(pods) / float64(block)))
 	}
 	return cfg
 }

@@ -2,8 +2,10 @@
 // wire protocol (completions, chat, SSE streaming, /metrics, /tokenize,
 // NixlConnector prefill/decode handoff) and behaves like one GPU-bound engine
 // in time (continuous batching, a chained-hash prefix cache with LRU eviction,
-// a memory-bandwidth decode model). Tests, benchmarks and the demo run many
-// cheap pods of it in one process; see New, StartFleet and bench/cmd/kvsim.
+// a memory-bandwidth decode model), by default Llama-3.1-8B on one H100 and
+// otherwise one of the named engine profiles (Profiles). Tests, benchmarks
+// and the demo run many cheap pods of it in one process; see New,
+// StartFleet and bench/cmd/kvsim.
 package sim
 
 import (

@@ -21,9 +21,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"runtime/pprof"
-	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -34,6 +32,7 @@ import (
 	"github.com/kvroute/kvroute/bench/load"
 	"github.com/kvroute/kvroute/bench/report"
 	"github.com/kvroute/kvroute/bench/scenario"
+	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/bench/workload"
 	"github.com/kvroute/kvroute/proxy"
 )
@@ -61,6 +60,7 @@ func isTerminal(f *os.File) bool {
 type options struct {
 	// Scenario mode.
 	scenarios []string
+	profiles  []string
 	policies  []string
 	full      bool
 	pods      int
@@ -102,8 +102,13 @@ func newFlags(o *options) *proxy.Flags {
 	sc, tgt, wl, ld, out := g("Scenarios (simulated fleet behind an in-process kvroute)"), g("Target (direct mode)"),
 		g("Workload (direct mode; lengths in tokens)"), g("Load (direct mode)"), g("Output and misc")
 
-	sc.StringSliceVar(&o.scenarios, "scenario", nil, "scenarios to run: "+strings.Join(scenario.Names(), ", ")+", all of them, or demo (a short shared-prefix run of four policies); default shared-prefix without --base-url")
-	sc.StringSliceVar(&o.policies, "policies", nil, "policies to compare (default all: "+strings.Join(policyNames(), ", ")+"; the demo its own four)")
+	sc.StringSliceVar(&o.scenarios, "scenario", nil, "scenarios to run: "+strings.Join(scenario.Names(), ", ")+", all of them, demo (a short shared-prefix run of four policies), or matrix ("+
+		strings.Join(scenario.MatrixScenarios(), ", ")+" on every profile, one table); default shared-prefix without --base-url")
+	sc.StringSliceVar(&o.profiles, "profile", nil, "engine profiles to run the scenarios on: "+strings.Join(sim.ProfileNames(), ", ")+
+		" (default "+sim.DefaultProfile+"; the matrix's: "+strings.Join(scenario.MatrixProfiles(), ", ")+"); loads are fitted to each; results of "+
+		sim.DefaultProfile+" under --out/<scenario>, of the others under --out/<profile>/<scenario>")
+	sc.StringSliceVar(&o.policies, "policies", nil, "policies to compare (default all: "+strings.Join(policyNames(), ", ")+"; the demo its own four; the matrix "+
+		strings.Join(matrixPolicyNames(), ", ")+")")
 	sc.BoolVar(&o.full, "full", false, "published sizes (SGLang/llm-d/vLLM presets) instead of the few-minute defaults")
 	sc.IntVar(&o.pods, "pods", 0, "simulated pods per fleet (0: 8)")
 	sc.Float64Var(&o.timeScale, "time-scale", 0, "simulated time runs this many times faster than real time (0: each scenario's; direct mode: the target kvsim's --time-scale, so latencies are reported in modelled time)")
@@ -157,10 +162,14 @@ func newFlags(o *options) *proxy.Flags {
 	return f
 }
 
-func policyNames() []string {
-	var n []string
-	for _, p := range scenario.Policies() {
-		n = append(n, p.Name)
+func policyNames() []string { return names(scenario.Policies()) }
+
+func matrixPolicyNames() []string { return names(scenario.MatrixPolicies()) }
+
+func names(ps []scenario.Policy) []string {
+	n := make([]string, len(ps))
+	for i, p := range ps {
+		n[i] = p.Name
 	}
 	return n
 }
@@ -169,6 +178,8 @@ const usageHeader = `kvbench: load generator and routing-policy benchmark for kv
 
 Usage:
   kvbench [--scenario NAME,...] [--full]          simulated 8-pod fleet behind kvroute, one run per policy
+  kvbench --scenario NAME,... --profile P,...       the same on other engine profiles (e.g. slow-large)
+  kvbench --scenario matrix                         three workloads × four profiles, one table
   kvbench --base-url URL [--pod-urls URL,...] ...   drive any OpenAI-compatible server (kvroute, vLLM)
   kvbench --serve-instant 127.0.0.1:8200           the overhead scenario's instant backend, for wrk
 `
@@ -210,48 +221,6 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, tty bool)
 	}
 }
 
-// scenarios runs the named built-in scenarios and writes their results.
-func scenarios(ctx context.Context, o *options, stdout, stderr, progress io.Writer) error {
-	names := o.scenarios
-	if len(names) == 0 {
-		names = []string{scenario.SharedPrefix}
-	}
-	if slices.Contains(names, "all") {
-		names = scenario.Names()
-	}
-	var pols []scenario.Policy // nil: each scenario's own
-	if len(o.policies) > 0 {
-		var err error
-		if pols, err = scenario.SelectPolicies(o.policies); err != nil {
-			return err
-		}
-	}
-	preset := scenario.Preset{Full: o.full, Pods: o.pods, TimeScale: o.timeScale, TracePath: o.trace, Seed: o.seed}
-	start := time.Now()
-	for _, name := range names {
-		dir := filepath.Join(o.out, name)
-		var files []string
-		var err error
-		switch sc, ok := scenario.Lookup(preset, name); {
-		case name == scenario.Overhead:
-			files, err = overhead(ctx, o, dir, stdout, stderr)
-		case name == scenario.Trace && !ok:
-			fmt.Fprintln(stderr, "trace: skipped, no --trace file (the Mooncake traces are not in the repository)")
-			continue
-		case !ok:
-			return fmt.Errorf("unknown scenario %q (want %s, all or %s)", name, strings.Join(scenario.Names(), ", "), scenario.Demo)
-		default:
-			files, err = comparison(ctx, sc, pols, dir, stdout, stderr, progress)
-		}
-		if err != nil {
-			return err
-		}
-		printFiles(stdout, dir, files)
-	}
-	fmt.Fprintf(stderr, "done in %s\n", time.Since(start).Round(time.Second))
-	return nil
-}
-
 // overhead runs the overhead scenario, writes its files under dir and
 // prints its table.
 func overhead(ctx context.Context, o *options, dir string, stdout, stderr io.Writer) ([]string, error) {
@@ -270,20 +239,6 @@ func overhead(ctx context.Context, o *options, dir string, stdout, stderr io.Wri
 	}
 	fmt.Fprintf(stdout, "\n%s", report.MarkdownOverhead(rep))
 	return files, nil
-}
-
-// comparison runs sc with pols (nil: the scenario's own), writes what
-// finished under dir and prints its tables.
-func comparison(ctx context.Context, sc scenario.Scenario, pols []scenario.Policy, dir string, stdout, stderr, progress io.Writer) ([]string, error) {
-	rep, err := scenario.Run(ctx, sc, scenario.RunOptions{Policies: pols, Progress: progress, Log: stderr})
-	var files []string
-	if rep != nil && len(rep.Runs) > 0 {
-		var werr error
-		files, werr = report.Write(dir, rep)
-		err = errors.Join(err, werr)
-		fmt.Fprintf(stdout, "\n%s", report.Markdown(rep))
-	}
-	return files, err
 }
 
 // printFiles says where a scenario's results and charts are.

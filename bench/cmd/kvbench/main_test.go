@@ -6,12 +6,15 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
 	"github.com/spf13/pflag"
 
 	"github.com/kvroute/kvroute/bench/load"
+	"github.com/kvroute/kvroute/bench/report"
+	"github.com/kvroute/kvroute/bench/scenario"
 	"github.com/kvroute/kvroute/bench/sim"
 )
 
@@ -27,6 +30,7 @@ func TestHelpAndBadArgs(t *testing.T) {
 		{name: "stray argument", args: []string{"extra"}, wantErr: "unexpected arguments"},
 		{name: "unknown scenario", args: []string{"--scenario", "nope"}, wantErr: "unknown scenario"},
 		{name: "unknown policy", args: []string{"--policies", "nope"}, wantErr: "unknown policy"},
+		{name: "unknown profile", args: []string{"--scenario", "random", "--profile", "nope"}, wantErr: "unknown profile"},
 		{name: "both modes", args: []string{"--scenario", "random", "--base-url", "http://x"}, wantErr: "exclude"},
 		{name: "bad range", args: []string{"--base-url", "http://127.0.0.1:1", "--workload", "multi-turn", "--turns", "5-2"}, wantErr: "--turns"},
 		{name: "bad rate", args: []string{"--base-url", "http://127.0.0.1:1", "--rate", "-3"}, wantErr: "rate"},
@@ -103,5 +107,82 @@ func TestDirectMode(t *testing.T) {
 	}
 	if err != nil || len(raw) != 6 {
 		t.Fatalf("raw records: %d, %v", len(raw), errors.Join(err))
+	}
+}
+
+func TestPlan(t *testing.T) {
+	for _, tc := range []struct {
+		name           string
+		o              options
+		names          []string
+		matrix         bool
+		profiles, mpro []string
+		pols, mpols    int
+		wantErr        string
+	}{
+		{name: "default", names: []string{scenario.SharedPrefix}, profiles: []string{"h100-8b"},
+			mpro: scenario.MatrixProfiles(), mpols: len(scenario.MatrixPolicies())},
+		{name: "all and matrix", o: options{scenarios: []string{"all", "matrix", "random"}}, names: scenario.Names(), matrix: true,
+			profiles: []string{"h100-8b"}, mpro: scenario.MatrixProfiles(), mpols: len(scenario.MatrixPolicies())},
+		{name: "profiles and policies", o: options{scenarios: []string{"matrix", "hot-prefix"}, profiles: []string{"slow-large", "mixed", "slow-large"},
+			policies: []string{"prefix", "round-robin"}}, names: []string{"hot-prefix"}, matrix: true,
+			profiles: []string{"slow-large", "mixed"}, mpro: []string{"slow-large", "mixed"}, pols: 2, mpols: 2},
+		{name: "unknown profile", o: options{profiles: []string{"tpu"}}, wantErr: "unknown profile"},
+		{name: "unknown scenario", o: options{scenarios: []string{"matrixx"}}, wantErr: "unknown scenario"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pl, err := newPlan(&tc.o)
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("err = %v, want %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil || !slices.Equal(pl.names, tc.names) || pl.matrix != tc.matrix || !slices.Equal(pl.profiles, tc.profiles) ||
+				!slices.Equal(pl.matrixProfiles, tc.mpro) || len(pl.pols) != tc.pols || len(pl.matrixPols) != tc.mpols {
+				t.Fatalf("plan %+v, %v", pl, err)
+			}
+		})
+	}
+	if d := resultDir("out", "h100-8b", "random"); d != filepath.Join("out", "random") {
+		t.Errorf("h100-8b results in %s", d)
+	}
+	if d := resultDir("out", "mixed", "random"); d != filepath.Join("out", "mixed", "random") {
+		t.Errorf("mixed results in %s", d)
+	}
+}
+
+// The matrix takes every cell this invocation already ran (here fakes
+// with more policies than the matrix's) and runs nothing more.
+func TestMatrixFromDoneRuns(t *testing.T) {
+	o := &options{out: t.TempDir(), seed: 1}
+	pl, err := newPlan(&options{scenarios: []string{"matrix"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(map[cell]*scenario.Report)
+	for _, prof := range pl.matrixProfiles {
+		for _, name := range scenario.MatrixScenarios() {
+			rep := &scenario.Report{Scenario: scenario.Scenario{Name: name, Profile: prof}}
+			for _, p := range scenario.Policies() {
+				rep.Runs = append(rep.Runs, &load.Result{Label: p.Name, Summary: load.Summary{OutputThroughput: 100, TTFT: load.Dist{P90: 50}}})
+			}
+			done[cell{prof, name}] = rep
+		}
+	}
+	var out, errOut strings.Builder
+	if err := matrix(context.Background(), o, pl, done, &out, &errOut, nil); err != nil {
+		t.Fatalf("%v\n%s", err, errOut.String())
+	}
+	b, err := os.ReadFile(filepath.Join(o.out, report.FileMatrix))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rows := strings.Count(string(b), "| 1.00× | 1.00× | 50 ms | 1.00× | 1.00× |")
+	if want := len(pl.matrixProfiles) * len(scenario.MatrixScenarios()) * len(scenario.MatrixPolicies()); rows != want {
+		t.Fatalf("%d matrix rows, want %d:\n%s", rows, want, b)
+	}
+	if strings.Contains(string(b), "llm-d-sticky") != slices.Contains(matrixPolicyNames(), "llm-d-sticky") {
+		t.Fatalf("the matrix's rows are not its policies':\n%s", b)
 	}
 }

@@ -4,6 +4,7 @@
 //
 //	kvsim --pods 4 --port 8100 --time-scale 10
 //	kvsim --pods 4 --prefill-pods 2 --role decode   # 2 prefill + 2 decode pods
+//	kvsim --pods 4 --profile slow-large             # Llama-3.1-70B on 4×A100 per pod (sim.Profiles)
 package main
 
 import (
@@ -15,6 +16,7 @@ import (
 	"os"
 	"os/signal"
 	"strconv"
+	"strings"
 	"syscall"
 
 	"github.com/kvroute/kvroute/bench/sim"
@@ -36,41 +38,9 @@ func main() {
 // run parses args, starts the fleet, writes the URLs to out and serves until
 // ctx is done.
 func run(ctx context.Context, args []string, out io.Writer) error {
-	fs := pflag.NewFlagSet("kvsim", pflag.ContinueOnError)
-	cfg := sim.DefaultConfig()
-	cfg.BindFlags(fs)
-	pods := fs.Int("pods", 1, "number of pods")
-	host := fs.String("host", "127.0.0.1", "address to listen on")
-	port := fs.Int("port", 8000, "port of the first pod; pod i listens on port+i (0: any free ports)")
-	role := fs.String("role", string(sim.RoleMixed), "role of the pods: mixed, prefill or decode")
-	prefill := fs.Int("prefill-pods", 0, "make the first N pods prefill pods (the rest keep --role)")
-	if err := fs.Parse(args); err != nil {
-		return err
-	}
-	r, err := sim.ParseRole(*role)
+	addrs, cfgs, err := parse(args)
 	if err != nil {
 		return err
-	}
-	cfg.Role = r
-	if err := cfg.Validate(); err != nil {
-		return err
-	}
-	if *pods < 1 || *prefill < 0 || *prefill > *pods {
-		return fmt.Errorf("need --pods ≥ 1 and 0 ≤ --prefill-pods ≤ --pods")
-	}
-	addrs := make([]string, *pods)
-	cfgs := make([]sim.Config, *pods)
-	for i := range cfgs {
-		p := 0
-		if *port != 0 {
-			p = *port + i
-		}
-		addrs[i] = net.JoinHostPort(*host, strconv.Itoa(p))
-		cfgs[i] = cfg
-		cfgs[i].Seed = cfg.Seed + uint64(i)
-		if i < *prefill {
-			cfgs[i].Role = sim.RolePrefill
-		}
 	}
 	fleet, err := sim.StartFleetAt(addrs, cfgs)
 	if err != nil {
@@ -81,4 +51,69 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	}
 	<-ctx.Done()
 	return fleet.Close()
+}
+
+// parse turns args into each pod's address and validated config: the
+// profile's engine, with the pod flags given explicitly on top.
+func parse(args []string) ([]string, []sim.Config, error) {
+	fs := pflag.NewFlagSet("kvsim", pflag.ContinueOnError)
+	def := sim.DefaultConfig()
+	def.BindFlags(fs)
+	profile := fs.String("profile", sim.DefaultProfile, "engine profile of the pods: "+strings.Join(sim.ProfileNames(), ", ")+
+		" (mixed: pods alternate h100-8b and a100-8b); pod flags given explicitly override its values")
+	pods := fs.Int("pods", 1, "number of pods")
+	host := fs.String("host", "127.0.0.1", "address to listen on")
+	port := fs.Int("port", 8000, "port of the first pod; pod i listens on port+i (0: any free ports)")
+	role := fs.String("role", string(sim.RoleMixed), "role of the pods: mixed, prefill or decode")
+	prefill := fs.Int("prefill-pods", 0, "make the first N pods prefill pods (the rest keep --role)")
+	if err := fs.Parse(args); err != nil {
+		return nil, nil, err
+	}
+	r, err := sim.ParseRole(*role)
+	if err != nil {
+		return nil, nil, err
+	}
+	p, err := sim.LookupProfile(*profile)
+	if err != nil {
+		return nil, nil, err
+	}
+	if *pods < 1 || *prefill < 0 || *prefill > *pods {
+		return nil, nil, fmt.Errorf("need --pods ≥ 1 and 0 ≤ --prefill-pods ≤ --pods")
+	}
+	base, err := explicit(fs)
+	if err != nil {
+		return nil, nil, err
+	}
+	base.Role = r
+	cfgs := p.Configs(*pods, base)
+	addrs := make([]string, *pods)
+	for i := range cfgs {
+		pt := 0
+		if *port != 0 {
+			pt = *port + i
+		}
+		addrs[i] = net.JoinHostPort(*host, strconv.Itoa(pt))
+		if i < *prefill {
+			cfgs[i].Role = sim.RolePrefill
+		}
+		if err := cfgs[i].Validate(); err != nil {
+			return nil, nil, err
+		}
+	}
+	return addrs, cfgs, nil
+}
+
+// explicit returns a Config holding only the fields whose flags were set
+// on fs (the rest zero), so that a profile fills what was not given.
+func explicit(fs *pflag.FlagSet) (sim.Config, error) {
+	var c sim.Config
+	set := pflag.NewFlagSet("explicit", pflag.ContinueOnError)
+	c.BindFlags(set)
+	var err error
+	fs.Visit(func(f *pflag.Flag) {
+		if set.Lookup(f.Name) != nil {
+			err = errors.Join(err, set.Set(f.Name, f.Value.String()))
+		}
+	})
+	return c, err
 }

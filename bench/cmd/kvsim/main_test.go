@@ -5,10 +5,12 @@ import (
 	"context"
 	"io"
 	"net/http"
+	"reflect"
 	"strings"
 	"testing"
 
 	"github.com/kvroute/kvroute/bench/leakcheck"
+	"github.com/kvroute/kvroute/bench/sim"
 )
 
 func TestMain(m *testing.M) {
@@ -23,6 +25,7 @@ func TestRun(t *testing.T) {
 		pods    int
 	}{
 		{name: "two pods", args: []string{"--pods", "2", "--port", "0", "--time-scale", "100", "--prefill-pods", "1"}, pods: 2},
+		{name: "mixed profile", args: []string{"--pods", "2", "--port", "0", "--time-scale", "100", "--profile", "mixed"}, pods: 2},
 		{name: "bad role", args: []string{"--role", "both"}, wantErr: "unknown role"},
 		{name: "bad prefill count", args: []string{"--pods", "1", "--prefill-pods", "2"}, wantErr: "prefill-pods"},
 		{name: "bad config", args: []string{"--block-size", "-1"}, wantErr: "block size"},
@@ -71,5 +74,34 @@ func TestRun(t *testing.T) {
 				t.Fatalf("run: %v", err)
 			}
 		})
+	}
+}
+
+// --profile sets the engine; pod flags given explicitly win over it.
+func TestParseProfile(t *testing.T) {
+	_, cfgs, err := parse([]string{"--pods", "3", "--profile", "mixed", "--max-num-seqs", "32", "--seed", "5", "--port", "0"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, _ := sim.LookupProfile(sim.ProfileMixed)
+	for i, c := range cfgs {
+		if c.MaxNumSeqs != 32 || c.Seed != 5+uint64(i) || c.MemBandwidth != p.Engine(i).MemBandwidth ||
+			c.NumGPUBlocks != p.Engine(i).NumGPUBlocks || c.Model != "meta-llama/Llama-3.1-8B-Instruct" {
+			t.Errorf("pod %d: %+v", i, c)
+		}
+	}
+	_, cfgs, err = parse([]string{"--profile", "slow-large", "--model", "m", "--mem-bandwidth", "1e12"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := cfgs[0]; c.Model != "m" || c.MemBandwidth != 1e12 || c.MaxNumSeqs != 8 || c.PrefillTokensPerSec != 2200 {
+		t.Errorf("slow-large with overrides: %+v", c)
+	}
+	_, cfgs, err = parse(nil)
+	if err != nil || !reflect.DeepEqual(cfgs[0], sim.DefaultConfig()) {
+		t.Errorf("no flags: %+v, %v; want DefaultConfig", cfgs, err)
+	}
+	if _, _, err := parse([]string{"--profile", "tpu"}); err == nil || !strings.Contains(err.Error(), "unknown profile") {
+		t.Errorf("unknown profile: %v", err)
 	}
 }

@@ -1,0 +1,202 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/kvroute/kvroute/bench/report"
+	"github.com/kvroute/kvroute/bench/scenario"
+	"github.com/kvroute/kvroute/bench/sim"
+)
+
+// plan is what --scenario, --profile and --policies ask of scenario mode.
+type plan struct {
+	// names are the scenarios to run on each of profiles, in order.
+	names    []string
+	profiles []string
+	// pols are the policies to compare (nil: each scenario's own).
+	pols []scenario.Policy
+	// matrix asks for the matrix, on matrixProfiles with matrixPols.
+	matrix         bool
+	matrixProfiles []string
+	matrixPols     []scenario.Policy
+}
+
+// newPlan checks o's scenario-mode flags and returns the plan.
+func newPlan(o *options) (*plan, error) {
+	pl := &plan{}
+	req := o.scenarios
+	if len(req) == 0 {
+		req = []string{scenario.SharedPrefix}
+	}
+	known := append(scenario.Names(), scenario.Demo)
+	for _, n := range req {
+		switch {
+		case n == "all":
+			pl.names = append(pl.names, scenario.Names()...)
+		case n == scenario.Matrix:
+			pl.matrix = true
+		case slices.Contains(known, n):
+			pl.names = append(pl.names, n)
+		default:
+			return nil, fmt.Errorf("unknown scenario %q (want %s, all, %s or %s)",
+				n, strings.Join(scenario.Names(), ", "), scenario.Demo, scenario.Matrix)
+		}
+	}
+	pl.names = unique(pl.names)
+	for _, p := range o.profiles {
+		if _, err := sim.LookupProfile(p); err != nil {
+			return nil, err
+		}
+	}
+	pl.profiles, pl.matrixProfiles = unique(o.profiles), unique(o.profiles)
+	if len(o.profiles) == 0 {
+		pl.profiles, pl.matrixProfiles = []string{sim.DefaultProfile}, scenario.MatrixProfiles()
+	}
+	pl.matrixPols = scenario.MatrixPolicies()
+	if len(o.policies) > 0 {
+		pols, err := scenario.SelectPolicies(o.policies)
+		if err != nil {
+			return nil, err
+		}
+		pl.pols, pl.matrixPols = pols, pols
+	}
+	return pl, nil
+}
+
+// unique returns ss without repeats, in first-seen order.
+func unique(ss []string) []string {
+	var out []string
+	for _, s := range ss {
+		if !slices.Contains(out, s) {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+// preset is the scenarios' preset for profile.
+func (o *options) preset(profile string) scenario.Preset {
+	return scenario.Preset{Full: o.full, Pods: o.pods, TimeScale: o.timeScale, TracePath: o.trace, Seed: o.seed, Profile: profile}
+}
+
+// resultDir is where a scenario's results on profile go: out/<scenario>
+// for the default profile (as before profiles), out/<profile>/<scenario>
+// for the others.
+func resultDir(out, profile, name string) string {
+	if profile == sim.DefaultProfile {
+		return filepath.Join(out, name)
+	}
+	return filepath.Join(out, profile, name)
+}
+
+// cell names one scenario on one profile.
+type cell struct{ profile, scenario string }
+
+// scenarios runs the named built-in scenarios on each profile, then the
+// matrix if asked, and writes their results.
+func scenarios(ctx context.Context, o *options, stdout, stderr, progress io.Writer) error {
+	pl, err := newPlan(o)
+	if err != nil {
+		return err
+	}
+	start := time.Now()
+	done := make(map[cell]*scenario.Report)
+	for _, prof := range pl.profiles {
+		for _, name := range pl.names {
+			if name == scenario.Overhead {
+				if prof == pl.profiles[0] { // no simulated engine: once
+					files, err := overhead(ctx, o, filepath.Join(o.out, name), stdout, stderr)
+					if err != nil {
+						return err
+					}
+					printFiles(stdout, filepath.Join(o.out, name), files)
+				}
+				continue
+			}
+			sc, ok := scenario.Lookup(o.preset(prof), name)
+			if !ok { // only the trace scenario without a trace
+				fmt.Fprintln(stderr, "trace: skipped, no --trace file (the Mooncake traces are not in the repository)")
+				continue
+			}
+			dir := resultDir(o.out, prof, name)
+			rep, files, err := comparison(ctx, sc, pl.pols, dir, stdout, stderr, progress)
+			if rep != nil {
+				done[cell{prof, name}] = rep
+			}
+			if err != nil {
+				return err
+			}
+			printFiles(stdout, dir, files)
+		}
+	}
+	if pl.matrix {
+		if err := matrix(ctx, o, pl, done, stdout, stderr, progress); err != nil {
+			return err
+		}
+	}
+	fmt.Fprintf(stderr, "done in %s\n", time.Since(start).Round(time.Second))
+	return nil
+}
+
+// comparison runs sc with pols (nil: the scenario's own), writes what
+// finished under dir and prints its tables.
+func comparison(ctx context.Context, sc scenario.Scenario, pols []scenario.Policy, dir string, stdout, stderr, progress io.Writer) (*scenario.Report, []string, error) {
+	rep, err := scenario.Run(ctx, sc, scenario.RunOptions{Policies: pols, Progress: progress, Log: stderr})
+	var files []string
+	if rep != nil && len(rep.Runs) > 0 {
+		var werr error
+		files, werr = report.Write(dir, rep)
+		err = errors.Join(err, werr)
+		fmt.Fprintf(stdout, "\n%s", report.Markdown(rep))
+	}
+	return rep, files, err
+}
+
+// matrix runs the matrix's workloads on each of its profiles, reusing the
+// comparisons this invocation already ran when they cover the matrix's
+// policies, writes each cell where a --profile run would and the matrix
+// under --out, and prints it. It writes what finished when a run fails.
+func matrix(ctx context.Context, o *options, pl *plan, done map[cell]*scenario.Report, stdout, stderr, progress io.Writer) error {
+	want := names(pl.matrixPols)
+	var reps []*scenario.Report
+	var err error
+	for _, prof := range pl.matrixProfiles {
+		for _, name := range scenario.MatrixScenarios() {
+			if rep, ok := done[cell{prof, name}]; ok {
+				if only, all := rep.Only(want); all {
+					fmt.Fprintf(stderr, "matrix: %s on %s from the run above\n", name, prof)
+					reps = append(reps, only)
+					continue
+				}
+			}
+			sc, _ := scenario.Lookup(o.preset(prof), name)
+			dir := resultDir(o.out, prof, name)
+			var rep *scenario.Report
+			var files []string
+			rep, files, err = comparison(ctx, sc, pl.matrixPols, dir, stdout, stderr, progress)
+			if rep != nil && len(rep.Runs) > 0 {
+				reps = append(reps, rep)
+			}
+			if err != nil {
+				break
+			}
+			printFiles(stdout, dir, files)
+		}
+		if err != nil {
+			break
+		}
+	}
+	if len(reps) == 0 {
+		return err
+	}
+	m, files, werr := report.WriteMatrix(o.out, reps)
+	fmt.Fprintf(stdout, "\n%s\nMatrix in %s\n", report.MatrixMarkdown(m), strings.Join(files, ", "))
+	return errors.Join(err, werr)
+}

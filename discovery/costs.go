@@ -2,6 +2,7 @@ package discovery
 
 import (
 	"math"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -56,6 +57,11 @@ type Costs struct {
 	// BatchLimit is the most requests the engine was seen running while
 	// others waited (0: never seen saturated).
 	BatchLimit int `json:"batch_limit"`
+	// FromFleet names the fields above that were not measured on this
+	// endpoint yet and are the median of the other endpoints of its fleet
+	// instead (pods behind one Service usually run one configuration):
+	// "batch_limit", "decode_step_sec", "decode_sec".
+	FromFleet []string `json:"from_fleet,omitempty"`
 	// Sample counts: TTFTs fitted, decode times, scrape intervals with
 	// tokens, and scrapes that showed a waiting queue.
 	TTFTSamples   int `json:"ttft_samples"`
@@ -119,10 +125,11 @@ const (
 // calibrator learns one endpoint's Costs. Its methods are safe for
 // concurrent use; each publishes a new snapshot.
 type calibrator struct {
-	mu  sync.Mutex
-	cfg CalibrationConfig
-	out *atomic.Pointer[Costs] // where snapshots are published
-	fit regression
+	mu    sync.Mutex
+	cfg   CalibrationConfig
+	out   *atomic.Pointer[Costs] // where snapshots are published
+	fleet *fleetCosts            // the fleet's measurements; nil: none
+	fit   regression
 	// Running means and their sample counts.
 	decodeSec, prefillTokens, stepSec float64
 	decodeN, prefillN, stepN          int
@@ -134,9 +141,9 @@ type calibrator struct {
 	haveITL                  bool
 }
 
-func newCalibrator(cfg CalibrationConfig, out *atomic.Pointer[Costs]) *calibrator {
+func newCalibrator(cfg CalibrationConfig, out *atomic.Pointer[Costs], fleet *fleetCosts) *calibrator {
 	cfg = cfg.withDefaults()
-	c := &calibrator{cfg: cfg, out: out}
+	c := &calibrator{cfg: cfg, out: out, fleet: fleet}
 	lambda := 1 - 1/float64(cfg.Window)
 	// Prior: no fixed latency, the prior prefill rate for the request's
 	// own tokens and for those ahead of it, no in-flight cost, each worth
@@ -235,7 +242,68 @@ func (c *calibrator) publish() {
 		StepSamples:         c.stepN,
 		LimitSamples:        min(c.limitN, limitWindow),
 	}
+	if c.fleet != nil {
+		c.fleet.update(c, s)
+	}
 	c.out.Store(s)
+}
+
+// fleetCosts holds what every endpoint of a fleet has measured, so that an
+// endpoint not measured yet can use its peers' values: a batch limit is
+// learned only once an engine saturates, and until then the others' limit
+// is a better guess than none. Safe for concurrent use; a calibrator's
+// mutex may be held when calling it, never the other way round.
+type fleetCosts struct {
+	mu       sync.Mutex
+	measured map[*calibrator]Costs
+}
+
+func newFleetCosts() *fleetCosts { return &fleetCosts{measured: map[*calibrator]Costs{}} }
+
+// update records s as c's own measurements and fills the fields c has not
+// measured with the median of the others'.
+func (f *fleetCosts) update(c *calibrator, s *Costs) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.measured[c] = *s
+	if s.BatchLimit == 0 {
+		if v := f.median(func(o Costs) float64 { return float64(o.BatchLimit) }); v > 0 {
+			s.BatchLimit, s.FromFleet = int(v), append(s.FromFleet, "batch_limit")
+		}
+	}
+	if s.DecodeStepSec == 0 {
+		if v := f.median(func(o Costs) float64 { return o.DecodeStepSec }); v > 0 {
+			s.DecodeStepSec, s.FromFleet = v, append(s.FromFleet, "decode_step_sec")
+		}
+	}
+	if s.DecodeSec == 0 {
+		if v := f.median(func(o Costs) float64 { return o.DecodeSec }); v > 0 {
+			s.DecodeSec, s.FromFleet = v, append(s.FromFleet, "decode_sec")
+		}
+	}
+}
+
+// forget drops c (its endpoint left the fleet).
+func (f *fleetCosts) forget(c *calibrator) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	delete(f.measured, c)
+}
+
+// median returns the median of the positive values v takes over the
+// measured endpoints (0: none). f.mu is held.
+func (f *fleetCosts) median(v func(Costs) float64) float64 {
+	var xs []float64
+	for _, c := range f.measured {
+		if x := v(c); x > 0 {
+			xs = append(xs, x)
+		}
+	}
+	if len(xs) == 0 {
+		return 0
+	}
+	slices.Sort(xs)
+	return xs[len(xs)/2]
 }
 
 // mean folds x into the running mean m of n samples: the plain mean while

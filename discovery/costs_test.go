@@ -3,6 +3,7 @@ package discovery
 import (
 	"math"
 	"math/rand/v2"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -21,7 +22,7 @@ func (e engineTruth) ttft(tokens, inFlight int64) float64 {
 
 func newTestCalibrator(prior float64) (*calibrator, *atomic.Pointer[Costs]) {
 	out := new(atomic.Pointer[Costs])
-	return newCalibrator(CalibrationConfig{PrefillTokensPerSec: prior}, out), out
+	return newCalibrator(CalibrationConfig{PrefillTokensPerSec: prior}, out, nil), out
 }
 
 // feed sends n observations drawn like real traffic: prompts of varied
@@ -156,7 +157,7 @@ func TestLeaseObservations(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e.calib = newCalibrator(CalibrationConfig{}, &e.costs)
+	e.calib = newCalibrator(CalibrationConfig{}, &e.costs, nil)
 	busy := e.Acquire(500) // ahead of the next one
 	l := e.Acquire(1000)
 	l.FirstByte(true)
@@ -177,5 +178,34 @@ func TestLeaseObservations(t *testing.T) {
 	}
 	if e.InFlight() != 0 || e.PendingPrefill() != 0 {
 		t.Errorf("leases leaked: %d in flight, %d pending", e.InFlight(), e.PendingPrefill())
+	}
+}
+
+// An endpoint that has not seen its engine saturate uses the median batch
+// limit (and decode times) its peers measured, marked as such; its own
+// measurement replaces it.
+func TestUnmeasuredEndpointsUseTheFleetsMedian(t *testing.T) {
+	fleet := newFleetCosts()
+	var outs [4]atomic.Pointer[Costs]
+	var cs [4]*calibrator
+	for i := range cs {
+		cs[i] = newCalibrator(CalibrationConfig{}, &outs[i], fleet)
+	}
+	for i, limit := range []int64{8, 8, 16} {
+		cs[i].observeEngine(float64(i), 100, true, limit, 2)
+		cs[i].observeEngine(float64(i)+2, 200, true, limit, 2) // 20 ms steps
+	}
+	cs[3].observeEngine(0, 0, false, 3, 0) // never saturated, no histogram
+	got := outs[3].Load()
+	if got.BatchLimit != 8 || got.DecodeStepSec != 0.02 || len(got.FromFleet) != 2 {
+		t.Errorf("from the fleet: %+v", got)
+	}
+	cs[3].observeEngine(0, 0, false, 12, 1)
+	if got := outs[3].Load(); got.BatchLimit != 12 || slices.Contains(got.FromFleet, "batch_limit") {
+		t.Errorf("own measurement: %+v", got)
+	}
+	fleet.forget(cs[2])
+	if len(fleet.measured) != 3 {
+		t.Errorf("%d endpoints after one left", len(fleet.measured))
 	}
 }

@@ -103,6 +103,9 @@ type Fleet struct {
 	ejectMu sync.Mutex
 	client  *http.Client
 	m       *fleetMetrics
+	// costs pools the endpoints' measured costs per role (roleIndex), the
+	// fallback of an endpoint not measured yet.
+	costs [3]*fleetCosts
 
 	// reapEvery and reapGrace pace the reaping of drained endpoints:
 	// every second, an endpoint idle and draining for at least a second.
@@ -152,6 +155,7 @@ func New(o Options) (*Fleet, error) {
 		o: o, log: log,
 		client:    &http.Client{Transport: tr, CheckRedirect: noRedirect},
 		m:         newFleetMetrics(),
+		costs:     [3]*fleetCosts{newFleetCosts(), newFleetCosts(), newFleetCosts()},
 		reapEvery: time.Second, reapGrace: time.Second,
 	}, nil
 }
@@ -233,7 +237,7 @@ func (f *Fleet) update(src *source, eps []*Endpoint) {
 		if e.owner == nil { // never published: no reader yet
 			e.owner = f
 			if !f.o.Calibration.Disabled {
-				e.calib = newCalibrator(f.o.Calibration, &e.costs)
+				e.calib = newCalibrator(f.o.Calibration, &e.costs, f.costs[roleIndex(e.Role)])
 			}
 		}
 	}
@@ -295,6 +299,9 @@ func (f *Fleet) reap(now time.Time) {
 				zap.String("endpoint", e.URL), zap.Int64("in_flight", n), zap.Duration("limit", f.o.DrainLimit))
 		} else {
 			f.log.Info("endpoint removed after draining", zap.String("endpoint", e.URL), zap.Stringer("role", e.Role))
+		}
+		if c := e.calib; c != nil && c.fleet != nil {
+			c.fleet.forget(c)
 		}
 		if f.o.OnRemove != nil {
 			f.o.OnRemove(e)

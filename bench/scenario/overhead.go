@@ -156,7 +156,7 @@ func RunOverhead(ctx context.Context, cfg OverheadConfig) (*OverheadReport, erro
 		return nil, err
 	}
 	defer be.Close()
-	rt, err := StartRouter(cfg.Policy, []string{be.URL})
+	rt, err := StartRouter(cfg.Policy, []string{be.URL}, nil)
 	if err != nil {
 		return nil, err
 	}

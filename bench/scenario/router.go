@@ -13,6 +13,8 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/kvroute/kvroute/bench/peers"
+	"github.com/kvroute/kvroute/bench/sim"
+	"github.com/kvroute/kvroute/discovery"
 	"github.com/kvroute/kvroute/proxy"
 	"github.com/kvroute/kvroute/routing"
 )
@@ -76,15 +78,40 @@ func Policies() []Policy {
 const gieMetricsInterval = 50 * time.Millisecond
 
 // policyTable is kvroute's table of policies (routing.Policies) with the
-// peers' emulations added.
-func policyTable() map[string]routing.NewPolicy {
+// peers' emulations added. engines are the pods' configurations (nil: not
+// simulated), for the peers that their guides ask to calibrate per
+// deployment.
+func policyTable(engines []sim.Config) map[string]routing.NewPolicy {
 	t := routing.Policies()
 	t["sglang-cache-aware"] = func(routing.PolicyConfig) routing.Picker { return peers.NewCacheAware() }
 	t["gie-blend"] = func(c routing.PolicyConfig) routing.Picker { return peers.NewBlend(c.BlockBytes, policySeed) }
 	t["llm-d-token-load"] = func(c routing.PolicyConfig) routing.Picker {
-		return peers.NewTokenLoad(c.BlockBytes, c.Index.BlocksPerEndpoint, policySeed)
+		p := peers.NewTokenLoad(c.BlockBytes, c.Index.BlocksPerEndpoint, policySeed)
+		if peak := peakPrefill(engines); peak > 0 {
+			p.PeakPrefill = peak
+		}
+		return p
 	}
 	return t
+}
+
+// peakPrefill calibrates llm-d's peak prefill throughput for the pods as
+// its guide asks of every deployment: the tokens of one unloaded chunk of
+// max_num_batched_tokens over the time it takes, in wall time (the router
+// measures wall time), averaged over the pods; 0 without pods.
+func peakPrefill(engines []sim.Config) float64 {
+	var sum float64
+	for _, c := range engines {
+		if err := c.Validate(); err != nil {
+			return 0
+		}
+		n := c.MaxNumBatchedTokens
+		sum += float64(n) / (c.StepCost(n, n).Seconds() / c.TimeScale)
+	}
+	if len(engines) == 0 {
+		return 0
+	}
+	return sum / float64(len(engines))
 }
 
 // PrefixParams are the prefix policy's parameters in the benchmark: the
@@ -154,9 +181,9 @@ func SelectPolicies(names []string) ([]Policy, error) {
 
 // routerConfig is the configuration StartRouter builds the router for p
 // from.
-func routerConfig(p Policy, backends []string) proxy.Config {
+func routerConfig(p Policy, backends []string, engines []sim.Config) proxy.Config {
 	cfg := proxy.DefaultConfig()
-	cfg.Backends, cfg.Policy, cfg.Policies = backends, p.router(), policyTable()
+	cfg.Backends, cfg.Policy, cfg.Policies = backends, p.router(), policyTable(engines)
 	cfg.Intn = seededIntn(policySeed)
 	cfg.AccessLog = false
 	cfg.Prefix, _ = PrefixParams() // checked by kvbench at start-up
@@ -174,6 +201,7 @@ const routerShutdownGrace = 10 * time.Second
 type Router struct {
 	// URL is the router's base URL (http://127.0.0.1:port).
 	URL  string
+	rt   *proxy.Router
 	stop context.CancelFunc
 	done chan error
 }
@@ -183,9 +211,11 @@ type Router struct {
 // health probes and engine scraping, the prefix index sized by the
 // engines' scraped KV capacity), without an access log or an admin
 // listener, its randomised policies seeded, then adjusted by
-// p.Configure. Stop it with Close.
-func StartRouter(p Policy, backends []string) (*Router, error) {
-	rt, err := proxy.NewRouter(routerConfig(p, backends), zap.NewNop())
+// p.Configure. engines are the simulated pods' configurations (nil when
+// the backends are not simulated pods), for the peers calibrated per
+// deployment. Stop it with Close.
+func StartRouter(p Policy, backends []string, engines []sim.Config) (*Router, error) {
+	rt, err := proxy.NewRouter(routerConfig(p, backends, engines), zap.NewNop())
 	if err != nil {
 		return nil, err
 	}
@@ -194,9 +224,42 @@ func StartRouter(p Policy, backends []string) (*Router, error) {
 		return nil, err
 	}
 	ctx, stop := context.WithCancel(context.Background())
-	r := &Router{URL: "http://" + ln.Addr().String(), stop: stop, done: make(chan error, 1)}
+	r := &Router{URL: "http://" + ln.Addr().String(), rt: rt, stop: stop, done: make(chan error, 1)}
 	go func() { r.done <- rt.Run(ctx, ln, nil, routerShutdownGrace) }()
 	return r, nil
+}
+
+// Learned is what a router learned of one pod (discovery.Costs).
+type Learned struct {
+	Endpoint string           `json:"endpoint"`
+	Costs    *discovery.Costs `json:"costs"`
+}
+
+// Learned returns what the router has learned of each pod so far.
+func (r *Router) Learned() []Learned {
+	var out []Learned
+	for _, e := range r.rt.Pool.Load().Endpoints {
+		if c := e.Costs(); c != nil {
+			out = append(out, Learned{Endpoint: e.URL, Costs: c})
+		}
+	}
+	return out
+}
+
+// describeLearned summarises learned costs for a log line: the range over
+// the pods of each constant.
+func describeLearned(ls []Learned) string {
+	lo, hi := *ls[0].Costs, *ls[0].Costs
+	for _, l := range ls[1:] {
+		c := l.Costs
+		lo.PrefillTokensPerSec, hi.PrefillTokensPerSec = min(lo.PrefillTokensPerSec, c.PrefillTokensPerSec), max(hi.PrefillTokensPerSec, c.PrefillTokensPerSec)
+		lo.DecodeStepSec, hi.DecodeStepSec = min(lo.DecodeStepSec, c.DecodeStepSec), max(hi.DecodeStepSec, c.DecodeStepSec)
+		lo.BatchLimit, hi.BatchLimit = min(lo.BatchLimit, c.BatchLimit), max(hi.BatchLimit, c.BatchLimit)
+		lo.FixedSec, hi.FixedSec = min(lo.FixedSec, c.FixedSec), max(hi.FixedSec, c.FixedSec)
+	}
+	return fmt.Sprintf("on %d pods: prefill %.0f–%.0f tokens/s, fixed %.0f–%.0f ms, decode step %.1f–%.1f ms, batch limit %d–%d",
+		len(ls), lo.PrefillTokensPerSec, hi.PrefillTokensPerSec, 1000*lo.FixedSec, 1000*hi.FixedSec,
+		1000*lo.DecodeStepSec, 1000*hi.DecodeStepSec, lo.BatchLimit, hi.BatchLimit)
 }
 
 // Close drains the router (in-flight streams get 10 s) and waits for it.

@@ -148,6 +148,9 @@ type Report struct {
 	WallSeconds  float64        `json:"wall_s"`
 	IdealHitRate float64        `json:"ideal_hit_rate"`
 	Runs         []*load.Result `json:"runs"`
+	// Learned is, per policy, what the router had learned of each pod at
+	// the end of its run (one router; none for replicated policies).
+	Learned map[string][]Learned `json:"learned,omitempty"`
 }
 
 // RunOptions tune Run.
@@ -187,10 +190,19 @@ func Run(ctx context.Context, sc Scenario, opt RunOptions) (*Report, error) {
 		if opt.Log != nil {
 			fmt.Fprintf(opt.Log, "%s: %s on %d simulated pods%s behind kvroute\n", sc.Name, p.Name, sc.Pods, sc.profileNote())
 		}
-		res, err := runPolicy(ctx, sc, wl, p, opt.Progress)
+		res, learned, err := runPolicy(ctx, sc, wl, p, opt.Progress)
 		if res != nil {
 			rep.Runs = append(rep.Runs, res)
 			rep.IdealHitRate = res.IdealHitRate
+		}
+		if len(learned) > 0 {
+			if rep.Learned == nil {
+				rep.Learned = map[string][]Learned{}
+			}
+			rep.Learned[p.Name] = learned
+			if opt.Log != nil {
+				fmt.Fprintf(opt.Log, "%s: %s learned %s\n", sc.Name, p.Name, describeLearned(learned))
+			}
 		}
 		if err != nil {
 			return rep, fmt.Errorf("scenario %s, policy %s: %w", sc.Name, p.Name, err)
@@ -200,14 +212,14 @@ func Run(ctx context.Context, sc Scenario, opt RunOptions) (*Report, error) {
 }
 
 // runPolicy runs one policy of sc on a fresh fleet and router.
-func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy, progress io.Writer) (res *load.Result, err error) {
+func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy, progress io.Writer) (res *load.Result, learned []Learned, err error) {
 	cfgs, err := sc.PodConfigs()
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	fleet, err := sim.StartFleetOf(cfgs...)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	defer func() { err = errors.Join(err, fleet.Close()) }()
 	front, backends := p, fleet.URLs()
@@ -218,24 +230,27 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 		// router pods would.
 		var replicas []string
 		for i := 0; i < p.Replicas; i++ {
-			inner, err := StartRouter(p, fleet.URLs())
+			inner, err := StartRouter(p, fleet.URLs(), cfgs)
 			if err != nil {
-				return nil, err
+				return nil, nil, err
 			}
 			defer func() { err = errors.Join(err, inner.Close()) }()
 			replicas = append(replicas, inner.URL)
 		}
 		backends = replicas
 		if front, err = policyNamed("random"); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 	}
-	rt, err := StartRouter(front, backends)
+	rt, err := StartRouter(front, backends, cfgs)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	defer func() { err = errors.Join(err, rt.Close()) }()
-	return load.Run(ctx, load.Config{
+	if p.Replicas <= 1 {
+		defer func() { learned = rt.Learned() }()
+	}
+	res, err = load.Run(ctx, load.Config{
 		BaseURL:   rt.URL,
 		PodURLs:   fleet.URLs(),
 		Model:     sc.Fleet.Model,
@@ -249,6 +264,7 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 		Label:     p.Name,
 		Progress:  progress,
 	})
+	return res, nil, err
 }
 
 // policyNamed returns the entry of Policies() called name.

@@ -26,8 +26,7 @@ const (
 // for every usable endpoint, how long this request would wait for its first
 // token there:
 //
-//	wait = fixed
-//	     + max(in-flight prefill tokens / prefill rate + slot wait, engine queue × queue cost)
+//	wait = max(in-flight prefill tokens / pending rate + slot wait, engine queue × queue cost)
 //	     + this request's uncached tokens / prefill rate
 //	     + max(in-flight requests, engine running + waiting) × decode cost
 //	     + engine KV usage × KV cost
@@ -36,8 +35,8 @@ const (
 // where the engine terms count only when freshly scraped (else the
 // router's own counters stand alone), and the uncached tokens are the prompt
 // minus the prefix the index believes the endpoint holds. The constants are
-// the endpoint's own (discovery.Costs): its prefill rate and fixed latency
-// fitted to its TTFTs, its decode cost the engine's inter-token latency, its
+// the endpoint's own (discovery.Costs): its prefill rate (of its own
+// tokens, and of the pending tokens ahead) fitted to its TTFTs, its decode cost the engine's inter-token latency, its
 // batch limit the most requests it ran while others waited, the queue cost
 // its mean prefill time or batch turnover; PrefixParams holds the priors
 // used until they are measured, and the values it pins.
@@ -230,7 +229,7 @@ type Term struct {
 	// The wait model's constants for this endpoint (learned, or the
 	// priors) and, when measured, what was learned with its sample counts.
 	PrefillTokensPerSec float64          `json:"prefill_tokens_per_sec"`
-	FixedSec            float64          `json:"fixed_sec"`
+	PendingTokensPerSec float64          `json:"pending_tokens_per_sec"`
 	DecodeCostSec       float64          `json:"decode_cost_sec"`
 	QueueCostSec        float64          `json:"queue_cost_sec"`
 	SlotCostSec         float64          `json:"slot_cost_sec"`
@@ -342,7 +341,7 @@ func (c candidate) term() Term {
 	t := Term{Endpoint: c.e.URL, MatchedBlocks: c.blocks, Warm: c.warm, Idle: c.idle,
 		UncachedTokens: c.uncached, InFlightPrefill: c.load.pending, InFlightRequests: c.load.inFlight,
 		WaitSec: c.wait, Rendezvous: c.score, Learned: c.load.costs,
-		PrefillTokensPerSec: c.rates.prefill, FixedSec: c.rates.fixed, DecodeCostSec: c.rates.decode,
+		PrefillTokensPerSec: c.rates.prefill, PendingTokensPerSec: c.rates.pending, DecodeCostSec: c.rates.decode,
 		QueueCostSec: c.rates.queue, SlotCostSec: c.rates.slot, BatchLimit: c.rates.limit}
 	if eng := c.load.eng; eng != nil {
 		t.EngineWaiting, t.EngineRunning, t.EngineKVUsage = &eng.Waiting, &eng.Running, &eng.KVUsage

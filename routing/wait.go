@@ -15,9 +15,11 @@ func loadOf(e *discovery.Endpoint) load {
 }
 
 // rates are the wait model's constants for one endpoint: its learned costs
-// where measured and not pinned, else the parameters (the priors).
+// where measured and not pinned, else the parameters (the priors). The
+// fitted fixed latency (discovery.Costs.FixedSec) is left out: it isolates
+// the rates in the fit, but per endpoint it also absorbs whatever load the
+// fit does not model, so comparing endpoints by it would route by noise.
 type rates struct {
-	fixed   float64 // seconds of every TTFT that no load explains
 	prefill float64 // uncached prompt tokens computed per second
 	pending float64 // pending prefill tokens ahead drained per second
 	decode  float64 // seconds per request in flight
@@ -35,7 +37,7 @@ func (p *PrefixParams) ratesOf(c *discovery.Costs) rates {
 		return r
 	}
 	if !p.pinned(PinPrefillRate) {
-		r.prefill, r.pending, r.fixed = c.PrefillTokensPerSec, c.PendingTokensPerSec, c.FixedSec
+		r.prefill, r.pending = c.PrefillTokensPerSec, c.PendingTokensPerSec
 	}
 	if !p.pinned(PinDecodeCost) && c.DecodeStepSec > 0 {
 		r.decode = c.DecodeStepSec
@@ -67,7 +69,7 @@ func (p *PrefixParams) wait(l load, r rates, uncached int) (wait, own float64, i
 	if r.limit > 0 && l.inFlight >= r.limit {
 		slot = float64(l.inFlight-r.limit+1) * r.slot
 	}
-	own = r.fixed + queue + slot + prefill + float64(l.inFlight)*r.decode
+	own = queue + slot + prefill + float64(l.inFlight)*r.decode
 	// When every endpoint queues, a spill just adds a recompute.
 	idle = queue <= p.SpillMarginSec && (r.limit == 0 || l.inFlight < r.limit)
 	eng := l.eng
@@ -79,7 +81,7 @@ func (p *PrefixParams) wait(l load, r rates, uncached int) (wait, own float64, i
 	// router's pending prefill shows the spills it sent since).
 	inFlight := max(l.inFlight, eng.Running+eng.Waiting)
 	queue = max(queue+slot, float64(eng.Waiting)*r.queue)
-	wait = r.fixed + queue + prefill + float64(inFlight)*r.decode + eng.KVUsage*p.KVCostSec
+	wait = queue + prefill + float64(inFlight)*r.decode + eng.KVUsage*p.KVCostSec
 	// A spilled prompt fills a nearly full cache by evicting the prefixes
 	// homed there, whose next requests then recompute.
 	idle = idle && eng.Waiting == 0 && eng.KVUsage < p.SpillMaxKVUsage

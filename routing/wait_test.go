@@ -16,11 +16,11 @@ var slowEngine = discovery.Costs{PrefillTokensPerSec: 1000, PendingTokensPerSec:
 func TestLearnedRatesReplacePriors(t *testing.T) {
 	p := DefaultPrefixParams()
 	r := p.ratesOf(&slowEngine)
-	want := rates{fixed: 0.05, prefill: 1000, pending: 1500, decode: 0.03, queue: 1.5, slot: 0.75, limit: 4}
+	want := rates{prefill: 1000, pending: 1500, decode: 0.03, queue: 1.5, slot: 0.75, limit: 4}
 	if r != want {
 		t.Errorf("learned: %+v, want %+v", r, want)
 	}
-	if r := p.ratesOf(nil); r.prefill != p.PrefillTokensPerSec || r.decode != p.DecodeCostSec || r.limit != 0 || r.fixed != 0 {
+	if r := p.ratesOf(nil); r.prefill != p.PrefillTokensPerSec || r.decode != p.DecodeCostSec || r.limit != 0 {
 		t.Errorf("nothing learned yet: %+v", r)
 	}
 	p.BatchLimit = 16
@@ -29,7 +29,7 @@ func TestLearnedRatesReplacePriors(t *testing.T) {
 		t.Fatal(err)
 	}
 	r = p.ratesOf(&slowEngine)
-	if r.prefill != p.PrefillTokensPerSec || r.decode != p.DecodeCostSec || r.queue != p.QueueCostSec || r.limit != 16 || r.fixed != 0 {
+	if r.prefill != p.PrefillTokensPerSec || r.decode != p.DecodeCostSec || r.queue != p.QueueCostSec || r.limit != 16 {
 		t.Errorf("pinned: %+v", r)
 	}
 	p.Pinned = []string{"magic"}

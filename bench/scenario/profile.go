@@ -11,11 +11,13 @@ import (
 )
 
 // minSingleRateRequests is the fewest requests a single-rate load (random,
-// hot-prefix) is cut to on a slow profile, so that its p90 TTFT is the
-// tenth-slowest of about a hundred rather than the fifth of fifty. On
-// slow-large it lengthens random from 12 to 25 s and hot-prefix from 12 to
-// 19 s.
-const minSingleRateRequests = 96
+// hot-prefix) is cut to on a slow profile, so that its p90 TTFT measures
+// the steady state: every pod's first request of a shared prefix is cold
+// (on 8 pods, 8 cold prefills), and with 96 requests those alone are 8% of
+// the run, so a policy with two more cold requests than another lost the
+// p90 to a cliff (warm 150 ms, cold 1 s on slow-large). With 200 they are
+// 4%. On slow-large hot-prefix runs 40 s.
+const minSingleRateRequests = 200
 
 // Sizing records how a scenario's load was fitted to its engine profile
 // (sim.Profiles). The built-in loads were written for h100-8b; on another

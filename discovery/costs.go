@@ -27,9 +27,10 @@ import (
 // (vLLM's vllm:inter_token_latency_seconds, before V1
 // vllm:time_per_output_token_seconds; SGLang's
 // sglang:time_per_output_token_seconds) gives the decode step, and the
-// number of running requests while others wait (vllm:num_requests_running
-// against vllm:num_requests_waiting) gives the batch limit, the engine's
-// max_num_seqs or the number of sequences its KV cache holds.
+// number of running requests while others wait with KV to spare
+// (vllm:num_requests_running against vllm:num_requests_waiting and
+// vllm:kv_cache_usage_perc) gives the batch limit, the engine's
+// max_num_seqs.
 type Costs struct {
 	// PrefillTokensPerSec is the rate at which the endpoint computes
 	// uncached prompt tokens, queue included: the slope of its TTFT in the
@@ -113,6 +114,11 @@ const (
 	// limitWindow is how many saturated scrapes the batch limit is the
 	// maximum of.
 	limitWindow = 32
+	// kvBoundUsage: a scrape with requests waiting at this KV usage or
+	// more shows a full cache, not a batch limit. vLLM admits a request
+	// when its blocks fit; at 90% a 2k-token prompt no longer does on a
+	// small cache.
+	kvBoundUsage = 0.9
 )
 
 // Feature scales of the fit, so its matrix is well conditioned: tokens in
@@ -154,13 +160,15 @@ func newCalibrator(cfg CalibrationConfig, out *atomic.Pointer[Costs], fleet *fle
 	return c
 }
 
-// observeTTFT adds one streamed response: its time to first byte ttfb,
-// its own prompt tokens to compute (own), the router's pending prefill
-// tokens ahead of it when it was sent (ahead) and the requests in flight
-// before it (inFlight).
-func (c *calibrator) observeTTFT(ttfb time.Duration, own, ahead, inFlight int64) {
+// observe adds one streamed response: its time to first byte ttfb and
+// from there to its end (decode), its own prompt tokens to compute (own),
+// the router's pending prefill tokens ahead of it when it was sent (ahead)
+// and the requests in flight before it (inFlight).
+func (c *calibrator) observe(ttfb, decode time.Duration, own, ahead, inFlight int64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.decodeN++
+	c.decodeSec = mean(c.decodeSec, decode.Seconds(), c.decodeN)
 	c.prefillN++
 	c.prefillTokens = mean(c.prefillTokens, float64(own), c.prefillN)
 	// Past the batch limit a request also waits for a place in the batch,
@@ -171,19 +179,10 @@ func (c *calibrator) observeTTFT(ttfb time.Duration, own, ahead, inFlight int64)
 	c.publish()
 }
 
-// observeDecode adds one stream's time from first byte to end.
-func (c *calibrator) observeDecode(d time.Duration) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.decodeN++
-	c.decodeSec = mean(c.decodeSec, d.Seconds(), c.decodeN)
-	c.publish()
-}
-
 // observeEngine adds one scrape: the cumulative inter-token latency
-// histogram's sum and count (itlOK false when the engine exports none) and
-// the running and waiting requests.
-func (c *calibrator) observeEngine(itlSum, itlCount float64, itlOK bool, running, waiting int64) {
+// histogram's sum and count (itlOK false when the engine exports none),
+// the running and waiting requests and the KV cache's usage.
+func (c *calibrator) observeEngine(itlSum, itlCount float64, itlOK bool, running, waiting int64, kvUsage float64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if itlOK {
@@ -196,7 +195,11 @@ func (c *calibrator) observeEngine(itlSum, itlCount float64, itlOK bool, running
 		}
 		c.lastITLSum, c.lastITLCount, c.haveITL = itlSum, itlCount, true
 	}
-	if waiting > 0 && running > 0 {
+	// Requests wait either for a place in the batch (max_num_seqs) or for
+	// KV blocks. Only the first is a limit on requests: how many fit in a
+	// full cache depends on their lengths, and a request whose prefix is
+	// cached needs few new blocks.
+	if waiting > 0 && running > 0 && kvUsage < kvBoundUsage {
 		c.limits[c.limitN%limitWindow] = int(min(running, math.MaxInt32))
 		c.limitN++
 	}

@@ -43,7 +43,7 @@ func feed(c *calibrator, truth engineTruth, n int, rng *rand.Rand) {
 		if rng.IntN(20) == 0 {
 			y *= 10 + 20*rng.Float64()
 		}
-		c.observeTTFT(time.Duration(y*float64(time.Second)), own, ahead, inFlight)
+		c.observe(time.Duration(y*float64(time.Second)), time.Second, own, ahead, inFlight)
 	}
 }
 
@@ -86,12 +86,12 @@ func TestCalibrationColdStartAndBounds(t *testing.T) {
 		t.Fatal("costs before any observation")
 	}
 	// One request of 2,000 tokens that took 2 s (1,000 tokens/s).
-	c.observeTTFT(2*time.Second, 2000, 0, 0)
+	c.observe(2*time.Second, time.Second, 2000, 0, 0)
 	if r := out.Load().PrefillTokensPerSec; r <= 1000 || r >= 20000 {
 		t.Errorf("after one sample the rate is %.0f: it should lie between the sample's and the prior's", r)
 	}
 	for range 500 { // a paused process: every TTFT an hour
-		c.observeTTFT(time.Hour, 1000, 0, 0)
+		c.observe(time.Hour, time.Second, 1000, 0, 0)
 	}
 	got := out.Load()
 	if got.PrefillTokensPerSec < 20000/rateBound*0.999 || got.FixedSec > maxFixedSec {
@@ -103,12 +103,12 @@ func TestCalibrationColdStartAndBounds(t *testing.T) {
 // their TTFTs do not enter the prefill fit.
 func TestCalibrationSkipsSamplesPastTheBatchLimit(t *testing.T) {
 	c, out := newTestCalibrator(20000)
-	c.observeEngine(0, 0, false, 8, 3) // 8 running while 3 wait: the limit is 8
+	c.observeEngine(0, 0, false, 8, 3, 0.5) // 8 running while 3 wait: the limit is 8
 	truth := engineTruth{rate: 2000, fixed: 0.05}
 	feed(c, truth, 200, rand.New(rand.NewPCG(3, 4)))
 	before := *out.Load()
 	for range 100 { // queued behind a full batch: a minute each
-		c.observeTTFT(time.Minute, 100, 0, 20)
+		c.observe(time.Minute, time.Second, 100, 0, 20)
 	}
 	after := out.Load()
 	if after.BatchLimit != 8 || after.TTFTSamples != before.TTFTSamples {
@@ -124,12 +124,12 @@ func TestCalibrationSkipsSamplesPastTheBatchLimit(t *testing.T) {
 // sample, and a restart forgets the batch limit.
 func TestCalibrationFromEngineScrapes(t *testing.T) {
 	c, out := newTestCalibrator(20000)
-	c.observeEngine(10, 1000, true, 4, 0) // baseline only
+	c.observeEngine(10, 1000, true, 4, 0, 0.5) // baseline only
 	if got := out.Load(); got.StepSamples != 0 || got.DecodeStepSec != 0 {
 		t.Fatalf("a first scrape is only a baseline: %+v", got)
 	}
-	c.observeEngine(10+0.02*500, 1500, true, 8, 2) // 500 tokens at 20 ms
-	c.observeEngine(20+0.03*500, 2000, true, 6, 1) // 500 tokens at 30 ms
+	c.observeEngine(10+0.02*500, 1500, true, 8, 2, 0.5) // 500 tokens at 20 ms
+	c.observeEngine(20+0.03*500, 2000, true, 6, 1, 0.5) // 500 tokens at 30 ms
 	got := out.Load()
 	if got.StepSamples != 2 || math.Abs(got.DecodeStepSec-0.025) > 1e-9 {
 		t.Errorf("decode step %.4f s over %d samples, want 0.025 over 2", got.DecodeStepSec, got.StepSamples)
@@ -137,21 +137,26 @@ func TestCalibrationFromEngineScrapes(t *testing.T) {
 	if got.BatchLimit != 8 || got.LimitSamples != 2 {
 		t.Errorf("batch limit %d over %d samples, want 8 over 2", got.BatchLimit, got.LimitSamples)
 	}
+	c.observeEngine(30+0.03*500, 2500, true, 20, 5, 0.95) // waiting for KV, not for a place
+	if got := out.Load(); got.BatchLimit != 8 {
+		t.Errorf("a full cache taken for a batch limit: %+v", got)
+	}
 	c.restart()
-	c.observeEngine(1, 100, true, 3, 0) // counters restarted from zero
+	c.observeEngine(1, 100, true, 3, 0, 0.5) // counters restarted from zero
 	got = out.Load()
-	if got.StepSamples != 2 || got.BatchLimit != 0 {
+	if got.StepSamples != 3 || got.BatchLimit != 0 {
 		t.Errorf("after a restart: %+v", got)
 	}
-	c.observeEngine(1+0.01*100, 200, true, 3, 0)
-	if got := out.Load(); got.StepSamples != 3 || got.DecodeStepSec >= 0.025 {
+	c.observeEngine(1+0.01*100, 200, true, 3, 0, 0.5)
+	if got := out.Load(); got.StepSamples != 4 || got.DecodeStepSec >= 0.0267 {
 		t.Errorf("no new sample after the restart: %+v", got)
 	}
 }
 
-// A lease feeds its endpoint's calibrator: a streamed first byte is a TTFT
-// sample, a completed stream a decode-time sample; a whole response's
-// first byte and a released (failed) stream are neither.
+// A lease feeds its endpoint's calibrator: a completed stream is a TTFT
+// and a decode-time sample, with the prompt tokens the engine said it
+// computed; a whole response and a released (failed or cut) stream are
+// neither.
 func TestLeaseObservations(t *testing.T) {
 	e, err := NewEndpoint("http://10.0.0.1:8000", RoleMixed)
 	if err != nil {
@@ -161,20 +166,20 @@ func TestLeaseObservations(t *testing.T) {
 	busy := e.Acquire(500) // ahead of the next one
 	l := e.Acquire(1000)
 	l.FirstByte(true)
-	l.Complete()
+	l.Complete(800) // the engine had 200 of the tokens cached after all
 	got := e.Costs()
-	if got == nil || got.TTFTSamples != 1 || got.DecodeSamples != 1 || got.PrefillTokens != 1000 {
+	if got == nil || got.TTFTSamples != 1 || got.DecodeSamples != 1 || got.PrefillTokens != 800 {
 		t.Fatalf("after one stream: %+v", got)
 	}
 	whole := e.Acquire(10)
 	whole.FirstByte(false)
-	whole.Complete()
+	whole.Complete(Uncomputed)
 	cut := e.Acquire(10)
 	cut.FirstByte(true)
 	cut.Release()
 	busy.Release()
-	if got := e.Costs(); got.TTFTSamples != 2 || got.DecodeSamples != 1 {
-		t.Errorf("want 2 TTFT samples (the cut stream's first byte counts) and 1 decode sample: %+v", got)
+	if got := e.Costs(); got.TTFTSamples != 1 || got.DecodeSamples != 1 {
+		t.Errorf("want the complete stream's samples only: %+v", got)
 	}
 	if e.InFlight() != 0 || e.PendingPrefill() != 0 {
 		t.Errorf("leases leaked: %d in flight, %d pending", e.InFlight(), e.PendingPrefill())
@@ -192,15 +197,15 @@ func TestUnmeasuredEndpointsUseTheFleetsMedian(t *testing.T) {
 		cs[i] = newCalibrator(CalibrationConfig{}, &outs[i], fleet)
 	}
 	for i, limit := range []int64{8, 8, 16} {
-		cs[i].observeEngine(float64(i), 100, true, limit, 2)
-		cs[i].observeEngine(float64(i)+2, 200, true, limit, 2) // 20 ms steps
+		cs[i].observeEngine(float64(i), 100, true, limit, 2, 0.5)
+		cs[i].observeEngine(float64(i)+2, 200, true, limit, 2, 0.5) // 20 ms steps
 	}
-	cs[3].observeEngine(0, 0, false, 3, 0) // never saturated, no histogram
+	cs[3].observeEngine(0, 0, false, 3, 0, 0.5) // never saturated, no histogram
 	got := outs[3].Load()
 	if got.BatchLimit != 8 || got.DecodeStepSec != 0.02 || len(got.FromFleet) != 2 {
 		t.Errorf("from the fleet: %+v", got)
 	}
-	cs[3].observeEngine(0, 0, false, 12, 1)
+	cs[3].observeEngine(0, 0, false, 12, 1, 0.5)
 	if got := outs[3].Load(); got.BatchLimit != 12 || slices.Contains(got.FromFleet, "batch_limit") {
 		t.Errorf("own measurement: %+v", got)
 	}

@@ -12,8 +12,10 @@ import "time"
 // which leaves the giver's copy empty. The zero Lease holds nothing.
 //
 // A lease is also how the endpoint learns its costs (Costs): a streamed
-// response's first byte is a TTFT observation against the load found at
-// Acquire, and its completion a decode-time observation.
+// response's time to first byte is a TTFT observation against the load
+// found at Acquire, recorded with its decode time when the stream
+// completes, when the engine may also have said how many of the prompt's
+// tokens it had to compute.
 type Lease struct {
 	e       *Endpoint
 	prefill int64 // pending-prefill tokens still counted; 0 after FirstByte
@@ -25,6 +27,10 @@ type Lease struct {
 	// yet, or not streamed).
 	firstByte time.Time
 }
+
+// Uncomputed is Complete's argument when the engine did not report how
+// many prompt tokens it computed: the policy's estimate stands.
+const Uncomputed = -1
 
 // Acquire claims e for one request that leaves prefillTokens of its prompt
 // for the endpoint to compute.
@@ -57,10 +63,8 @@ func (l *Lease) FirstByte(streamed bool) {
 	}
 	l.e.pendingPrefill.Add(-l.prefill)
 	l.prefill = -1 // done
-	if c := l.e.calib; c != nil && streamed {
-		now := time.Now()
-		l.firstByte = now
-		c.observeTTFT(now.Sub(l.start), l.own, l.ahead, l.before)
+	if l.e.calib != nil && streamed {
+		l.firstByte = time.Now()
 	}
 }
 
@@ -77,12 +81,19 @@ func (l *Lease) Release() {
 	*l = Lease{}
 }
 
-// Complete is Release for a response delivered in full: a streamed one
-// also tells the endpoint how long its generation took.
-func (l *Lease) Complete() {
+// Complete is Release for a response delivered in full. A streamed one is
+// an observation of the endpoint's costs: its time to first byte and its
+// decode time. computed is the prompt tokens the engine reported it
+// computed (prompt_tokens − cached_tokens of its usage), which replace the
+// policy's estimate in the TTFT observation; Uncomputed if it did not say.
+func (l *Lease) Complete(computed int) {
 	if l.e != nil && !l.firstByte.IsZero() {
 		if c := l.e.calib; c != nil {
-			c.observeDecode(time.Since(l.firstByte))
+			own := l.own
+			if computed >= 0 {
+				own = int64(computed)
+			}
+			c.observe(l.firstByte.Sub(l.start), time.Since(l.firstByte), own, l.ahead, l.before)
 		}
 	}
 	l.Release()

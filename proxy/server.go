@@ -466,7 +466,11 @@ func (b *upstreamBody) CloseWithError(err error) error {
 	_ = b.resp.CloseBodyStream()
 	fasthttp.ReleaseResponse(b.resp)
 	if err == nil && b.readErr == nil {
-		b.lease.Complete()
+		computed := discovery.Uncomputed
+		if b.learn && b.cached.Found && b.prompt.Found {
+			computed = max(0, b.prompt.Value-b.cached.Value)
+		}
+		b.lease.Complete(computed)
 	} else {
 		b.lease.Release()
 	}

@@ -181,8 +181,9 @@ func (c *calibrator) observe(ttfb, decode time.Duration, own, ahead, inFlight in
 
 // observeEngine adds one scrape: the cumulative inter-token latency
 // histogram's sum and count (itlOK false when the engine exports none),
-// the running and waiting requests and the KV cache's usage.
-func (c *calibrator) observeEngine(itlSum, itlCount float64, itlOK bool, running, waiting int64, kvUsage float64) {
+// the running and waiting requests, the KV cache's usage and its capacity
+// in tokens (0: unknown).
+func (c *calibrator) observeEngine(itlSum, itlCount float64, itlOK bool, running, waiting int64, kvUsage float64, kvTokens int64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if itlOK {
@@ -198,8 +199,12 @@ func (c *calibrator) observeEngine(itlSum, itlCount float64, itlOK bool, running
 	// Requests wait either for a place in the batch (max_num_seqs) or for
 	// KV blocks. Only the first is a limit on requests: how many fit in a
 	// full cache depends on their lengths, and a request whose prefix is
-	// cached needs few new blocks.
-	if waiting > 0 && running > 0 && kvUsage < kvBoundUsage {
+	// cached needs few new blocks. The cache is full for the next request
+	// when it is nearly full or has room for less than two of the prompts
+	// the endpoint computes on average.
+	kvFull := kvUsage >= kvBoundUsage ||
+		kvTokens > 0 && (1-kvUsage)*float64(kvTokens) < 2*c.prefillTokens
+	if waiting > 0 && running > 0 && !kvFull {
 		c.limits[c.limitN%limitWindow] = int(min(running, math.MaxInt32))
 		c.limitN++
 	}

@@ -103,7 +103,7 @@ func TestCalibrationColdStartAndBounds(t *testing.T) {
 // their TTFTs do not enter the prefill fit.
 func TestCalibrationSkipsSamplesPastTheBatchLimit(t *testing.T) {
 	c, out := newTestCalibrator(20000)
-	c.observeEngine(0, 0, false, 8, 3, 0.5) // 8 running while 3 wait: the limit is 8
+	c.observeEngine(0, 0, false, 8, 3, 0.5, 0) // 8 running while 3 wait: the limit is 8
 	truth := engineTruth{rate: 2000, fixed: 0.05}
 	feed(c, truth, 200, rand.New(rand.NewPCG(3, 4)))
 	before := *out.Load()
@@ -124,12 +124,12 @@ func TestCalibrationSkipsSamplesPastTheBatchLimit(t *testing.T) {
 // sample, and a restart forgets the batch limit.
 func TestCalibrationFromEngineScrapes(t *testing.T) {
 	c, out := newTestCalibrator(20000)
-	c.observeEngine(10, 1000, true, 4, 0, 0.5) // baseline only
+	c.observeEngine(10, 1000, true, 4, 0, 0.5, 0) // baseline only
 	if got := out.Load(); got.StepSamples != 0 || got.DecodeStepSec != 0 {
 		t.Fatalf("a first scrape is only a baseline: %+v", got)
 	}
-	c.observeEngine(10+0.02*500, 1500, true, 8, 2, 0.5) // 500 tokens at 20 ms
-	c.observeEngine(20+0.03*500, 2000, true, 6, 1, 0.5) // 500 tokens at 30 ms
+	c.observeEngine(10+0.02*500, 1500, true, 8, 2, 0.5, 0) // 500 tokens at 20 ms
+	c.observeEngine(20+0.03*500, 2000, true, 6, 1, 0.5, 0) // 500 tokens at 30 ms
 	got := out.Load()
 	if got.StepSamples != 2 || math.Abs(got.DecodeStepSec-0.025) > 1e-9 {
 		t.Errorf("decode step %.4f s over %d samples, want 0.025 over 2", got.DecodeStepSec, got.StepSamples)
@@ -137,17 +137,19 @@ func TestCalibrationFromEngineScrapes(t *testing.T) {
 	if got.BatchLimit != 8 || got.LimitSamples != 2 {
 		t.Errorf("batch limit %d over %d samples, want 8 over 2", got.BatchLimit, got.LimitSamples)
 	}
-	c.observeEngine(30+0.03*500, 2500, true, 20, 5, 0.95) // waiting for KV, not for a place
+	c.observeEngine(30+0.03*500, 2500, true, 20, 5, 0.95, 0) // waiting for KV, not for a place
+	c.prefillTokens = 2000
+	c.observeEngine(30+0.03*500, 2500, true, 20, 5, 0.85, 20000) // 3,000 tokens free: not two prompts
 	if got := out.Load(); got.BatchLimit != 8 {
 		t.Errorf("a full cache taken for a batch limit: %+v", got)
 	}
 	c.restart()
-	c.observeEngine(1, 100, true, 3, 0, 0.5) // counters restarted from zero
+	c.observeEngine(1, 100, true, 3, 0, 0.5, 0) // counters restarted from zero
 	got = out.Load()
 	if got.StepSamples != 3 || got.BatchLimit != 0 {
 		t.Errorf("after a restart: %+v", got)
 	}
-	c.observeEngine(1+0.01*100, 200, true, 3, 0, 0.5)
+	c.observeEngine(1+0.01*100, 200, true, 3, 0, 0.5, 0)
 	if got := out.Load(); got.StepSamples != 4 || got.DecodeStepSec >= 0.0267 {
 		t.Errorf("no new sample after the restart: %+v", got)
 	}
@@ -197,15 +199,15 @@ func TestUnmeasuredEndpointsUseTheFleetsMedian(t *testing.T) {
 		cs[i] = newCalibrator(CalibrationConfig{}, &outs[i], fleet)
 	}
 	for i, limit := range []int64{8, 8, 16} {
-		cs[i].observeEngine(float64(i), 100, true, limit, 2, 0.5)
-		cs[i].observeEngine(float64(i)+2, 200, true, limit, 2, 0.5) // 20 ms steps
+		cs[i].observeEngine(float64(i), 100, true, limit, 2, 0.5, 0)
+		cs[i].observeEngine(float64(i)+2, 200, true, limit, 2, 0.5, 0) // 20 ms steps
 	}
-	cs[3].observeEngine(0, 0, false, 3, 0, 0.5) // never saturated, no histogram
+	cs[3].observeEngine(0, 0, false, 3, 0, 0.5, 0) // never saturated, no histogram
 	got := outs[3].Load()
 	if got.BatchLimit != 8 || got.DecodeStepSec != 0.02 || len(got.FromFleet) != 2 {
 		t.Errorf("from the fleet: %+v", got)
 	}
-	cs[3].observeEngine(0, 0, false, 12, 1, 0.5)
+	cs[3].observeEngine(0, 0, false, 12, 1, 0.5, 0)
 	if got := outs[3].Load(); got.BatchLimit != 12 || slices.Contains(got.FromFleet, "batch_limit") {
 		t.Errorf("own measurement: %+v", got)
 	}

@@ -419,7 +419,7 @@ func (w *scrapeWorker) scrape(ctx context.Context, e *Endpoint) {
 		if restarted {
 			c.restart()
 		}
-		c.observeEngine(s.ITLSum, s.ITLCount, s.ITLCount > 0, s.Running, s.Waiting, s.KVUsage)
+		c.observeEngine(s.ITLSum, s.ITLCount, s.ITLCount > 0, s.Running, s.Waiting, s.KVUsage, s.KVCapacityTokens)
 	}
 	if restarted {
 		f.m.restarts[r].Inc()

@@ -376,8 +376,12 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 	b := s.bodies.Get().(*upstreamBody)
 	b.s, b.resp, b.lease = s, resp, st.lease.Take()
 	b.firstByte, b.readErr = false, nil
-	b.learn = s.opt.Learner != nil && resp.StatusCode() == fasthttp.StatusOK &&
+	// The engine's usage report (prompt and cached tokens) is read from
+	// every inference answer, for the endpoint's calibration and, under a
+	// learning policy, for the policy.
+	b.scan = resp.StatusCode() == fasthttp.StatusOK &&
 		(st.req.Kind == routing.KindCompletions || st.req.Kind == routing.KindChat || st.req.Kind == routing.KindResponses)
+	b.learn = b.scan && s.opt.Learner != nil
 	b.promptBytes = st.req.PromptBytes
 	b.cached.reset(patCachedTokens)
 	b.prompt.reset(patPromptTokens)
@@ -421,7 +425,8 @@ type upstreamBody struct {
 	rd          io.Reader
 	lease       discovery.Lease
 	rec         record
-	learn       bool // scan the body for the engine's usage
+	scan        bool // scan the body for the engine's usage
+	learn       bool // and report it to the Learner
 	cached      numScanner
 	prompt      numScanner
 	promptBytes int
@@ -438,7 +443,7 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 			b.markFirstByte()
 		}
 		b.rec.bytes += int64(n)
-		if b.learn {
+		if b.scan {
 			b.cached.feed(p[:n])
 			b.prompt.feed(p[:n])
 		}
@@ -467,7 +472,7 @@ func (b *upstreamBody) CloseWithError(err error) error {
 	fasthttp.ReleaseResponse(b.resp)
 	if err == nil && b.readErr == nil {
 		computed := discovery.Uncomputed
-		if b.learn && b.cached.Found && b.prompt.Found {
+		if b.scan && b.cached.Found && b.prompt.Found {
 			computed = max(0, b.prompt.Value-b.cached.Value)
 		}
 		b.lease.Complete(computed)

@@ -115,9 +115,8 @@ const (
 	// maximum of.
 	limitWindow = 32
 	// kvBoundUsage: a scrape with requests waiting at this KV usage or
-	// more shows a full cache, not a batch limit. vLLM admits a request
-	// when its blocks fit; at 90% a 2k-token prompt no longer does on a
-	// small cache.
+	// more shows a full cache, not a batch limit (vLLM admits a request
+	// only when its blocks fit, and keeps a few percent free).
 	kvBoundUsage = 0.9
 )
 

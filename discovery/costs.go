@@ -135,9 +135,10 @@ type calibrator struct {
 	out   *atomic.Pointer[Costs] // where snapshots are published
 	fleet *fleetCosts            // the fleet's measurements; nil: none
 	fit   regression
-	// Running means and their sample counts.
+	// Running means and their sample counts (streams observed, scrape
+	// intervals with tokens); a stream gives both means of its row.
 	decodeSec, prefillTokens, stepSec float64
-	decodeN, prefillN, stepN          int
+	streamN, stepN                    int
 	// The running counts of the last saturated scrapes, a ring.
 	limits [limitWindow]int
 	limitN int
@@ -166,10 +167,9 @@ func newCalibrator(cfg CalibrationConfig, out *atomic.Pointer[Costs], fleet *fle
 func (c *calibrator) observe(ttfb, decode time.Duration, own, ahead, inFlight int64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	c.decodeN++
-	c.decodeSec = mean(c.decodeSec, decode.Seconds(), c.decodeN)
-	c.prefillN++
-	c.prefillTokens = mean(c.prefillTokens, float64(own), c.prefillN)
+	c.streamN++
+	c.decodeSec = mean(c.decodeSec, decode.Seconds(), c.streamN)
+	c.prefillTokens = mean(c.prefillTokens, float64(own), c.streamN)
 	// Past the batch limit a request also waits for a place in the batch,
 	// which the fit does not model: such samples would bias the rate.
 	if l := c.limit(); l == 0 || inFlight < int64(l) {
@@ -245,7 +245,7 @@ func (c *calibrator) publish() {
 		PrefillTokens:       c.prefillTokens,
 		BatchLimit:          c.limit(),
 		TTFTSamples:         c.fit.n,
-		DecodeSamples:       c.decodeN,
+		DecodeSamples:       c.streamN,
 		StepSamples:         c.stepN,
 		LimitSamples:        min(c.limitN, limitWindow),
 	}

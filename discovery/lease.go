@@ -46,12 +46,6 @@ func (e *Endpoint) Acquire(prefillTokens int) Lease {
 	return l
 }
 
-// Endpoint returns the leased endpoint (nil for the zero Lease).
-func (l *Lease) Endpoint() *Endpoint { return l.e }
-
-// Held reports whether the lease still claims its endpoint.
-func (l *Lease) Held() bool { return l.e != nil }
-
 // FirstByte ends the lease's pending prefill: the endpoint answered, so the
 // prompt is computed. The request stays in flight. streamed tells whether
 // the response is a stream whose first byte is its first token (an SSE

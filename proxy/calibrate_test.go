@@ -119,7 +119,9 @@ func TestRouterLearnsEachEnginesPrefillRate(t *testing.T) {
 			streamPrompts(t, url, tc.cfg.Model, 300, 4)
 			ep := rt.Pool.Load().Endpoints[0]
 			var got *discovery.Costs
-			for deadline := time.Now().Add(5 * time.Second); got == nil || got.TTFTSamples < 300; {
+			// Every completed stream is observed (DecodeSamples); those sent
+			// past a learned batch limit stay out of the prefill fit.
+			for deadline := time.Now().Add(5 * time.Second); got == nil || got.DecodeSamples < 300; {
 				if time.Now().After(deadline) {
 					t.Fatalf("costs %+v after 300 streams", got)
 				}

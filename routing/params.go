@@ -99,14 +99,33 @@ const (
 	PinBatchLimit  = "batch_limit"
 )
 
-// pinned reports whether the constant called name is pinned.
-func (p *PrefixParams) pinned(name string) bool {
+// pins is the set of pinned constants as bits, computed once per decision
+// rather than per endpoint.
+type pins uint8
+
+const (
+	pinPrefill pins = 1 << iota
+	pinDecode
+	pinQueue
+	pinLimit
+)
+
+// pins returns p.Pinned as a set.
+func (p *PrefixParams) pins() pins {
+	var s pins
 	for _, n := range p.Pinned {
-		if n == name {
-			return true
+		switch n {
+		case PinPrefillRate:
+			s |= pinPrefill
+		case PinDecodeCost:
+			s |= pinDecode
+		case PinQueueCost:
+			s |= pinQueue
+		case PinBatchLimit:
+			s |= pinLimit
 		}
 	}
-	return false
+	return s
 }
 
 // DefaultPrefixParams returns the documented defaults.

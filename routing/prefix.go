@@ -262,7 +262,8 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	if r.PromptBytes > 0 {
 		promptTokens = int(float64(r.PromptBytes) / bpt)
 	}
-	tokensPerBlock := float64(p.blockBytes) / bpt
+	k := costing{prm: prm, pinned: prm.pins(), key: key, promptTokens: promptTokens,
+		tokensPerBlock: float64(p.blockBytes) / bpt}
 
 	var ch picks
 	for _, e := range set.Mixed {
@@ -272,7 +273,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 			}
 			continue
 		}
-		c := newCandidate(e, matchedBlocks(matches, e.ID), key, promptTokens, tokensPerBlock, prm)
+		c := k.candidate(e, matchedBlocks(matches, e.ID))
 		if terms != nil {
 			*terms = append(*terms, c.term())
 		}
@@ -323,16 +324,25 @@ type candidate struct {
 	blocks   int // matched blocks that count (0 below MinMatchBlocks)
 }
 
-// newCandidate reads e's load and applies the wait model for a prompt of
-// promptTokens of which e holds matched blocks.
-func newCandidate(e *discovery.Endpoint, matched int, key uint64, promptTokens int, tokensPerBlock float64, prm *PrefixParams) candidate {
-	c := candidate{e: e, load: loadOf(e), score: rendezvous(key, e.ID), warm: matched >= prm.MinMatchBlocks}
+// costing is what every candidate of one decision is costed with.
+type costing struct {
+	prm            *PrefixParams
+	pinned         pins
+	key            uint64 // the request's prefix key
+	promptTokens   int
+	tokensPerBlock float64
+}
+
+// candidate reads e's load and applies the wait model for the request's
+// prompt, of which e holds matched blocks.
+func (k *costing) candidate(e *discovery.Endpoint, matched int) candidate {
+	c := candidate{e: e, load: loadOf(e), score: rendezvous(k.key, e.ID), warm: matched >= k.prm.MinMatchBlocks}
 	if c.warm {
 		c.blocks = matched // a shorter match counts neither for warmth nor for cost
 	}
-	c.uncached = max(0, promptTokens-int(float64(c.blocks)*tokensPerBlock))
-	c.rates = prm.ratesOf(c.load.costs)
-	c.wait, c.own, c.idle = prm.wait(c.load, c.rates, c.uncached)
+	c.uncached = max(0, k.promptTokens-int(float64(c.blocks)*k.tokensPerBlock))
+	c.rates = k.prm.ratesOf(c.load.costs, k.pinned)
+	c.wait, c.own, c.idle = k.prm.wait(c.load, c.rates, c.uncached)
 	return c
 }
 

@@ -29,27 +29,27 @@ type rates struct {
 }
 
 // ratesOf returns the constants for an endpoint whose learned costs are c
-// (nil: none yet).
-func (p *PrefixParams) ratesOf(c *discovery.Costs) rates {
+// (nil: none yet), with pinned (p.pins()) kept at p's values.
+func (p *PrefixParams) ratesOf(c *discovery.Costs, pinned pins) rates {
 	r := rates{prefill: p.PrefillTokensPerSec, pending: p.PrefillTokensPerSec, decode: p.DecodeCostSec,
 		queue: p.QueueCostSec, limit: int64(p.BatchLimit)}
 	if c == nil {
 		return r
 	}
-	if !p.pinned(PinPrefillRate) {
+	if pinned&pinPrefill == 0 {
 		r.prefill, r.pending = c.PrefillTokensPerSec, c.PendingTokensPerSec
 	}
-	if !p.pinned(PinDecodeCost) && c.DecodeStepSec > 0 {
+	if pinned&pinDecode == 0 && c.DecodeStepSec > 0 {
 		r.decode = c.DecodeStepSec
 	}
-	if !p.pinned(PinBatchLimit) && c.BatchLimit > 0 {
+	if pinned&pinLimit == 0 && c.BatchLimit > 0 {
 		r.limit = int64(c.BatchLimit)
 	}
 	if r.limit > 0 && c.DecodeSec > 0 {
 		// A place in the batch frees up every decode time ÷ limit.
 		r.slot = c.DecodeSec / float64(r.limit)
 	}
-	if !p.pinned(PinQueueCost) && c.PrefillTokens > 0 {
+	if pinned&pinQueue == 0 && c.PrefillTokens > 0 {
 		r.queue = max(c.PrefillTokens/r.prefill, r.slot)
 	}
 	return r

@@ -15,12 +15,12 @@ var slowEngine = discovery.Costs{PrefillTokensPerSec: 1000, PendingTokensPerSec:
 // Learned costs replace the priors, except where pinned.
 func TestLearnedRatesReplacePriors(t *testing.T) {
 	p := DefaultPrefixParams()
-	r := p.ratesOf(&slowEngine)
+	r := p.ratesOf(&slowEngine, p.pins())
 	want := rates{prefill: 1000, pending: 1500, decode: 0.03, queue: 1.5, slot: 0.75, limit: 4}
 	if r != want {
 		t.Errorf("learned: %+v, want %+v", r, want)
 	}
-	if r := p.ratesOf(nil); r.prefill != p.PrefillTokensPerSec || r.decode != p.DecodeCostSec || r.limit != 0 {
+	if r := p.ratesOf(nil, p.pins()); r.prefill != p.PrefillTokensPerSec || r.decode != p.DecodeCostSec || r.limit != 0 {
 		t.Errorf("nothing learned yet: %+v", r)
 	}
 	p.BatchLimit = 16
@@ -28,7 +28,7 @@ func TestLearnedRatesReplacePriors(t *testing.T) {
 	if err := p.Validate(); err != nil {
 		t.Fatal(err)
 	}
-	r = p.ratesOf(&slowEngine)
+	r = p.ratesOf(&slowEngine, p.pins())
 	if r.prefill != p.PrefillTokensPerSec || r.decode != p.DecodeCostSec || r.queue != p.QueueCostSec || r.limit != 16 {
 		t.Errorf("pinned: %+v", r)
 	}

@@ -113,7 +113,8 @@ const (
 	meanRate = 0.05
 	// limitWindow is how many saturated scrapes the batch limit is the
 	// maximum of.
-	limitWindow = 32
+	limitWindow     = 32
+	minLimitSamples = 3
 	// kvBoundUsage: a scrape with requests waiting at this KV usage or
 	// more shows a full cache, not a batch limit (vLLM admits a request
 	// only when its blocks fit, and keeps a few percent free).
@@ -221,8 +222,13 @@ func (c *calibrator) restart() {
 }
 
 // limit returns the batch limit: the largest running count of the last
-// limitWindow saturated scrapes (0: none).
+// limitWindow saturated scrapes; 0 until minLimitSamples scrapes showed
+// one (a single scrape with a queue is as likely a burst waiting for the
+// token budget as a full batch).
 func (c *calibrator) limit() int {
+	if c.limitN < minLimitSamples {
+		return 0
+	}
 	l := 0
 	for i := range min(c.limitN, limitWindow) {
 		l = max(l, c.limits[i])

@@ -103,7 +103,9 @@ func TestCalibrationColdStartAndBounds(t *testing.T) {
 // their TTFTs do not enter the prefill fit.
 func TestCalibrationSkipsSamplesPastTheBatchLimit(t *testing.T) {
 	c, out := newTestCalibrator(20000)
-	c.observeEngine(0, 0, false, 8, 3, 0.5, 0) // 8 running while 3 wait: the limit is 8
+	for range minLimitSamples { // 8 running while 3 wait: the limit is 8
+		c.observeEngine(0, 0, false, 8, 3, 0.5, 0)
+	}
 	truth := engineTruth{rate: 2000, fixed: 0.05}
 	feed(c, truth, 200, rand.New(rand.NewPCG(3, 4)))
 	before := *out.Load()
@@ -130,12 +132,16 @@ func TestCalibrationFromEngineScrapes(t *testing.T) {
 	}
 	c.observeEngine(10+0.02*500, 1500, true, 8, 2, 0.5, 0) // 500 tokens at 20 ms
 	c.observeEngine(20+0.03*500, 2000, true, 6, 1, 0.5, 0) // 500 tokens at 30 ms
+	if got := out.Load(); got.BatchLimit != 0 {
+		t.Errorf("a limit from %d saturated scrapes: %+v", got.LimitSamples, got)
+	}
+	c.observeEngine(20+0.03*500, 2000, true, 7, 1, 0.5, 0) // no tokens, a third queue
 	got := out.Load()
 	if got.StepSamples != 2 || math.Abs(got.DecodeStepSec-0.025) > 1e-9 {
 		t.Errorf("decode step %.4f s over %d samples, want 0.025 over 2", got.DecodeStepSec, got.StepSamples)
 	}
-	if got.BatchLimit != 8 || got.LimitSamples != 2 {
-		t.Errorf("batch limit %d over %d samples, want 8 over 2", got.BatchLimit, got.LimitSamples)
+	if got.BatchLimit != 8 || got.LimitSamples != 3 {
+		t.Errorf("batch limit %d over %d samples, want 8 over 3", got.BatchLimit, got.LimitSamples)
 	}
 	c.observeEngine(30+0.03*500, 2500, true, 20, 5, 0.95, 0) // waiting for KV, not for a place
 	c.prefillTokens = 2000
@@ -201,13 +207,16 @@ func TestUnmeasuredEndpointsUseTheFleetsMedian(t *testing.T) {
 	for i, limit := range []int64{8, 8, 16} {
 		cs[i].observeEngine(float64(i), 100, true, limit, 2, 0.5, 0)
 		cs[i].observeEngine(float64(i)+2, 200, true, limit, 2, 0.5, 0) // 20 ms steps
+		cs[i].observeEngine(float64(i)+2, 200, true, limit, 2, 0.5, 0)
 	}
 	cs[3].observeEngine(0, 0, false, 3, 0, 0.5, 0) // never saturated, no histogram
 	got := outs[3].Load()
 	if got.BatchLimit != 8 || got.DecodeStepSec != 0.02 || len(got.FromFleet) != 2 {
 		t.Errorf("from the fleet: %+v", got)
 	}
-	cs[3].observeEngine(0, 0, false, 12, 1, 0.5, 0)
+	for range minLimitSamples {
+		cs[3].observeEngine(0, 0, false, 12, 1, 0.5, 0)
+	}
 	if got := outs[3].Load(); got.BatchLimit != 12 || slices.Contains(got.FromFleet, "batch_limit") {
 		t.Errorf("own measurement: %+v", got)
 	}

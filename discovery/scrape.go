@@ -134,6 +134,12 @@ type EngineStats struct {
 	StartTime float64 `json:"process_start_time_seconds,omitempty"`
 	// At is when the scrape completed.
 	At time.Time `json:"scraped_at"`
+	// Routed is this router's requests in flight at the endpoint when the
+	// scrape completed (Endpoint.InFlight): the engine's running and
+	// waiting requests beyond it are other clients' (other router
+	// replicas, clients bypassing kvroute), which the router's own
+	// counters cannot see. 0 when the stats did not come from the scraper.
+	Routed int64 `json:"routed"`
 }
 
 // Age returns how old s is at now.
@@ -405,7 +411,7 @@ func (w *scrapeWorker) scrape(ctx context.Context, e *Endpoint) {
 		f.log.Info("engine metrics scrape recovered", zap.String("endpoint", e.URL), zap.Int("failed_scrapes", mem.failing))
 		mem.failing = 0
 	}
-	s.At = now
+	s.At, s.Routed = now, e.InFlight()
 	restarted := mem.seen && (s.StartTime != 0 && mem.start != 0 && math.Abs(s.StartTime-mem.start) > 1e-3 ||
 		s.PromptTokens < mem.prompt || s.PrefixQueries < mem.queries)
 	capChanged := s.KVCapacityTokens > 0 && s.KVCapacityTokens != mem.capacity

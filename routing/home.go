@@ -67,6 +67,10 @@ type proposal struct{ key, endpoint, score uint64 }
 type homeKey struct {
 	seen      int64 // unix seconds of the last request with the key
 	recurring bool
+	// strayed: this router placed the key's first request off its home
+	// (the home was busy), so its cache holds the key elsewhere and the home
+	// is cold as far as this router knows.
+	strayed bool
 }
 
 // maxHomes bounds the table: 65,536 keys ≈ 7.6 MB (115 bytes a key,
@@ -92,12 +96,12 @@ func newHomes(ttl time.Duration, now func() time.Time) *homes {
 
 // lookup returns key's home among eps (every endpoint of the set, usable or
 // not: replicas agree on the set, not on every endpoint's health) and
-// whether the key recurs. When see is set the request counts: it refreshes
+// what is known of the key (homeKey). When see is set the request counts: it refreshes
 // the key, makes a key seen before recurring, and records a new one;
 // /debug/route leaves it unset. ok is false for an empty eps.
-func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, see bool) (home uint64, recurring, ok bool) {
+func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, see bool) (home uint64, k homeKey, ok bool) {
 	if len(eps) == 0 {
-		return 0, false, false
+		return 0, homeKey{}, false
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -124,10 +128,20 @@ func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, se
 		}
 	}
 	if a, ok := h.assigned[key]; ok && v.recurring {
-		return a, true, true
+		return a, v, true
 	}
 	first, _, _ := choice(key, eps, 0, false)
-	return h.place(key, first, eps, factor), v.recurring, true
+	return h.place(key, first, eps, factor), v, true
+}
+
+// stray records that key's first request went elsewhere than its home.
+func (h *homes) stray(key uint64) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if v, ok := h.lru.Peek(key); ok && !v.recurring {
+		v.strayed = true
+		h.lru.Add(key, v)
+	}
 }
 
 // recur makes key recurring (an engine reported it cached: it was seen

@@ -27,7 +27,8 @@ func TestHomesAreBalancedAndOrderFree(t *testing.T) {
 		}
 		at, load := map[uint64]uint64{}, map[uint64]int{}
 		for _, k := range keys {
-			e, recurring, ok := h.lookup(k, eps, 1.1, false)
+			e, hk, ok := h.lookup(k, eps, 1.1, false)
+			recurring := hk.recurring
 			if !ok || !recurring {
 				t.Fatalf("key %x: ok %v recurring %v", k, ok, recurring)
 			}
@@ -77,7 +78,8 @@ func TestNewKeyKeepsItsHome(t *testing.T) {
 	moved := 0
 	for range 200 {
 		k := rng.Uint64()
-		first, recurring, _ := h.lookup(k, eps, 1.1, false)
+		first, hk, _ := h.lookup(k, eps, 1.1, false)
+		recurring := hk.recurring
 		if recurring {
 			t.Fatal("an unseen key recurs")
 		}
@@ -99,7 +101,8 @@ func TestHomesExpireAndForget(t *testing.T) {
 	h := newHomes(time.Minute, func() time.Time { return now })
 	eps := testSet(t, 3).Mixed
 	see := func(k uint64) (uint64, bool) {
-		e, recurring, _ := h.lookup(k, eps, 1.1, true)
+		e, hk, _ := h.lookup(k, eps, 1.1, true)
+		recurring := hk.recurring
 		return e, recurring
 	}
 	if _, recurring := see(1); recurring {
@@ -113,13 +116,13 @@ func TestHomesExpireAndForget(t *testing.T) {
 	now = now.Add(50 * time.Second)
 	see(2) // refreshes 2 only
 	now = now.Add(20 * time.Second)
-	if _, recurring, _ := h.lookup(1, eps, 1.1, false); recurring || h.len() != 1 {
-		t.Fatalf("key 1 outlived its TTL (recurring %v, %d recurring)", recurring, h.len())
+	if _, hk, _ := h.lookup(1, eps, 1.1, false); hk.recurring || h.len() != 1 {
+		t.Fatalf("key 1 outlived its TTL (recurring %v, %d recurring)", hk.recurring, h.len())
 	}
 	home, _ := see(2)
 	h.forget(home)
-	if _, recurring, _ := h.lookup(2, eps, 1.1, false); recurring || h.len() != 0 {
-		t.Fatalf("a forgotten endpoint kept its keys (recurring %v, %d)", recurring, h.len())
+	if _, hk, _ := h.lookup(2, eps, 1.1, false); hk.recurring || h.len() != 0 {
+		t.Fatalf("a forgotten endpoint kept its keys (recurring %v, %d)", hk.recurring, h.len())
 	}
 	// Without its old primary the key proposes to the next one.
 	var rest []*discovery.Endpoint
@@ -129,8 +132,8 @@ func TestHomesExpireAndForget(t *testing.T) {
 		}
 	}
 	see(2)
-	if e, recurring, _ := h.lookup(2, rest, 1.1, true); !recurring || e == home {
-		t.Fatalf("after the endpoint left: home %x (recurring %v)", e, recurring)
+	if e, hk, _ := h.lookup(2, rest, 1.1, true); !hk.recurring || e == home {
+		t.Fatalf("after the endpoint left: home %x (recurring %v)", e, hk.recurring)
 	}
 }
 

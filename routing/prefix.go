@@ -26,14 +26,17 @@ const (
 // for every usable endpoint, how long this request would wait for its first
 // token there:
 //
-//	wait = max(in-flight prefill tokens / pending rate + slot wait, engine queue × queue cost)
+//	wait = in-flight prefill tokens / pending rate + slot wait + foreign waiting × queue cost
 //	     + this request's uncached tokens / prefill rate
-//	     + max(in-flight requests, engine running + waiting) × decode cost
+//	     + (in-flight requests + foreign) × decode cost
 //	     + engine KV usage × KV cost
-//	slot wait = max(0, in-flight requests − batch limit + 1) × decode time / batch limit
+//	slot wait = max(0, in-flight requests + foreign − batch limit + 1) × decode time / batch limit
+//	foreign = max(0, engine running + waiting − this router's in-flight requests at the scrape)
 //
-// where the engine terms count only when freshly scraped (else the
-// router's own counters stand alone), and the uncached tokens are the prompt
+// where the engine terms (foreign: other clients' requests, of which
+// foreign waiting ≤ engine waiting are queued) count only when freshly
+// scraped (else the router's own counters, exact and current, stand
+// alone), and the uncached tokens are the prompt
 // minus the prefix the index believes the endpoint holds. The constants are
 // the endpoint's own (discovery.Costs): its prefill rate (of its own
 // tokens, and of the pending tokens ahead) fitted to its TTFTs, its decode cost the engine's inter-token latency, its
@@ -47,14 +50,16 @@ const (
 // blocks never moves a prefix. The target is the warm endpoint (deepest
 // useful match; the home while its wait is within the spill rule, among
 // equal matches and, for a recurring key, where the index shows the home
-// cold; then the lowest wait), or for a prefix warm nowhere its home (for a
-// key that does not recur, only while the home would start it about as
-// soon as the endpoint with the shortest wait). The
+// cold, unless this router placed the key's first request elsewhere; then
+// the lowest wait), or for a prefix warm nowhere its home (for a key that
+// does not recur, only while the home would start it about as soon as the
+// endpoint with the shortest wait). The
 // target keeps the request unless its wait in the router's own view (its
 // own in-flight requests and prefill) exceeds SpillRatio × the best idle
-// endpoint's wait + SpillMarginSec (an established home is tested without
-// the recompute, as if warm); then the request spills to that idle endpoint, whose cache
-// becomes warm too. Idle means nothing queued there and a free place in its
+// endpoint's wait + SpillMarginSec + the stall the spill causes there (the
+// recompute's prefill time × the requests running there, which it delays;
+// an established home is tested without the recompute, as if warm); then
+// the request spills to that idle endpoint, whose cache becomes warm too. Idle means nothing queued there and a free place in its
 // batch in the router's view and, when scraped, the engine's, with KV usage
 // below SpillMaxKVUsage.
 // Ties go to the rendezvous-hash winner. The pick is recorded in the index
@@ -177,6 +182,9 @@ func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 	if d.Endpoint != nil {
 		p.index.Record(d.Endpoint.ID, r.Hashes)
 	}
+	if d.Reason == ReasonCold && !d.Home && d.PrefixKey != 0 {
+		p.homes.stray(d.PrefixKey)
+	}
 	return d
 }
 
@@ -253,9 +261,10 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	keyed := len(r.Hashes) >= prm.MinMatchBlocks
 	// The key's home; established when the key recurs.
 	var homeID uint64
-	var established, hasHome bool
+	var hk homeKey
+	var hasHome bool
 	if keyed {
-		homeID, established, hasHome = p.homes.lookup(key, set.Mixed, prm.HomeLoadFactor, terms == nil)
+		homeID, hk, hasHome = p.homes.lookup(key, set.Mixed, prm.HomeLoadFactor, terms == nil)
 	}
 	bpt := p.BytesPerToken()
 	promptTokens := r.PromptTokens
@@ -290,8 +299,8 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 			(*terms)[i].Home = (*terms)[i].Endpoint == ch.home.e.URL
 		}
 	}
-	established = established && ch.home.e.ID == homeID
-	target, reason := ch.target(established, prm)
+	established := hk.recurring && ch.home.e.ID == homeID
+	target, reason := ch.target(established, established && !hk.strayed, prm)
 	d := target.decision(reason, promptTokens)
 	d.Home = target.e == ch.home.e
 	if keyed {
@@ -396,19 +405,21 @@ func (ch *picks) add(c candidate, home bool, tie float64) {
 }
 
 // preferHome returns the warm candidate after giving the home its
-// precedence. Among equally deep matches the home comes first while its
-// wait is within the spill rule of the others: copies a spill left
-// elsewhere then serve only while the home is saturated and age out of
-// those caches afterwards, instead of keeping the prefix cached twice. The
-// established home of a recurring key that this router's index does not
-// show warm there is presumed to hold what the copies hold: other
-// replicas, which route the key home too, have most likely kept it there,
-// while the copy is this router's own. (A home shown warm to a shallower
-// depth than a copy holds a shorter shared prefix — a system prompt common
-// to many conversations — and the copy the conversation.)
-func (ch *picks) preferHome(established bool, prm *PrefixParams) candidate {
+// precedence. Among equally deep matches the home wins ties: a copy a
+// spill left elsewhere shares the prefix's load (preferring the home while
+// within the spill rule, so that copies aged out, queued behind the home).
+// With presume, the established home of a recurring key that this
+// router's index does not show warm there is presumed to hold what the
+// copies hold: other replicas, which route the key home too, have most
+// likely kept it there, while the copy is this router's own. (decide does
+// not presume when this router sent the key's first request elsewhere
+// because the home was busy: the copy is then where the key lives. A home
+// shown warm to a shallower depth than a copy holds a shorter shared
+// prefix — a system prompt common to many conversations — and the copy the
+// conversation.)
+func (ch *picks) preferHome(presume bool, prm *PrefixParams) candidate {
 	warm, h := ch.warm, ch.home
-	if warm.e == nil || h.e == warm.e || !(h.blocks == warm.blocks || established && h.blocks == 0) {
+	if warm.e == nil || h.e == warm.e || !(h.blocks == warm.blocks || presume && h.blocks == 0) {
 		return warm
 	}
 	if h.blocks < warm.blocks {
@@ -416,7 +427,7 @@ func (ch *picks) preferHome(established bool, prm *PrefixParams) candidate {
 		h.wait, h.own = h.wait-saved, h.own-saved
 		h.blocks, h.uncached = warm.blocks, warm.uncached
 	}
-	if h.wait <= warm.wait*prm.SpillRatio+prm.SpillMarginSec {
+	if h.wait <= warm.wait+prm.TieSec {
 		return h
 	}
 	return warm
@@ -440,8 +451,8 @@ func (ch *picks) preferHome(established bool, prm *PrefixParams) candidate {
 // start it about as soon as the endpoint with the shortest wait, busy or
 // not (the spill rule against that endpoint), so that on engines with small
 // batches new prompts do not queue behind each other while others idle.
-func (ch *picks) target(established bool, prm *PrefixParams) (candidate, string) {
-	target, reason := ch.preferHome(established, prm), ReasonWarm
+func (ch *picks) target(established, presume bool, prm *PrefixParams) (candidate, string) {
+	target, reason := ch.preferHome(presume, prm), ReasonWarm
 	spillTest := target.own
 	if target.e == nil {
 		target, reason, spillTest = ch.home, ReasonCold, ch.home.own
@@ -453,13 +464,24 @@ func (ch *picks) target(established bool, prm *PrefixParams) (candidate, string)
 			spillTest -= float64(ch.home.uncached) / ch.home.rates.prefill
 		}
 	}
-	if ch.free.e != nil && spillTest > ch.free.wait*prm.SpillRatio+prm.SpillMarginSec {
+	if ch.free.e != nil && spillTest > ch.free.wait*prm.SpillRatio+prm.SpillMarginSec+ch.free.stall() {
 		if reason == ReasonWarm {
 			reason = ReasonSpill
 		}
 		return ch.free, reason
 	}
 	return target, reason
+}
+
+// stall is what computing the request's uncached tokens on c costs the
+// requests running there: each waits for that prefill (it shares their
+// steps), so a spill must save the request more than it costs them.
+func (c candidate) stall() float64 {
+	running := c.load.inFlight
+	if c.load.eng != nil {
+		running = max(running, c.load.eng.Running)
+	}
+	return float64(c.uncached) / c.rates.prefill * float64(running)
 }
 
 // beats reports whether c is a better pick than o (an empty o loses): a

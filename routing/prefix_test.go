@@ -320,7 +320,7 @@ func TestForgottenPrefixReturnsHome(t *testing.T) {
 		t.Fatalf("forgotten prefix went to %s (%s), want its home %s", d.Endpoint, d.Reason, home)
 	}
 	p.Forget(home.ID) // the endpoint left, or its engine restarted
-	if _, recurring, _ := p.homes.lookup(rendezvousKey(request(sys).Hashes, 2), set.Mixed, 1.1, false); recurring {
+	if _, hk, _ := p.homes.lookup(rendezvousKey(request(sys).Hashes, 2), set.Mixed, 1.1, false); hk.recurring {
 		t.Fatal("the prefix kept a forgotten endpoint as its home")
 	}
 }
@@ -417,5 +417,56 @@ func TestEngineCacheMakesAKeyRecur(t *testing.T) {
 	p.Learn(d, r.PromptBytes, r.PromptTokens, 2048)
 	if p.Homes() != 1 {
 		t.Fatalf("%d recurring keys after the engine reported the prefix cached", p.Homes())
+	}
+}
+
+// A spill recomputes the prompt where it lands, and that prefill stalls
+// the requests running there: it must save the request more than it costs
+// them. An endpoint with nothing running takes the spill that a busy one,
+// though below its batch limit, does not.
+func TestSpillWeighsTheStallItCauses(t *testing.T) {
+	set := testSet(t, 3)
+	p := newTestPrefix(DefaultPrefixParams())
+	sys := system(40, 16384) // 4k tokens: 0.2 s to recompute
+	warm := p.Pick(request(sys+"a"), set).Endpoint
+	defer occupy(warm, 1, 10_000)() // 0.5 s of prefill queued
+	var releases []func()
+	for _, e := range set.Endpoints {
+		if e != warm {
+			releases = append(releases, occupy(e, 5, 0)) // 5 running: a spill stalls them 1 s
+		}
+	}
+	if d := p.Pick(request(sys+"b"), set); d.Endpoint != warm || d.Reason != ReasonWarm {
+		t.Fatalf("spilled onto running batches: %+v", d)
+	}
+	releases[0]()
+	defer releases[1]()
+	if d := p.Pick(request(sys+"c"), set); d.Endpoint == warm || d.Reason != ReasonSpill {
+		t.Fatalf("did not spill to the endpoint with nothing running: %+v", d)
+	}
+}
+
+// A first request that found its home busy went elsewhere: its prefix is
+// cached there, not at the home, so the next request follows it instead
+// of recomputing at the home.
+func TestPrefixStaysWhereItsFirstRequestWent(t *testing.T) {
+	set := testSet(t, 4)
+	p := newTestPrefix(DefaultPrefixParams())
+	sys := system(41, 8192)
+	home, _, _ := p.homes.lookup(rendezvousKey(request(sys).Hashes, 2), set.Mixed, 1.1, false)
+	var busy *discovery.Endpoint
+	for _, e := range set.Endpoints {
+		if e.ID == home {
+			busy = e
+		}
+	}
+	release := occupy(busy, 2, 40_000) // 2 s of prefill queued
+	first := p.Pick(request(sys+"a"), set)
+	release()
+	if first.Endpoint == busy || first.Reason != ReasonCold {
+		t.Fatalf("a new prefix queued behind its busy home: %+v", first)
+	}
+	if d := p.Pick(request(sys+"b"), set); d.Endpoint != first.Endpoint || d.Reason != ReasonWarm {
+		t.Fatalf("the second request went to %s (%s), not where the prefix is cached (%s)", d.Endpoint, d.Reason, first.Endpoint)
 	}
 }

@@ -76,11 +76,18 @@ func (p *PrefixParams) wait(l load, r rates, uncached int) (wait, own float64, i
 	if eng == nil {
 		return own, own, idle
 	}
-	// The engine also sees other routers' requests; the router's own
-	// counters are fresher (the scrape is up to an interval old, and the
-	// router's pending prefill shows the spills it sent since).
-	inFlight := max(l.inFlight, eng.Running+eng.Waiting)
-	queue = max(queue+slot, float64(eng.Waiting)*r.queue)
+	// The engine also runs other clients' requests (other router replicas,
+	// clients bypassing kvroute): those beyond this router's own at the
+	// time of the scrape. They are added to the router's own counters,
+	// which are exact and current, where the scrape is up to an interval
+	// old: taking the engine's whole count instead kept a drained endpoint
+	// looking busy for an interval, and traffic herded elsewhere meanwhile.
+	foreign := max(0, eng.Running+eng.Waiting-eng.Routed)
+	inFlight := l.inFlight + foreign
+	if r.limit > 0 && inFlight >= r.limit {
+		slot = float64(inFlight-r.limit+1) * r.slot
+	}
+	queue += slot + float64(min(eng.Waiting, foreign))*r.queue
 	wait = queue + prefill + float64(inFlight)*r.decode + eng.KVUsage*p.KVCostSec
 	// A spilled prompt fills a nearly full cache by evicting the prefixes
 	// homed there, whose next requests then recompute.

@@ -151,3 +151,29 @@ func TestFasterEndpointTakesMoreLoad(t *testing.T) {
 		t.Errorf("fast endpoint holds %d, slow %d (%.2f×), want about 2×", nf, ns, ratio)
 	}
 }
+
+// The engine's view adds only what this router's own counters cannot see:
+// requests beyond those the router had in flight there at the scrape
+// (other replicas', clients bypassing kvroute). A scrape taken while the
+// router's own requests ran does not keep the endpoint looking busy after
+// they finished.
+func TestEngineViewAddsOnlyOtherClients(t *testing.T) {
+	p := DefaultPrefixParams()
+	r := p.ratesOf(&slowEngine, p.pins()) // 4 at a time, 0.75 s a place
+	own := load{inFlight: 1}
+	base, _, _ := p.wait(own, r, 1000)
+	// The scrape saw 3 running and 2 waiting, all of them this router's.
+	mine := own
+	mine.eng = &discovery.EngineStats{Running: 3, Waiting: 2, Routed: 5}
+	if w, _, _ := p.wait(mine, r, 1000); w != base {
+		t.Errorf("the router's own requests, since finished, counted again: wait %.3f, want %.3f", w, base)
+	}
+	// The same scrape with 5 of them other clients': they run (3 decode
+	// costs), fill the batch (2 places to wait for) and queue (2 queue costs).
+	theirs := own
+	theirs.eng = &discovery.EngineStats{Running: 3, Waiting: 2, Routed: 0}
+	want := base + 5*r.decode + 3*r.slot + 2*r.queue
+	if w, _, idle := p.wait(theirs, r, 1000); w < want-1e-9 || w > want+1e-9 || idle {
+		t.Errorf("other clients' requests: wait %.3f (idle %v), want %.3f and not idle", w, idle, want)
+	}
+}

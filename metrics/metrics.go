@@ -50,6 +50,10 @@ type Metrics struct {
 	inFlight      prometheus.Gauge
 	upstreamErrs  *prometheus.CounterVec
 	retries       prometheus.Counter
+	retryDenied   prometheus.Counter
+	cancelled     prometheus.Counter
+	queued        prometheus.Gauge
+	overloaded    prometheus.Counter
 	durationByCls []prometheus.Observer
 	ttfbByCls     []prometheus.Observer
 
@@ -104,6 +108,22 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 			Namespace: Namespace, Name: "retries_total",
 			Help: "Requests re-sent to another endpoint before the first response byte.",
 		}),
+		retryDenied: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "retries_budget_exhausted_total",
+			Help: "Retries not made because the retry budget (a share of recent requests) was spent.",
+		}),
+		cancelled: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "upstream_cancellations_total",
+			Help: "Upstream requests cancelled because their client left before the answer ended.",
+		}),
+		queued: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: Namespace, Name: "queued_requests",
+			Help: "Requests waiting in kvroute because every eligible endpoint was saturated.",
+		}),
+		overloaded: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "overload_rejections_total",
+			Help: "Requests answered 429 because every eligible endpoint stayed saturated past the queue timeout, or the queue was full.",
+		}),
 		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: Namespace, Name: "routing_decisions_total",
 			Help: "Routing decisions by reason (warm, spill, cold, or the basic policy's name).",
@@ -146,7 +166,7 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 		return readCounter(m.hitTokens) / p
 	})
 	reg.MustRegister(m.requests, m.duration, m.ttfb, m.inFlight, m.upstreamErrs, m.retries,
-		m.decisions, m.hitTokens, m.promptTokens, hitRatio)
+		m.retryDenied, m.cancelled, m.queued, m.overloaded, m.decisions, m.hitTokens, m.promptTokens, hitRatio)
 	if endpoints != nil {
 		reg.MustRegister(&endpointCollector{each: endpoints})
 	}
@@ -254,6 +274,18 @@ func (c *indexCollector) Collect(ch chan<- prometheus.Metric) {
 
 // Retry counts one retry.
 func (m *Metrics) Retry() { m.retries.Inc() }
+
+// RetryDenied counts one retry the budget did not allow.
+func (m *Metrics) RetryDenied() { m.retryDenied.Inc() }
+
+// Cancelled counts one upstream request cancelled for a client that left.
+func (m *Metrics) Cancelled() { m.cancelled.Inc() }
+
+// Queued moves the number of requests waiting for a saturated fleet by d.
+func (m *Metrics) Queued(d float64) { m.queued.Add(d) }
+
+// Overloaded counts one request rejected with 429 for overload.
+func (m *Metrics) Overloaded() { m.overloaded.Inc() }
 
 // endpointCollector reports per-endpoint atomics at scrape time, so the
 // request path pays nothing for per-endpoint series.

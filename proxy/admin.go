@@ -1,10 +1,12 @@
 package proxy
 
 import (
+	"crypto/subtle"
 	"encoding/json"
 	"io"
 	"net/http"
 	"net/http/pprof"
+	"strings"
 
 	"github.com/kvroute/kvroute/discovery"
 	"github.com/kvroute/kvroute/routing"
@@ -32,12 +34,33 @@ func (s *Server) AdminHandler(g prometheus.Gatherer) *http.ServeMux {
 			_, _ = w.Write([]byte("ok\n"))
 		}
 	})
-	mux.HandleFunc("/debug/pprof/", pprof.Index)
-	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
-	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
-	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
-	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	mux.HandleFunc("/debug/pprof/", s.guard(pprof.Index))
+	mux.HandleFunc("/debug/pprof/cmdline", s.guard(pprof.Cmdline))
+	mux.HandleFunc("/debug/pprof/profile", s.guard(pprof.Profile))
+	mux.HandleFunc("/debug/pprof/symbol", s.guard(pprof.Symbol))
+	mux.HandleFunc("/debug/pprof/trace", s.guard(pprof.Trace))
 	return mux
+}
+
+// guard puts h behind the admin token: a request must carry
+// "Authorization: Bearer <token>" (compared in constant time), else 401;
+// without a configured token h is off (403). /metrics, /livez, /readyz and
+// the read-only /debug pages stay open for probes and Prometheus.
+func (s *Server) guard(h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		token := s.opt.AdminToken
+		if token == "" {
+			http.Error(w, "disabled: start kvroute with --admin-token (or KVROUTE_ADMIN_TOKEN) to enable", http.StatusForbidden)
+			return
+		}
+		got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+		if !ok || subtle.ConstantTimeCompare([]byte(got), []byte(token)) != 1 {
+			w.Header().Set("WWW-Authenticate", `Bearer realm="kvroute-admin"`)
+			http.Error(w, "unauthorized", http.StatusUnauthorized)
+			return
+		}
+		h(w, r)
+	}
 }
 
 // anyRoutable reports whether set has an endpoint that can take requests.
@@ -88,7 +111,7 @@ func (s *Server) HandleExplain(mux *http.ServeMux, e Explainer) {
 			http.Error(w, "cannot read body", http.StatusBadRequest)
 			return
 		}
-		var st reqState
+		st := reqState{maxTokens: s.opt.MaxPromptTokens}
 		if err := st.parse(kind, body, s.opt.BlockSize, s.opt.MaxBlocks); err != nil {
 			http.Error(w, err.Error(), http.StatusBadRequest)
 			return
@@ -112,12 +135,12 @@ type Tunable interface {
 
 // HandleParams serves GET and PUT /debug/prefix/params: operators tune the
 // prefix policy's thresholds under live traffic. PUT takes the whole JSON
-// object or a subset of its fields.
-func HandleParams(mux *http.ServeMux, t Tunable) {
+// object or a subset of its fields, and the admin token (guard).
+func (s *Server) HandleParams(mux *http.ServeMux, t Tunable) {
 	mux.HandleFunc("GET /debug/prefix/params", func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, t.Params())
 	})
-	mux.HandleFunc("PUT /debug/prefix/params", func(w http.ResponseWriter, r *http.Request) {
+	mux.HandleFunc("PUT /debug/prefix/params", s.guard(func(w http.ResponseWriter, r *http.Request) {
 		p := t.Params()
 		dec := json.NewDecoder(io.LimitReader(r.Body, 1<<16))
 		dec.DisallowUnknownFields()
@@ -130,7 +153,7 @@ func HandleParams(mux *http.ServeMux, t Tunable) {
 			return
 		}
 		writeJSON(w, http.StatusOK, t.Params())
-	})
+	}))
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {

@@ -15,10 +15,10 @@ func TestAdminExplainAndParams(t *testing.T) {
 	a, _ := echoBackend(t, "a")
 	b, _ := echoBackend(t, "b")
 	policy := routing.NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1000}), 1024, routing.DefaultPrefixParams())
-	h := startProxy(t, policy, Options{}, a.URL, b.URL)
+	h := startProxy(t, policy, Options{AdminToken: "s3cret"}, a.URL, b.URL)
 	mux := h.srv.AdminHandler(h.reg)
 	h.srv.HandleExplain(mux, policy)
-	HandleParams(mux, policy)
+	h.srv.HandleParams(mux, policy)
 	admin := httptest.NewServer(mux)
 	defer admin.Close()
 
@@ -51,8 +51,10 @@ func TestAdminExplainAndParams(t *testing.T) {
 	}
 	resp.Body.Close()
 
+	token := "Bearer s3cret"
 	put := func(js string) int {
 		req, _ := http.NewRequest(http.MethodPut, admin.URL+"/debug/prefix/params", strings.NewReader(js))
+		req.Header.Set("Authorization", token)
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
 			t.Fatal(err)
@@ -65,5 +67,46 @@ func TestAdminExplainAndParams(t *testing.T) {
 	}
 	if put(`{"min_match_blocks":0}`) != 400 || put(`{"bogus":1}`) != 400 || policy.Params().MinMatchBlocks != 2 {
 		t.Fatalf("bad params accepted: %+v", policy.Params())
+	}
+	for _, tok := range []string{"", "Bearer wrong", "s3cret", "Basic s3cret"} {
+		token = tok
+		if code := put(`{"spill_margin_sec":9}`); code != http.StatusUnauthorized || policy.Params().SpillMarginSec != 0.5 {
+			t.Fatalf("PUT with Authorization %q: %d, params %+v", tok, code, policy.Params())
+		}
+	}
+}
+
+// Without an admin token, mutations and profiling are off; probes and
+// metrics stay open.
+func TestAdminTokenGuards(t *testing.T) {
+	a, _ := echoBackend(t, "a")
+	for _, tc := range []struct {
+		token, auth string
+		want        int
+	}{{"", "", http.StatusForbidden}, {"", "Bearer x", http.StatusForbidden},
+		{"t0k", "", http.StatusUnauthorized}, {"t0k", "Bearer t0k", http.StatusOK}} {
+		h := startProxy(t, routing.NewRoundRobin(), Options{AdminToken: tc.token}, a.URL)
+		admin := httptest.NewServer(h.srv.AdminHandler(h.reg))
+		get := func(path, auth string) int {
+			req, _ := http.NewRequest(http.MethodGet, admin.URL+path, nil)
+			if auth != "" {
+				req.Header.Set("Authorization", auth)
+			}
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			return resp.StatusCode
+		}
+		if got := get("/debug/pprof/cmdline", tc.auth); got != tc.want {
+			t.Errorf("token %q, Authorization %q: pprof %d, want %d", tc.token, tc.auth, got, tc.want)
+		}
+		for _, open := range []string{"/metrics", "/livez", "/readyz"} {
+			if got := get(open, ""); got != http.StatusOK {
+				t.Errorf("token %q: %s %d, want 200 without credentials", tc.token, open, got)
+			}
+		}
+		admin.Close()
 	}
 }

@@ -22,6 +22,18 @@ var (
 	ErrInternal = errors.New("proxy: internal error")
 	// ErrBodyTooLarge: the request body exceeds --max-body-bytes (413).
 	ErrBodyTooLarge = errors.New("proxy: request body too large")
+	// ErrHeaderTooLarge: the request's header block exceeds
+	// MaxHeaderBytes (431).
+	ErrHeaderTooLarge = errors.New("proxy: request header fields too large")
+	// ErrMalformedRequest: the HTTP request could not be parsed (400).
+	// Its message never quotes the request: headers carry credentials.
+	ErrMalformedRequest = errors.New("proxy: malformed HTTP request")
+	// ErrOverloaded: every endpoint was saturated for longer than the
+	// queue timeout, or the queue was full (429, with Retry-After).
+	ErrOverloaded = errors.New("proxy: all endpoints are saturated; retry later")
+	// ErrClientGone: the client left before the answer; it is counted as
+	// StatusClientClosedRequest and never sent.
+	ErrClientGone = errors.New("proxy: client closed the connection")
 )
 
 // StatusClientClosedRequest is nginx's non-standard status for a request the
@@ -45,6 +57,14 @@ func statusOf(err error) (status int, typ, code string) {
 		return fasthttp.StatusBadRequest, "BadRequestError", "invalid_request"
 	case errors.Is(err, ErrBodyTooLarge):
 		return fasthttp.StatusRequestEntityTooLarge, "BadRequestError", "request_too_large"
+	case errors.Is(err, ErrHeaderTooLarge):
+		return fasthttp.StatusRequestHeaderFieldsTooLarge, "BadRequestError", "header_too_large"
+	case errors.Is(err, ErrMalformedRequest):
+		return fasthttp.StatusBadRequest, "BadRequestError", "malformed_request"
+	case errors.Is(err, ErrOverloaded):
+		return fasthttp.StatusTooManyRequests, "RateLimitError", "overloaded"
+	case errors.Is(err, ErrClientGone):
+		return StatusClientClosedRequest, "ClientClosedRequest", "client_closed"
 	case errors.Is(err, ErrInternal):
 		return fasthttp.StatusInternalServerError, "InternalServerError", "internal_error"
 	case errors.Is(err, ErrNoEndpoint):

@@ -68,13 +68,83 @@ type reqState struct {
 	parser  fastjson.Parser
 	scratch []byte
 	lease   discovery.Lease // the endpoint being tried; handed to the response body
+	att     *attempt        // the answering attempt; handed to the response body
 	uri     []byte          // the client's request URI, kept across retries
+	// The W3C trace context of the upstream requests: the client's trace
+	// id and flags, or new ones (traceparent).
+	traceID [32]byte
+	flags   [2]byte
+	tp      []byte // scratch for the traceparent value
+	// maxTokens, when positive, caps the prompt's token ids (set before
+	// parse); tokens counts them.
+	maxTokens int
+	tokens    int
+	// big: this request's body was large, so the parser and buffers grew
+	// with it; the state is dropped rather than pooled.
+	big bool
+}
+
+// pooledBodyBytes is the largest body whose parse state is pooled for the
+// next request: a parser keeps the memory of the largest body it parsed,
+// about 80 bytes per JSON value.
+const pooledBodyBytes = 1 << 20
+
+// valueSlack is how many JSON values beyond maxTokens a body may hold
+// (the other fields, messages and their parts) before it is refused
+// without parsing.
+const valueSlack = 1 << 16
+
+// jsonValues returns the number of JSON values in b, or limit+1 once there
+// are more than limit: commas, brackets and braces outside strings, plus
+// one. It lets a body of millions of token ids be refused before the
+// parser allocates a value for each.
+func jsonValues(b []byte, limit int) int {
+	n, inStr := 1, false
+	for i := 0; i < len(b); i++ {
+		c := b[i]
+		if inStr {
+			switch c {
+			case '\\':
+				i++
+			case '"':
+				inStr = false
+			}
+			continue
+		}
+		switch c {
+		case '"':
+			inStr = true
+		case ',', '[', '{':
+			if n++; n > limit {
+				return n
+			}
+		}
+	}
+	return n
+}
+
+// contextLengthError is vLLM's answer to a prompt longer than the model's
+// context (its wording, so clients that match it keep working).
+func contextLengthError(max, got int, more bool, param string) error {
+	q := ""
+	if more {
+		q = "more than "
+	}
+	return &badRequestError{msg: fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %s%d tokens in the %s. Please reduce the length of the %s.",
+		max, q, got, param, param), param: param}
 }
 
 // parse fills s.req from an inference body of the given kind, hashing the
 // canonical rendering into blocks of blockSize bytes (at most maxBlocks).
 // It returns a *badRequestError for malformed JSON and wrong types.
 func (s *reqState) parse(kind routing.Kind, body []byte, blockSize, maxBlocks int) error {
+	s.tokens = 0
+	s.big = s.big || len(body) > pooledBodyBytes
+	if limit := s.maxTokens + valueSlack; s.maxTokens > 0 && len(body)/2 >= limit {
+		if n := jsonValues(body, limit); n > limit {
+			return contextLengthError(s.maxTokens, s.maxTokens, true, "prompt")
+		}
+	}
 	v, err := s.parser.ParseBytes(body)
 	if err != nil {
 		return &badRequestError{msg: "invalid JSON body: " + err.Error()}
@@ -243,6 +313,9 @@ func (s *reqState) renderInput(w renderer, p *fastjson.Value, param string) erro
 
 // renderTokens renders token ids, which must be integers in [0, 2^32).
 func (s *reqState) renderTokens(w renderer, ids []*fastjson.Value, param string) error {
+	if s.tokens += len(ids); s.maxTokens > 0 && s.tokens > s.maxTokens {
+		return contextLengthError(s.maxTokens, s.tokens, false, param)
+	}
 	b := append(s.scratch[:0], tagTokenID...)
 	for i, e := range ids {
 		id, err := e.Uint()

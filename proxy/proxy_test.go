@@ -469,7 +469,7 @@ func TestRetries(t *testing.T) {
 			t.Fatal("expected one retry")
 		}
 	})
-	for _, code := range []int{429, 502, 503, 504} {
+	for _, code := range []int{429, 503} { // refused: the engine started nothing
 		t.Run(fmt.Sprintf("%d goes to another endpoint", code), func(t *testing.T) {
 			bad, badHits := statusBackend(t, code)
 			good, _ := echoBackend(t, "good")
@@ -481,7 +481,8 @@ func TestRetries(t *testing.T) {
 			h.waitIdle(t)
 		})
 	}
-	for _, code := range []int{400, 404, 422, 500} {
+	// 502 and 504 may come from a sidecar whose engine started the request.
+	for _, code := range []int{400, 404, 422, 500, 502, 504} {
 		t.Run(fmt.Sprintf("%d is not retried", code), func(t *testing.T) {
 			bad, _ := statusBackend(t, code)
 			good, goodHits := echoBackend(t, "good")
@@ -541,7 +542,10 @@ func TestRetries(t *testing.T) {
 	t.Run("response header timeout: 504", func(t *testing.T) {
 		release := make(chan struct{})
 		slow := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			<-release
+			select {
+			case <-release:
+			case <-r.Context().Done(): // kvroute gave up and closed the connection
+			}
 		}))
 		t.Cleanup(func() { close(release); slow.Close() })
 		h := startProxy(t, nil, Options{Limits: Limits{ResponseHeaderTimeout: 50 * time.Millisecond}}, slow.URL)

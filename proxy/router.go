@@ -52,6 +52,10 @@ type Config struct {
 
 	Limits
 	AccessLog bool
+	// AdminToken, when set, is the bearer token the admin listener's
+	// mutating endpoints and /debug/pprof/ require; without it they are
+	// off.
+	AdminToken string
 
 	PrefixBlockBytes     int
 	PrefixMaxBlocks      int
@@ -100,9 +104,29 @@ func DefaultConfig() Config {
 			// A non-streaming request answers only after the whole
 			// generation.
 			ResponseHeaderTimeout: 10 * time.Minute,
-			UpstreamIdleTimeout:   discovery.EngineIdleTimeout,
-			ClientIdleTimeout:     2 * time.Minute,
-			MaxConnsPerEndpoint:   4096,
+			// A healthy engine streams a token every few tens of ms; its
+			// longest pause is recomputing a preempted sequence (a 100k-token
+			// context at 2k tokens/s: 50 s). Twice that, then the stream is
+			// presumed stalled (nginx's proxy_read_timeout is 60 s, Envoy's
+			// stream idle timeout 5 min).
+			StreamIdleTimeout:   2 * time.Minute,
+			UpstreamIdleTimeout: discovery.EngineIdleTimeout,
+			ClientIdleTimeout:   2 * time.Minute,
+			MaxConnsPerEndpoint: 4096,
+			// nginx's client_header_timeout and client_body_timeout.
+			ClientHeaderTimeout: 60 * time.Second,
+			ClientBodyTimeout:   60 * time.Second,
+			// Bearer tokens and cookies of 8 KiB occur; nginx accepts up to
+			// 4 × 8 KiB buffers, Envoy 60 KiB.
+			MaxHeaderBytes: 16 << 10,
+			// Llama 3.1's context; an engine's own limit may be lower, and
+			// it answers longer prompts with the same error.
+			MaxPromptTokens: 131072,
+			// Envoy's retry budget: 20% of requests, at least 3 retries.
+			RetryBudget:  0.2,
+			MinRetries:   3,
+			QueueTimeout: 5 * time.Second,
+			MaxQueue:     1024,
 		},
 		AccessLog: true,
 
@@ -165,6 +189,12 @@ func (c *Config) Validate() error {
 	if c.MaxConnsPerEndpoint <= 0 {
 		bad("--max-conns-per-endpoint must be positive, got %d", c.MaxConnsPerEndpoint)
 	}
+	if c.MaxHeaderBytes < 1024 || c.MaxPromptTokens < 1 || c.MaxQueue < 0 || c.MaxInFlightPerEndpoint < 0 || c.MinRetries < 0 {
+		bad("--max-header-bytes must be at least 1024, --max-prompt-tokens positive, --max-queue, --max-in-flight-per-endpoint and --min-retries not negative")
+	}
+	if c.RetryBudget < 0 || c.RetryBudget > 1 {
+		bad("--retry-budget must be in [0, 1], got %g", c.RetryBudget)
+	}
 	if c.PrefixBlockBytes < 16 || c.PrefixMaxBlocks < 1 || c.PrefixCapacityBlocks < 1 || c.PrefixMaxEntries < 1 {
 		bad("--prefix-block-bytes must be at least 16 and --prefix-max-blocks, --prefix-capacity-blocks, --prefix-max-entries positive")
 	}
@@ -178,6 +208,8 @@ func (c *Config) Validate() error {
 		{"--connect-timeout", c.ConnectTimeout}, {"--response-header-timeout", c.ResponseHeaderTimeout},
 		{"--stream-idle-timeout", c.StreamIdleTimeout}, {"--upstream-idle-timeout", c.UpstreamIdleTimeout},
 		{"--client-idle-timeout", c.ClientIdleTimeout}, {"--dns-interval", c.DNSInterval},
+		{"--client-header-timeout", c.ClientHeaderTimeout}, {"--client-body-timeout", c.ClientBodyTimeout},
+		{"--queue-timeout", c.QueueTimeout},
 		{"--health-interval", c.HealthInterval}, {"--health-timeout", c.HealthTimeout},
 		{"--eject-cooldown", c.EjectCooldown}, {"--eject-max-cooldown", c.EjectMaxCooldown},
 		{"--scrape-interval", c.ScrapeInterval}, {"--scrape-timeout", c.ScrapeTimeout},
@@ -246,7 +278,7 @@ func NewRouter(cfg Config, logger *zap.Logger) (*Router, error) {
 		}
 	})
 	opt := Options{Limits: cfg.Limits, Picker: pick, Pool: r.Pool, Metrics: m, Logger: logger,
-		AccessLog: cfg.AccessLog, BlockSize: cfg.PrefixBlockBytes, MaxBlocks: cfg.PrefixMaxBlocks}
+		AccessLog: cfg.AccessLog, AdminToken: cfg.AdminToken, BlockSize: cfg.PrefixBlockBytes, MaxBlocks: cfg.PrefixMaxBlocks}
 	if r.Prefix != nil {
 		opt.Learner = r.Prefix
 		metrics.RegisterIndex(r.Registry, func() metrics.IndexSample {
@@ -320,7 +352,7 @@ func (r *Router) AdminHandler() http.Handler {
 	})
 	if r.Prefix != nil {
 		r.Server.HandleExplain(mux, r.Prefix)
-		HandleParams(mux, r.Prefix)
+		r.Server.HandleParams(mux, r.Prefix)
 	}
 	return mux
 }

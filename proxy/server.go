@@ -6,12 +6,15 @@
 package proxy
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"math/rand/v2"
 	"net"
 	"net/netip"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -70,8 +73,36 @@ type Limits struct {
 	// ClientIdleTimeout closes idle client keep-alive connections.
 	ClientIdleTimeout time.Duration
 	// MaxConnsPerEndpoint caps upstream connections per endpoint; every
-	// streaming request holds one for its whole life.
+	// streaming request holds one for its whole life. An endpoint at the
+	// cap is busy, not broken: the request goes elsewhere or waits.
 	MaxConnsPerEndpoint int
+	// ClientHeaderTimeout bounds reading a request's header block from
+	// its first byte (on a new connection, from the accept).
+	ClientHeaderTimeout time.Duration
+	// ClientBodyTimeout bounds every read of a request body: a body may
+	// arrive slowly, but not stop.
+	ClientBodyTimeout time.Duration
+	// MaxHeaderBytes caps a request's header block (431 beyond).
+	MaxHeaderBytes int
+	// MaxPromptTokens caps the token ids of a request's prompt (a
+	// context-length error beyond); the router's memory for a request
+	// stays a small multiple of its body.
+	MaxPromptTokens int
+	// RetryBudget is the share of recent requests that may be retries
+	// (over a sliding RetryBudgetWindow); at least MinRetries retries
+	// per window are always allowed. 0: no budget.
+	RetryBudget float64
+	// MinRetries: see RetryBudget.
+	MinRetries int
+	// QueueTimeout is how long a request waits in kvroute when every
+	// eligible endpoint is saturated, before a 429; 0 answers at once.
+	QueueTimeout time.Duration
+	// MaxQueue caps the requests waiting; beyond it, 429 at once.
+	MaxQueue int
+	// MaxInFlightPerEndpoint caps this router's requests in flight per
+	// endpoint (0: none but MaxConnsPerEndpoint): an endpoint at the cap
+	// is saturated.
+	MaxInFlightPerEndpoint int
 }
 
 // Options configure a Server.
@@ -83,6 +114,9 @@ type Options struct {
 	Logger  *zap.Logger
 	// AccessLog writes one Info line per request to Logger.
 	AccessLog bool
+	// AdminToken guards the admin handler's mutating endpoints and pprof
+	// (Server.guard); "" turns them off.
+	AdminToken string
 	// BlockSize and MaxBlocks shape prefix hashing (bytes per block, cap).
 	BlockSize, MaxBlocks int
 	// Learner, when set, receives the engine's cached-token counts, read
@@ -102,6 +136,10 @@ type Server struct {
 	idPrefix [8]byte
 	idSeq    atomic.Uint64
 	draining atomic.Bool
+	attempts attempts    // upstream attempts in flight, and the client watcher
+	budget   retryBudget // retries allowed
+	queue    waitQueue   // requests waiting for a saturated fleet
+	hijacked sync.WaitGroup
 }
 
 // New returns a Server. It starts nothing; call Serve.
@@ -115,7 +153,8 @@ func New(opt Options) *Server {
 	// Zero values that cannot mean "no limit" take DefaultConfig's.
 	d := DefaultConfig()
 	for _, f := range []struct{ v, def *int }{{&opt.BlockSize, &d.PrefixBlockBytes}, {&opt.MaxBlocks, &d.PrefixMaxBlocks},
-		{&opt.MaxBodyBytes, &d.MaxBodyBytes}, {&opt.MaxConnsPerEndpoint, &d.MaxConnsPerEndpoint}} {
+		{&opt.MaxBodyBytes, &d.MaxBodyBytes}, {&opt.MaxConnsPerEndpoint, &d.MaxConnsPerEndpoint},
+		{&opt.MaxHeaderBytes, &d.MaxHeaderBytes}, {&opt.MaxPromptTokens, &d.MaxPromptTokens}} {
 		if *f.v <= 0 {
 			*f.v = *f.def
 		}
@@ -124,6 +163,8 @@ func New(opt Options) *Server {
 		opt.UpstreamIdleTimeout = d.UpstreamIdleTimeout
 	}
 	s := &Server{opt: opt}
+	s.budget.init(opt.RetryBudget, opt.MinRetries)
+	s.queue.init(opt.MaxQueue)
 	s.states.New = func() any { return new(reqState) }
 	s.bodies.New = func() any { return new(upstreamBody) }
 	const hex = "0123456789abcdef"
@@ -138,10 +179,17 @@ func New(opt Options) *Server {
 		NoDefaultServerHeader:              true,
 		NoDefaultContentType:               true,
 		NoDefaultDate:                      true,
-		MaxRequestBodySize:                 opt.MaxBodyBytes,
-		IdleTimeout:                        opt.ClientIdleTimeout,
-		ReadTimeout:                        0, // a request body may trickle in; IdleTimeout covers idle conns
-		WriteTimeout:                       0, // a stream may last many minutes
+		MaxRequestBodySize: opt.MaxBodyBytes,
+		IdleTimeout:        opt.ClientIdleTimeout,
+		// The header block within ClientHeaderTimeout of its first byte;
+		// the body's reads are timed by clientListener.
+		ReadTimeout:    opt.ClientHeaderTimeout,
+		ReadBufferSize: opt.MaxHeaderBytes, // fasthttp's cap on a header block
+		WriteTimeout:   0,                  // a stream may last many minutes
+		// Parse errors quote the request; kvroute never sends them, and
+		// fasthttp must not log them either.
+		SecureErrorLogMessage: true,
+		Logger:                quietLogger{opt.Logger},
 		ReduceMemoryUsage:                  false,
 		DisablePreParseMultipartForm:       true,
 		StreamRequestBody:                  false,
@@ -151,29 +199,65 @@ func New(opt Options) *Server {
 	return s
 }
 
+// quietLogger takes fasthttp's connection errors (a client's malformed
+// request, a reset) to the Debug level, without their arguments, which
+// may quote the request's bytes.
+type quietLogger struct{ l *zap.Logger }
+
+func (q quietLogger) Printf(format string, _ ...any) {
+	q.l.Debug("client connection error", zap.String("format", format))
+}
+
 // Serve accepts client connections on ln until Shutdown.
-func (s *Server) Serve(ln net.Listener) error { return s.srv.Serve(ln) }
+func (s *Server) Serve(ln net.Listener) error {
+	s.attempts.start(s.opt.Metrics.Cancelled)
+	return s.srv.Serve(clientListener{Listener: ln, body: s.opt.ClientBodyTimeout})
+}
 
 // Drain marks the server as draining: /readyz answers 503 from now on.
 func (s *Server) Drain() { s.draining.Store(true) }
 
 // Shutdown stops accepting connections and waits for in-flight requests,
-// streams included, until ctx is done.
+// streams included (those to HTTP/1.0 clients too), until ctx is done.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.Drain()
-	return s.srv.ShutdownWithContext(ctx)
+	err := s.srv.ShutdownWithContext(ctx)
+	done := make(chan struct{})
+	go func() { s.hijacked.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-ctx.Done():
+		err = errors.Join(err, ctx.Err())
+	}
+	s.attempts.close()
+	return err
 }
 
 // handleServerError answers errors fasthttp detects before the handler runs
 // (oversized or malformed requests) with an OpenAI-style error.
+// The answer never quotes fasthttp's error, which may contain the request's
+// bytes (credentials included); the log line at Debug does not either.
 func (s *Server) handleServerError(ctx *fasthttp.RequestCtx, err error) {
-	var status int
-	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
-		status = writeError(ctx, ErrBodyTooLarge)
-	} else {
-		status = writeError(ctx, &badRequestError{msg: "malformed HTTP request: " + err.Error()})
+	var small *fasthttp.ErrSmallBuffer
+	e := ErrMalformedRequest
+	switch {
+	case errors.Is(err, fasthttp.ErrBodyTooLarge):
+		e = ErrBodyTooLarge
+	case errors.As(err, &small) || errors.Is(err, fasthttp.ErrSmallReadBuffer):
+		e = ErrHeaderTooLarge
 	}
+	status := writeError(ctx, e)
+	ctx.Response.Header.SetBytesKV(headerRequestID, s.newRequestID(nil))
+	ctx.Response.SetConnectionClose() // the stream's framing is unknown after a parse error
+	s.opt.Logger.Debug("malformed request", zap.Int("status", status), zap.Stringer("remote", ctx.RemoteAddr()))
 	s.opt.Metrics.Request(int(routing.KindOther), status, 0)
+}
+
+// release returns st to the pool, unless a large body made it large.
+func (s *Server) release(st *reqState) {
+	if !st.big {
+		s.states.Put(st)
+	}
 }
 
 // handle serves one client request.
@@ -181,7 +265,8 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	start := time.Now()
 	st := s.states.Get().(*reqState)
 	st.req.Reset()
-	defer s.states.Put(st)
+	st.att = nil
+	defer s.release(st)
 	s.opt.Metrics.InFlight(1)
 	// The lease of the endpoint being tried is released here on every
 	// exit, panics included, unless the response body took it over.
@@ -195,13 +280,23 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 
 	kind := kindOf(ctx.Method(), ctx.Path())
 	st.req.Kind = kind
+	if ctx.Request.Header.ContentLength() == -1 && bytes.Contains(bytes.ToLower(ctx.Request.Header.RawHeaders()), []byte("content-length:")) {
+		// Transfer-Encoding and Content-Length together: the framing a
+		// request smuggling attempt relies on (RFC 9112 §6.3: an error,
+		// and the connection closes).
+		s.answer(ctx, st, ErrMalformedRequest, start)
+		ctx.SetConnectionClose()
+		return
+	}
+	reqID := s.prepareRequest(ctx)
+	st.traceContext(ctx.Request.Header.PeekBytes(headerTraceparent))
+	st.maxTokens = s.opt.MaxPromptTokens
 	if kind != routing.KindOther && len(ctx.Request.Header.ContentEncoding()) == 0 {
 		if err := st.parse(kind, ctx.PostBody(), s.opt.BlockSize, s.opt.MaxBlocks); err != nil {
 			s.answer(ctx, st, err, start)
 			return
 		}
 	}
-	reqID := s.prepareRequest(ctx)
 	st.uri = append(st.uri[:0], ctx.Request.RequestURI()...)
 	resp, d, err := s.forward(ctx, st)
 	if err != nil {
@@ -212,64 +307,169 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 }
 
 // forward sends the request to the endpoints the policy picks, one attempt
-// after another, until one answers with a response to pass on: a status
-// that is not retryable, or any status on the last attempt. A failed
-// attempt (connection error, timeout, retryable status) releases its
-// lease, counts against the endpoint where the endpoint is at fault, and
-// the next attempt goes elsewhere. On success st.lease holds the answering
-// endpoint's lease.
+// after another, until one answers with a response to pass on. A failed
+// attempt releases its lease and counts against the endpoint where the
+// endpoint is at fault (a transport failure or a 5xx; never a client's
+// mistake, nor a busy endpoint). The request is re-sent elsewhere only
+// where it provably never started (neverSent, or a 429/503 answer), within
+// --retries and the retry budget, after a jittered pause; otherwise the
+// failure is the answer. When every routable endpoint is saturated (at
+// --max-in-flight-per-endpoint or out of connections), the request waits
+// (wait) and tries again. On success st.lease holds the answering
+// endpoint's lease and st.att its attempt.
 func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Response, routing.Decision, error) {
 	set := s.opt.Pool.Load()
 	if v := set.Version; s.pruned.Load() != v {
 		s.prune(set)
 	}
+	st.req.MaxInFlight = int64(s.opt.MaxInFlightPerEndpoint)
+	s.budget.request()
 	var lastErr error = ErrNoEndpoint
-	for attempt := 0; attempt <= s.opt.Retries; attempt++ {
+	var failed []*discovery.Endpoint // endpoints that failed this request (Tried also holds busy ones)
+	var queued time.Time
+	defer func() {
+		if !queued.IsZero() {
+			s.queue.leave()
+			s.opt.Metrics.Queued(-1)
+		}
+	}()
+	for tries := 0; ; {
 		d := s.opt.Picker.Pick(&st.req, set)
 		ep := d.Endpoint
 		if ep == nil {
-			break
-		}
-		if attempt > 0 {
-			s.opt.Metrics.Retry()
+			if !saturated(set, failed) {
+				break
+			}
+			if err := s.wait(ctx, &queued); err != nil {
+				return nil, routing.Decision{}, err
+			}
+			set = s.opt.Pool.Load()
+			st.req.Tried = append(st.req.Tried[:0], failed...) // the busy may have room now
+			continue
 		}
 		s.opt.Metrics.Decision(d.Reason, d.PromptTokens, d.PromptTokens-d.Prefill)
 		st.req.Tried = append(st.req.Tried, ep)
 		st.lease = ep.Acquire(d.Prefill)
-		if ep.BasePath != "" || attempt > 0 {
-			s.setURI(ctx, st, ep)
-		}
+		a := s.attempts.begin(ctx.Conn())
+		s.setUpstream(ctx, st, ep, a.id)
 		resp := fasthttp.AcquireResponse()
 		resp.StreamBody = true
 		err := s.client(ep).Do(&ctx.Request, resp)
 		var kindLabel string
-		endpointAtFault := true
+		retry := tries < s.opt.Retries
 		if err == nil {
 			code := resp.StatusCode()
-			if attempt == s.opt.Retries || !retryable(code) {
+			if !retry || !retryable(code) || !s.allowRetry() {
 				if code >= 500 {
 					ep.ReportFailure()
 				} else if code != fasthttp.StatusTooManyRequests {
 					ep.ReportSuccess()
 				}
+				st.att = a
 				return resp, d, nil
 			}
-			_ = resp.Body() // drain the small error body so the connection is reused
+			s.discard(resp, a)
 			err, kindLabel = &statusError{endpoint: ep.URL, code: code}, "status"
-			endpointAtFault = code >= 500
+			if code >= 500 {
+				ep.ReportFailure()
+			}
 		} else {
 			s.opt.Logger.Debug("upstream attempt failed", zap.String("endpoint", ep.URL), zap.Error(err))
-			err, kindLabel = classifyUpstream(err)
+			gone := a.clientGone()
+			busy := !gone && errors.Is(err, fasthttp.ErrNoFreeConns)
+			retry = !gone && (busy || retry && neverSent(err, a) && s.allowRetry())
+			switch {
+			case gone:
+				err, kindLabel = fmt.Errorf("%w: %v", ErrClientGone, err), "cancelled"
+			case busy:
+				err, kindLabel = ErrOverloaded, "busy"
+			default:
+				err, kindLabel = classifyUpstream(err)
+				ep.ReportFailure()
+				failed = append(failed, ep)
+			}
 		}
 		fasthttp.ReleaseResponse(resp)
 		st.lease.Release()
-		if endpointAtFault {
-			ep.ReportFailure()
-		}
+		s.attempts.end(a)
 		s.opt.Metrics.UpstreamError(kindLabel)
 		lastErr = err
+		if !retry {
+			break
+		}
+		if kindLabel != "busy" {
+			tries++
+			s.opt.Metrics.Retry()
+			time.Sleep(backoff(tries))
+		}
 	}
 	return nil, routing.Decision{}, lastErr
+}
+
+// allowRetry reports whether the retry budget allows one more retry, and
+// counts it.
+func (s *Server) allowRetry() bool {
+	if s.budget.allow() {
+		return true
+	}
+	s.opt.Metrics.RetryDenied()
+	return false
+}
+
+// saturated reports whether some routable endpoint that has not failed this
+// request exists: the policy found none usable because all such were
+// saturated, so the request may wait for one.
+func saturated(set *discovery.Set, failed []*discovery.Endpoint) bool {
+	for _, e := range set.Endpoints {
+		if e.Routable() && !slices.Contains(failed, e) {
+			return true
+		}
+	}
+	return false
+}
+
+// wait holds a request while every routable endpoint is saturated: it
+// takes a place in the queue on the first call (ErrOverloaded when the
+// queue is full or disabled), then sleeps one poll; ErrOverloaded once the
+// queue timeout has passed, ErrClientGone when the client left meanwhile.
+func (s *Server) wait(ctx *fasthttp.RequestCtx, queued *time.Time) error {
+	now := time.Now()
+	if queued.IsZero() {
+		if s.opt.QueueTimeout <= 0 || !s.queue.enter() {
+			s.opt.Metrics.Overloaded()
+			return ErrOverloaded
+		}
+		*queued = now
+		s.opt.Metrics.Queued(1)
+	}
+	if now.Sub(*queued) >= s.opt.QueueTimeout {
+		s.opt.Metrics.Overloaded()
+		return ErrOverloaded
+	}
+	time.Sleep(queuePoll)
+	if peerClosed(ctx.Conn()) {
+		return ErrClientGone
+	}
+	return nil
+}
+
+// maxDiscard is the most of a retryable error answer's body read so its
+// connection can be reused; discardTimeout bounds the reading. A larger or
+// slower body closes the connection instead.
+const (
+	maxDiscard     = 64 << 10
+	discardTimeout = time.Second
+)
+
+// discard drops a retryable answer's body: it reads at most maxDiscard of
+// it within discardTimeout; closing the body then closes the connection
+// unless the body was read whole.
+func (s *Server) discard(resp *fasthttp.Response, a *attempt) {
+	if rd := resp.BodyStream(); rd != nil {
+		a.drainBy(time.Now().Add(discardTimeout))
+		_, _ = io.CopyN(io.Discard, rd, maxDiscard)
+	}
+	_ = resp.CloseBodyStream()
 }
 
 // statusError is a retryable status on the last endpoint tried.
@@ -285,14 +485,11 @@ func (e *statusError) Error() string {
 func (e *statusError) Unwrap() error { return ErrUpstream }
 
 // retryable reports whether an endpoint's status means "try another one":
-// it is overloaded or its own upstream failed, and nothing was generated.
+// it refused the request (overloaded, or not ready), so nothing was
+// generated. A 502 or 504 may come from a sidecar in front of an engine
+// that started the generation, and is passed on.
 func retryable(code int) bool {
-	switch code {
-	case fasthttp.StatusTooManyRequests, fasthttp.StatusBadGateway,
-		fasthttp.StatusServiceUnavailable, fasthttp.StatusGatewayTimeout:
-		return true
-	}
-	return false
+	return code == fasthttp.StatusTooManyRequests || code == fasthttp.StatusServiceUnavailable
 }
 
 // answer answers the request with kvroute's own error for err and records
@@ -302,6 +499,12 @@ func (s *Server) answer(ctx *fasthttp.RequestCtx, st *reqState, err error, start
 		reqID: ctx.Request.Header.PeekBytes(headerRequestID), method: ctx.Method(), path: ctx.Path()}
 	if len(rec.reqID) > 0 {
 		ctx.Response.Header.SetBytesKV(headerRequestID, rec.reqID)
+	}
+	switch {
+	case errors.Is(err, ErrOverloaded):
+		ctx.Response.Header.Set("Retry-After", "1")
+	case errors.Is(err, ErrClientGone):
+		ctx.SetConnectionClose()
 	}
 	s.end(&rec, err)
 }
@@ -374,7 +577,8 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 	h.SetBytesKV(headerRequestID, reqID)
 
 	b := s.bodies.Get().(*upstreamBody)
-	b.s, b.resp, b.lease = s, resp, st.lease.Take()
+	b.s, b.resp, b.lease, b.att = s, resp, st.lease.Take(), st.att
+	st.att = nil
 	b.firstByte, b.readErr = false, nil
 	// The engine's usage report (prompt and cached tokens) is read from
 	// every inference answer, for the endpoint's calibration and, under a
@@ -402,12 +606,49 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 	b.rd = rd
 	size := resp.Header.ContentLength()
 	if size < 0 || isEventStream(resp) {
+		if !ctx.Request.Header.IsHTTP11() {
+			s.closeDelimited(ctx, b)
+			return
+		}
 		// Unknown length or SSE: chunked to the client, headers flushed at
 		// once and every chunk flushed as it arrives.
 		size = -1
 		ctx.Response.ImmediateHeaderFlush = true
 	}
 	ctx.Response.SetBodyStream(b, size)
+}
+
+// closeDelimited sends b to an HTTP/1.0 client, which cannot read a
+// chunked body: the header without a length, then the body as it arrives,
+// then the end of the connection (RFC 9112 §6.3). fasthttp always chunks a
+// body of unknown length, so the connection is taken over once the handler
+// returns.
+func (s *Server) closeDelimited(ctx *fasthttp.RequestCtx, b *upstreamBody) {
+	h := &ctx.Response.Header
+	h.SetContentLength(-2) // no length, no chunking
+	h.SetConnectionClose()
+	head := append([]byte(nil), h.Header()...)
+	ctx.HijackSetNoResponse(true)
+	s.hijacked.Add(1)
+	ctx.Hijack(func(c net.Conn) {
+		defer s.hijacked.Done()
+		_, err := c.Write(head)
+		buf := make([]byte, 16<<10)
+		for err == nil {
+			var n int
+			n, err = b.Read(buf)
+			if n > 0 {
+				if _, werr := c.Write(buf[:n]); werr != nil {
+					err = werr
+					break
+				}
+			}
+		}
+		if err == io.EOF || b.readErr != nil {
+			err = nil // the end, or the endpoint's failure that CloseWithError reports
+		}
+		_ = b.CloseWithError(err)
+	})
 }
 
 func isEventStream(resp *fasthttp.Response) bool {
@@ -424,6 +665,7 @@ type upstreamBody struct {
 	resp        *fasthttp.Response
 	rd          io.Reader
 	lease       discovery.Lease
+	att         *attempt
 	rec         record
 	scan        bool // scan the body for the engine's usage
 	learn       bool // and report it to the Learner
@@ -470,6 +712,11 @@ func (b *upstreamBody) CloseWithError(err error) error {
 	s, ep := b.s, b.rec.ep
 	_ = b.resp.CloseBodyStream()
 	fasthttp.ReleaseResponse(b.resp)
+	s.attempts.end(b.att)
+	if b.att.clientGone() {
+		// The watcher closed the upstream connection for a client that left.
+		b.readErr, err = nil, ErrClientGone
+	}
 	if err == nil && b.readErr == nil {
 		computed := discovery.Uncomputed
 		if b.scan && b.cached.Found && b.prompt.Found {
@@ -496,7 +743,7 @@ func (b *upstreamBody) CloseWithError(err error) error {
 		b.rec.usage, b.rec.promptTokens, b.rec.cachedTokens = true, b.prompt.Value, b.cached.Value
 	}
 	s.end(&b.rec, err)
-	b.resp, b.rd, b.readErr = nil, nil, nil
+	b.resp, b.rd, b.readErr, b.att = nil, nil, nil, nil
 	b.rec.ep, b.rec.decision = nil, routing.Decision{}
 	s.bodies.Put(b)
 	return nil
@@ -507,6 +754,7 @@ type eofReader struct{}
 func (eofReader) Read([]byte) (int, error) { return 0, io.EOF }
 
 var (
+	headerTraceparent    = []byte("traceparent")
 	headerRequestID      = []byte("X-Request-Id")
 	headerForwardedFor   = []byte("X-Forwarded-For")
 	headerForwardedProto = []byte("X-Forwarded-Proto")
@@ -530,7 +778,7 @@ type headerDeleter interface {
 func removeHopHeaders(h headerDeleter) {
 	if c := h.Peek("Connection"); len(c) > 0 {
 		for _, tok := range splitTokens(c) {
-			if !equalFoldASCII(tok, "close") && !equalFoldASCII(tok, "keep-alive") {
+			if !equalFoldASCII(tok, "close") && !equalFoldASCII(tok, "keep-alive") && !framing(tok) {
 				h.Del(string(tok))
 			}
 		}
@@ -538,6 +786,18 @@ func removeHopHeaders(h headerDeleter) {
 	for _, k := range hopHeaders {
 		h.Del(k)
 	}
+}
+
+// framing reports whether a Connection token names a field that frames or
+// addresses the message, which a client may not have removed: kvroute sets
+// Host itself, and fasthttp owns the rest.
+func framing(tok []byte) bool {
+	for _, f := range [...]string{"host", "content-length", "transfer-encoding", "content-type", "connection"} {
+		if equalFoldASCII(tok, f) {
+			return true
+		}
+	}
+	return false
 }
 
 // prepareRequest applies header hygiene to the request sent upstream and
@@ -572,14 +832,9 @@ func (s *Server) prepareRequest(ctx *fasthttp.RequestCtx) []byte {
 // newRequestID appends a process-unique id: 8 random hex digits fixed at
 // start-up, then a 16-hex-digit sequence number.
 func (s *Server) newRequestID(dst []byte) []byte {
-	const hex = "0123456789abcdef"
 	dst = append(dst, s.idPrefix[:]...)
 	dst = append(dst, '-')
-	n := s.idSeq.Add(1)
-	for i := 15; i >= 0; i-- {
-		dst = append(dst, hex[(n>>(4*uint(i)))&15])
-	}
-	return dst
+	return appendHex16(dst, s.idSeq.Add(1))
 }
 
 // client returns the endpoint's HostClient, creating it on first use.
@@ -608,13 +863,69 @@ func (s *Server) client(ep *discovery.Endpoint) *fasthttp.HostClient {
 	return c.(*fasthttp.HostClient)
 }
 
-// setURI points the upstream request at ep: its base path, then the
-// client's request URI.
-func (s *Server) setURI(ctx *fasthttp.RequestCtx, st *reqState, ep *discovery.Endpoint) {
+// setUpstream points the upstream request at ep: its base path, then the
+// client's request URI; its own Host (whatever the client sent, or
+// failed to send); and a traceparent whose parent id is the attempt's
+// span.
+func (s *Server) setUpstream(ctx *fasthttp.RequestCtx, st *reqState, ep *discovery.Endpoint, span uint64) {
 	u := append(st.scratch[:0], ep.BasePath...)
 	u = append(u, st.uri...)
 	ctx.Request.SetRequestURIBytes(u)
 	st.scratch = u
+	ctx.Request.UseHostHeader = true
+	ctx.Request.Header.SetHost(ep.Addr)
+	tp := append(st.tp[:0], "00-"...)
+	tp = append(tp, st.traceID[:]...)
+	tp = append(tp, '-')
+	tp = appendHex16(tp, span)
+	tp = append(tp, '-')
+	tp = append(tp, st.flags[:]...)
+	ctx.Request.Header.SetBytesKV(headerTraceparent, tp)
+	st.tp = tp
+}
+
+// appendHex16 appends v as 16 lower-case hex digits.
+func appendHex16(dst []byte, v uint64) []byte {
+	const hex = "0123456789abcdef"
+	for i := 15; i >= 0; i-- {
+		dst = append(dst, hex[(v>>(4*uint(i)))&15])
+	}
+	return dst
+}
+
+// traceContext sets st's trace id and flags from the client's W3C
+// traceparent when it is a valid version-00 one, else to a new trace
+// (flags 00: not sampled). tracestate passes through untouched.
+func (st *reqState) traceContext(tp []byte) {
+	// 00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>
+	if len(tp) == 55 && tp[0] == '0' && tp[1] == '0' && tp[2] == '-' && tp[35] == '-' && tp[52] == '-' &&
+		isHex(tp[3:35]) && isHex(tp[36:52]) && isHex(tp[53:55]) &&
+		!allZero(tp[3:35]) && !allZero(tp[36:52]) {
+		copy(st.traceID[:], tp[3:35])
+		copy(st.flags[:], tp[53:55])
+		return
+	}
+	t := appendHex16(appendHex16(st.tp[:0], rand.Uint64()), rand.Uint64()|1)
+	copy(st.traceID[:], t)
+	st.flags = [2]byte{'0', '0'}
+}
+
+func isHex(b []byte) bool {
+	for _, c := range b {
+		if !('0' <= c && c <= '9' || 'a' <= c && c <= 'f') {
+			return false
+		}
+	}
+	return true
+}
+
+func allZero(b []byte) bool {
+	for _, c := range b {
+		if c != '0' {
+			return false
+		}
+	}
+	return true
 }
 
 // prune drops clients of endpoints that left the Set; their open streams
@@ -638,8 +949,9 @@ func (s *Server) prune(set *discovery.Set) {
 }
 
 // dial connects to an endpoint within ConnectTimeout and wraps the
-// connection so response-header and stream-idle timeouts apply per request
-// rather than as one deadline over a whole stream.
+// connection in a timedConn: response-header and stream-idle timeouts per
+// request rather than one deadline over a whole stream, and the link to
+// the request's attempt.
 func (s *Server) dial(addr string) (net.Conn, error) {
 	var c net.Conn
 	var err error
@@ -651,47 +963,5 @@ func (s *Server) dial(addr string) (net.Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	if s.opt.ResponseHeaderTimeout <= 0 && s.opt.StreamIdleTimeout <= 0 {
-		return c, nil
-	}
-	return &timedConn{Conn: c, header: s.opt.ResponseHeaderTimeout, idle: s.opt.StreamIdleTimeout}, nil
-}
-
-// timedConn applies the response-header timeout from a request's write to
-// the first response byte, then the stream-idle timeout (if any) to every
-// later read. Deadlines are set just before reading, because fasthttp clears
-// the read deadline of a new connection after writing the request. A
-// connection serves one request at a time.
-type timedConn struct {
-	net.Conn
-	header, idle time.Duration
-	waiting      bool // a request was written, no response byte read yet
-	armed        bool // the header deadline of the current request is set
-	deadline     bool // some read deadline is set
-}
-
-func (c *timedConn) Write(p []byte) (int, error) {
-	c.waiting, c.armed = true, false
-	return c.Conn.Write(p)
-}
-
-func (c *timedConn) Read(p []byte) (int, error) {
-	switch {
-	case c.waiting && c.header > 0:
-		if !c.armed {
-			_ = c.Conn.SetReadDeadline(time.Now().Add(c.header))
-			c.armed, c.deadline = true, true
-		}
-	case c.idle > 0:
-		_ = c.Conn.SetReadDeadline(time.Now().Add(c.idle))
-		c.deadline = true
-	case c.deadline:
-		_ = c.Conn.SetReadDeadline(time.Time{})
-		c.deadline = false
-	}
-	n, err := c.Conn.Read(p)
-	if n > 0 {
-		c.waiting = false
-	}
-	return n, err
+	return &timedConn{Conn: c, as: &s.attempts, header: s.opt.ResponseHeaderTimeout, idle: s.opt.StreamIdleTimeout}, nil
 }

@@ -14,10 +14,10 @@ const (
 )
 
 // Usable reports whether r may be sent to e: e is routable (not down,
-// ejected or draining) and r was not already sent there. Every policy
-// must pick only usable endpoints.
+// ejected or draining), not saturated (r.MaxInFlight), and r was not
+// already sent there. Every policy must pick only usable endpoints.
 func Usable(r *Request, e *discovery.Endpoint) bool {
-	return e.Routable() && !r.tried(e)
+	return e.Routable() && !r.tried(e) && (r.MaxInFlight <= 0 || e.InFlight() < r.MaxInFlight)
 }
 
 // firstUsable returns the first endpoint of eps usable for r, scanning

@@ -65,6 +65,10 @@ type Request struct {
 	// Tried lists the endpoints this request was already sent to; policies
 	// skip them (retries go to another endpoint).
 	Tried []*discovery.Endpoint
+	// MaxInFlight, when positive, is the most requests of this router an
+	// endpoint may have in flight: one at the cap is saturated, and
+	// policies skip it.
+	MaxInFlight int64
 }
 
 // Reset clears r for reuse, keeping its slices' capacity.

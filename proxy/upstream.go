@@ -1,0 +1,288 @@
+package proxy
+
+import (
+	"bytes"
+	"errors"
+	"math/rand/v2"
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/valyala/fasthttp"
+)
+
+// An attempt is one upstream try of a request. It links the request's
+// client connection to the upstream connection carrying it, so that when
+// the client leaves, the upstream request is cancelled (its connection
+// closed: the engine sees the disconnect and stops generating), and it
+// tells the retry loop whether the request provably never reached the
+// endpoint.
+//
+// fasthttp's client hands out pooled connections without saying which one
+// a request went on, so the link is made on the wire: every upstream
+// request carries a W3C traceparent whose parent id (the span of this
+// attempt) is unique, and the connection finds its attempt by that id in
+// the first bytes of the request it writes (timedConn.Write).
+type attempt struct {
+	id     uint64
+	client net.Conn // the client's connection; nil when unknown
+
+	mu      sync.Mutex
+	conn    *timedConn // the upstream connection, once the request is on it
+	gone    bool       // the client left; conn was closed for it
+	written bool       // the request was written in full
+	failed  bool       // a write of the request failed
+}
+
+// attempts are the attempts in flight, by id, and the watcher that checks
+// their clients.
+type attempts struct {
+	m    sync.Map // uint64 → *attempt
+	n    atomic.Int64
+	stop chan struct{}
+	once sync.Once
+	wg   sync.WaitGroup
+}
+
+// clientCheckInterval is how often the watcher checks whether the clients of
+// the attempts in flight are still connected: a client that left is noticed
+// within about this long, and its upstream request cancelled.
+const clientCheckInterval = 500 * time.Millisecond
+
+// start runs the watcher until close. cancelled is called for each attempt
+// cancelled because its client left.
+func (as *attempts) start(cancelled func()) {
+	as.once.Do(func() {
+		as.stop = make(chan struct{})
+		as.wg.Add(1)
+		go func() {
+			defer as.wg.Done()
+			t := time.NewTicker(clientCheckInterval)
+			defer t.Stop()
+			for {
+				select {
+				case <-as.stop:
+					return
+				case <-t.C:
+				}
+				if as.n.Load() == 0 {
+					continue
+				}
+				as.m.Range(func(_, v any) bool {
+					a := v.(*attempt)
+					if a.client != nil && peerClosed(a.client) && a.cancel() {
+						cancelled()
+					}
+					return true
+				})
+			}
+		}()
+	})
+}
+
+// close stops the watcher.
+func (as *attempts) close() {
+	as.once.Do(func() {}) // a watcher never started stays so
+	if as.stop != nil {
+		select {
+		case <-as.stop:
+		default:
+			close(as.stop)
+		}
+	}
+	as.wg.Wait()
+}
+
+// begin registers a new attempt for a request whose client is on client.
+func (as *attempts) begin(client net.Conn) *attempt {
+	a := &attempt{id: rand.Uint64() | 1, client: client}
+	as.m.Store(a.id, a)
+	as.n.Add(1)
+	return a
+}
+
+// end unregisters a.
+func (as *attempts) end(a *attempt) {
+	if a == nil {
+		return
+	}
+	if _, ok := as.m.LoadAndDelete(a.id); ok {
+		as.n.Add(-1)
+	}
+}
+
+// find returns the attempt whose traceparent is in the request bytes p, or
+// nil.
+func (as *attempts) find(p []byte) *attempt {
+	i := bytes.Index(p, traceparentLine)
+	if i < 0 {
+		return nil
+	}
+	// "00-" trace-id (32 hex) "-" parent-id (16 hex)
+	j := i + len(traceparentLine) + 3 + 32 + 1
+	if j+16 > len(p) {
+		return nil
+	}
+	id, err := strconv.ParseUint(string(p[j:j+16]), 16, 64)
+	if err != nil {
+		return nil
+	}
+	if v, ok := as.m.Load(id); ok {
+		return v.(*attempt)
+	}
+	return nil
+}
+
+var traceparentLine = []byte("\r\nTraceparent: ")
+
+// cancel marks the client gone and closes the upstream connection, once;
+// it reports whether this call did it.
+func (a *attempt) cancel() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.gone {
+		return false
+	}
+	a.gone = true
+	if a.conn != nil {
+		_ = a.conn.Conn.Close()
+	}
+	return true
+}
+
+// clientGone reports whether the attempt was cancelled for its client.
+func (a *attempt) clientGone() bool {
+	if a == nil {
+		return false
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.gone
+}
+
+// neverStarted reports whether the endpoint provably never received the
+// whole request, so it cannot have started it: a write of it failed.
+func (a *attempt) neverStarted() bool {
+	if a == nil {
+		return false
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.failed
+}
+
+// link attaches the upstream connection c, which carries the request.
+func (a *attempt) link(c *timedConn) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.conn = c
+	if a.gone {
+		_ = c.Conn.Close()
+	}
+}
+
+// drainBy makes the attempt's connection give up reading at t.
+func (a *attempt) drainBy(t time.Time) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.conn != nil {
+		a.conn.until = t
+	}
+}
+
+// wrote records the outcome of one write of the request.
+func (a *attempt) wrote(err error) {
+	if a == nil || err == nil {
+		return
+	}
+	a.mu.Lock()
+	a.failed = true
+	a.mu.Unlock()
+}
+
+// neverSent reports whether err, returned by the client for a request,
+// shows that the endpoint cannot have started it: the connection could not
+// be made, no connection was free, or the request could not be written
+// whole. After a timeout, or a connection closed or reset once the request
+// was sent, the engine may be generating, and the request is not re-sent.
+func neverSent(err error, a *attempt) bool {
+	var op *net.OpError
+	switch {
+	case errors.Is(err, fasthttp.ErrNoFreeConns), errors.Is(err, fasthttp.ErrDialTimeout),
+		errors.Is(err, syscall.ECONNREFUSED):
+		return true
+	case errors.As(err, &op) && op.Op == "dial":
+		return true
+	}
+	return a.neverStarted()
+}
+
+// timedConn is an upstream connection. It applies the response-header
+// timeout from a request's write to the end of the response's header block
+// (a pod that sends part of a header and stalls is timed out like one that
+// sends nothing), then the stream-idle timeout (if any) to every later read.
+// Deadlines are set just before reading, because fasthttp clears the read
+// deadline of a new connection after writing the request. It links each
+// request it carries to its attempt (attempts.find). A connection serves
+// one request at a time.
+type timedConn struct {
+	net.Conn
+	as           *attempts
+	header, idle time.Duration
+	att          *attempt // the attempt of the current request
+	writing      bool     // a request is being written
+	linking      bool     // its attempt is not found yet
+	inHeader     bool     // the response header has not ended yet
+	armed        bool     // the header deadline of the current request is set
+	deadline     bool     // some read deadline is set
+	tail         [3]byte  // the last bytes of the header read so far
+	tailN        int
+	until        time.Time // when set, the one read deadline (draining an answer)
+}
+
+func (c *timedConn) Write(p []byte) (int, error) {
+	if !c.writing { // the first write of a new request
+		c.writing, c.linking, c.inHeader, c.armed, c.tailN, c.att, c.until = true, true, true, false, 0, nil, time.Time{}
+	}
+	if c.linking {
+		if a := c.as.find(p); a != nil {
+			c.att, c.linking = a, false
+			a.link(c)
+		} else if bytes.Contains(p, crlfcrlf) {
+			c.linking = false // the header went by without a known attempt
+		}
+	}
+	n, err := c.Conn.Write(p)
+	c.att.wrote(err)
+	return n, err
+}
+
+var crlfcrlf = []byte("\r\n\r\n")
+
+func (c *timedConn) Read(p []byte) (int, error) {
+	c.writing = false
+	switch {
+	case !c.until.IsZero():
+		_ = c.Conn.SetReadDeadline(c.until)
+		c.deadline = true
+	case c.inHeader && c.header > 0:
+		if !c.armed {
+			_ = c.Conn.SetReadDeadline(time.Now().Add(c.header))
+			c.armed, c.deadline = true, true
+		}
+	case c.idle > 0:
+		_ = c.Conn.SetReadDeadline(time.Now().Add(c.idle))
+		c.deadline = true
+	case c.deadline:
+		_ = c.Conn.SetReadDeadline(time.Time{})
+		c.deadline = false
+	}
+	n, err := c.Conn.Read(p)
+	if n > 0 && c.inHeader && headerEnds(&c.tail, &c.tailN, p[:n]) {
+		c.inHeader = false
+	}
+	return n, err
+}

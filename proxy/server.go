@@ -173,14 +173,14 @@ func New(opt Options) *Server {
 		s.idPrefix[i] = hex[(r>>(4*i))&15]
 	}
 	s.srv = &fasthttp.Server{
-		Handler:                            s.handle,
-		ErrorHandler:                       s.handleServerError,
-		Name:                               "kvroute",
-		NoDefaultServerHeader:              true,
-		NoDefaultContentType:               true,
-		NoDefaultDate:                      true,
-		MaxRequestBodySize: opt.MaxBodyBytes,
-		IdleTimeout:        opt.ClientIdleTimeout,
+		Handler:               s.handle,
+		ErrorHandler:          s.handleServerError,
+		Name:                  "kvroute",
+		NoDefaultServerHeader: true,
+		NoDefaultContentType:  true,
+		NoDefaultDate:         true,
+		MaxRequestBodySize:    opt.MaxBodyBytes,
+		IdleTimeout:           opt.ClientIdleTimeout,
 		// The header block within ClientHeaderTimeout of its first byte;
 		// the body's reads are timed by clientListener.
 		ReadTimeout:    opt.ClientHeaderTimeout,
@@ -188,8 +188,8 @@ func New(opt Options) *Server {
 		WriteTimeout:   0,                  // a stream may last many minutes
 		// Parse errors quote the request; kvroute never sends them, and
 		// fasthttp must not log them either.
-		SecureErrorLogMessage: true,
-		Logger:                quietLogger{opt.Logger},
+		SecureErrorLogMessage:              true,
+		Logger:                             quietLogger{opt.Logger},
 		ReduceMemoryUsage:                  false,
 		DisablePreParseMultipartForm:       true,
 		StreamRequestBody:                  false,

@@ -4,7 +4,7 @@ BIN      ?= bin
 IMAGE    ?= kvroute:dev
 PKGS     := ./...
 
-.PHONY: all build test vet fmt-check bench run docker clean demo bench-e2e
+.PHONY: all build test vet fmt-check bench run docker clean demo bench-e2e fuzz
 
 all: build
 
@@ -27,6 +27,17 @@ fmt-check:
 # Micro-benchmarks beside the code (hop latency, parsing, policies).
 bench:
 	$(GO) test -run '^$$' -bench . -benchtime 2s $(PKGS)
+
+# Every native fuzz target in turn, FUZZTIME each (not part of test). A
+# crasher is kept under the package's testdata/fuzz/FuzzName/ as a seed.
+FUZZTIME ?= 30s
+FUZZ_TARGETS := ./proxy:FuzzParse ./proxy:FuzzRender ./proxy:FuzzNumScanner \
+	./discovery:FuzzParseEngine ./discovery:FuzzDNSAnswer ./prefix:FuzzHasher
+fuzz:
+	@set -e; for t in $(FUZZ_TARGETS); do \
+	  pkg=$${t%%:*}; name=$${t#*:}; echo "== $$name ($$pkg, $(FUZZTIME))"; \
+	  $(GO) test -run '^$$' -fuzz "^$$name\$$" -fuzztime $(FUZZTIME) $$pkg; \
+	done
 
 # Run kvroute against four local simulated pods.
 run: build

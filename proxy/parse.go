@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"io"
+	"strings"
 
 	"github.com/valyala/fastjson"
 
@@ -94,9 +95,10 @@ const pooledBodyBytes = 1 << 20
 // without parsing.
 const valueSlack = 1 << 16
 
-// jsonValues returns the number of JSON values in b, or limit+1 once there
-// are more than limit: commas, brackets and braces outside strings, plus
-// one. It lets a body of millions of token ids be refused before the
+// jsonValues returns a bound on the number of array elements and object
+// members in b, or limit+1 once there are more than limit: the commas
+// outside strings, plus one. (Deep nesting without commas is the parser's
+// depth limit's to refuse.) It lets a body of millions of token ids be refused before the
 // parser allocates a value for each.
 func jsonValues(b []byte, limit int) int {
 	n, inStr := 1, false
@@ -114,7 +116,7 @@ func jsonValues(b []byte, limit int) int {
 		switch c {
 		case '"':
 			inStr = true
-		case ',', '[', '{':
+		case ',':
 			if n++; n > limit {
 				return n
 			}
@@ -147,7 +149,9 @@ func (s *reqState) parse(kind routing.Kind, body []byte, blockSize, maxBlocks in
 	}
 	v, err := s.parser.ParseBytes(body)
 	if err != nil {
-		return &badRequestError{msg: "invalid JSON body: " + err.Error()}
+		// fastjson quotes the rest of the body; the answer does not.
+		msg, _, _ := strings.Cut(err.Error(), "; unparsed tail")
+		return &badRequestError{msg: "invalid JSON body: " + msg}
 	}
 	if v.Type() != fastjson.TypeObject {
 		return &badRequestError{msg: "request body must be a JSON object"}

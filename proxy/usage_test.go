@@ -55,6 +55,9 @@ func TestNumScanner(t *testing.T) {
 func FuzzNumScanner(f *testing.F) {
 	f.Add([]byte(`{"prompt_tokens_details":{"cached_tokens":123}}`), uint8(7))
 	f.Add([]byte(`"cached_tokens""cached_tokens":5"cached_tokens": 9x`), uint8(3))
+	f.Add([]byte("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":2048,\"prompt_tokens_details\":{\"cached_tokens\":2032}}}\n\ndata: [DONE]\n\n"), uint8(5))
+	f.Add([]byte(`{"cached_tokens": 99999999999999999999,"cached_tokens":null,"cached_tokens":-1}`), uint8(0))
+	f.Add([]byte(`"cached_"cached_tokens"cached_tokens":"cached_tokens":12`), uint8(15))
 	f.Fuzz(func(t *testing.T, body []byte, split uint8) {
 		n := int(split)%16 + 1
 		var sc numScanner

@@ -10,7 +10,6 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -24,22 +23,20 @@ import (
 const cpuHelperEnv = "KVROUTE_DISCOVERY_METRICS_PODS"
 
 // scrapeText is a realistic vLLM scrape: the shared vLLM 0.19 sample
-// (56 KB) when present, else the fixture grown to the same size with more
-// histogram series.
+// (56 KB) when present, else the module's own sample of the same shape
+// (testdata/wire) grown to the same size with more histogram series.
 func scrapeText() []byte {
-	for _, dir := range []string{"../../shared/vllm-wire", "../shared/vllm-wire"} {
-		if b, err := os.ReadFile(filepath.Join(dir, "vllm-metrics.txt")); err == nil {
-			return b
-		}
+	if b := sharedSample("vllm-metrics.txt"); b != nil {
+		return b
 	}
-	b, err := os.ReadFile("../testdata/metrics/vllm-v1-dp2.txt")
+	b, err := os.ReadFile("../testdata/wire/vllm-metrics.txt")
 	if err != nil {
 		panic(err)
 	}
 	var buf bytes.Buffer
 	buf.Write(b)
 	for i := 0; buf.Len() < 56<<10; i++ {
-		fmt.Fprintf(&buf, "vllm:e2e_request_latency_seconds_bucket{engine=\"0\",le=\"%d.0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} %d.0\n", i, i*7)
+		fmt.Fprintf(&buf, "vllm:request_prefill_kv_computed_tokens_bucket{engine=\"%d\",le=\"%d.0\",model_name=\"Qwen/Qwen2.5-7B-Instruct\"} %d.0\n", i/12+1, i%12, i*7)
 	}
 	return buf.Bytes()
 }

@@ -96,7 +96,7 @@ func TestDNSScaleUpAndDown(t *testing.T) {
 	changed := pool.Changed()
 	run(t, f)
 
-	<-changed
+	recv(t, changed, "a new Set")
 	set := pool.Load()
 	if got, want := urls(set.Endpoints), []string{"http://10.0.0.1:8000", "http://10.0.0.2:8000"}; !slices.Equal(got, want) {
 		t.Fatalf("first set = %v, want %v", got, want)
@@ -108,7 +108,7 @@ func TestDNSScaleUpAndDown(t *testing.T) {
 	t.Run("scale up", func(t *testing.T) {
 		changed := pool.Changed()
 		srv.set("vllm.ns.svc.cluster.local", "A", 5, "10.0.0.1", "10.0.0.2", "10.0.0.3")
-		<-changed
+		recv(t, changed, "a new Set")
 		set := pool.Load()
 		if got := urls(set.Endpoints); len(got) != 3 || got[2] != "http://10.0.0.3:8000" {
 			t.Fatalf("set = %v, want the new pod", got)
@@ -121,7 +121,7 @@ func TestDNSScaleUpAndDown(t *testing.T) {
 	t.Run("scale down drains", func(t *testing.T) {
 		changed := pool.Changed()
 		srv.set("vllm.ns.svc.cluster.local", "A", 5, "10.0.0.2", "10.0.0.3")
-		<-changed
+		recv(t, changed, "a new Set")
 		set := pool.Load()
 		if byURL(set, leaving.URL) != nil || slices.Contains(set.Mixed, leaving) {
 			t.Fatalf("removed pod still routable in %v", urls(set.Endpoints))
@@ -163,13 +163,13 @@ func TestDNSScaleUpAndDown(t *testing.T) {
 		e2.inFlight.Add(1)
 		changed := pool.Changed()
 		srv.set("vllm.ns.svc.cluster.local", "A", 5, "10.0.0.3")
-		<-changed
+		recv(t, changed, "a new Set")
 		if !slices.Contains(pool.Draining(), e2) {
 			t.Fatal("10.0.0.2 not draining")
 		}
 		changed = pool.Changed()
 		srv.set("vllm.ns.svc.cluster.local", "A", 5, "10.0.0.2", "10.0.0.3")
-		<-changed
+		recv(t, changed, "a new Set")
 		if got := byURL(pool.Load(), e2.URL); got != e2 || !e2.Routable() || len(pool.Draining()) != 0 {
 			t.Fatalf("returning pod: same %v, routable %v, draining %v", got == e2, e2.Routable(), urls(pool.Draining()))
 		}
@@ -221,7 +221,7 @@ func TestDNSOutageKeepsLastGoodSet(t *testing.T) {
 			changed := f.Pool().Changed()
 			srv.setFailure(0, false)
 			srv.set("vllm.ns.svc.cluster.local", "A", 5, "10.0.0.1", "10.0.0.2", "10.0.0.9")
-			<-changed
+			recv(t, changed, "a new Set")
 			if got := f.Pool().Load().Len(); got != 3 {
 				t.Fatalf("after recovery: %d endpoints, want 3", got)
 			}

@@ -118,11 +118,14 @@ func TestBusyPodSurvivesOneFailedProbe(t *testing.T) {
 }
 
 // TestPassiveEjection: consecutive failures reported by the proxy eject an
-// endpoint; it returns by itself after a cooldown that doubles on repeat;
-// a success breaks the run; the ejected share of a pool is capped.
+// endpoint; the cooldown doubles on repeat; a success breaks the run; the
+// ejected share of a pool is capped. The cooldowns are far longer than
+// the test, so no ejection can end under a check; the test ends each one
+// by calling unEject, as the cooldown's timer does (TestEjectionEndsByItself
+// lets the timer do it).
 func TestPassiveEjection(t *testing.T) {
 	o := quietOptions()
-	o.Passive = PassiveConfig{Failures: 3, Cooldown: 20 * time.Millisecond, MaxCooldown: 10 * time.Second, MaxEjectedShare: 0.5}
+	o.Passive = PassiveConfig{Failures: 3, Cooldown: time.Minute, MaxCooldown: time.Hour, MaxEjectedShare: 0.5}
 	f, rec, eps := staticFleet(t, o, "http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000", "http://10.0.0.4:8000")
 	a, b, c := eps[0], eps[1], eps[2]
 	status := func(e *Endpoint) EndpointStatus {
@@ -156,20 +159,30 @@ func TestPassiveEjection(t *testing.T) {
 		if a.Routable() || a.State() != StateEjected {
 			t.Fatalf("ejection %d: routable %v, state %v", i+1, a.Routable(), a.State())
 		}
-		cooldowns = append(cooldowns, status(a).CooldownSec)
-		rec.wait(t, m, "return", a, 1)
-		if !a.Routable() {
+		if n := rec.count(m, "eject", a); n != 1 {
+			t.Fatalf("ejection %d: %d eject events", i+1, n)
+		}
+		st := status(a)
+		cooldowns = append(cooldowns, st.CooldownSec)
+		if st.Ejections != i+1 || st.EjectedForSec <= 0 || st.EjectedForSec > st.CooldownSec {
+			t.Errorf("ejection %d: introspection %+v", i+1, st)
+		}
+		a.ReportFailure() // failures while ejected do not eject again
+		if n := rec.count(m, "eject", a); n != 1 {
+			t.Fatalf("ejection %d: ejected again while ejected", i+1)
+		}
+		f.unEject(a) // the cooldown ends
+		if !a.Routable() || rec.count(m, "return", a) != 1 {
 			t.Fatalf("not routable after the cooldown")
 		}
 		a.ReportFailure()
 		a.ReportFailure()
 	}
-	if want := []float64{0.02, 0.04, 0.08}; cooldowns[0] != want[0] || cooldowns[1] != want[1] || cooldowns[2] != want[2] {
+	if want := []float64{60, 120, 240}; cooldowns[0] != want[0] || cooldowns[1] != want[1] || cooldowns[2] != want[2] {
 		t.Errorf("cooldowns = %v, want %v", cooldowns, want)
 	}
 
 	t.Run("share cap", func(t *testing.T) {
-		m := rec.mark()
 		for _, e := range []*Endpoint{a, b, c} {
 			for range 3 {
 				e.ReportFailure()
@@ -178,11 +191,45 @@ func TestPassiveEjection(t *testing.T) {
 		if a.Routable() || b.Routable() || !c.Routable() {
 			t.Errorf("routable a=%v b=%v c=%v: want two of four ejected, no more", a.Routable(), b.Routable(), c.Routable())
 		}
-		rec.wait(t, m, "return", b, 1)
-		rec.wait(t, m, "return", a, 1)
+		if st := status(a); st.CooldownSec != 480 {
+			t.Errorf("fourth ejection's cooldown %vs, want 480", st.CooldownSec)
+		}
+		f.unEject(a)
+		f.unEject(b)
+		// With a back, c may be ejected now.
+		c.ReportFailure()
+		if c.Routable() || !a.Routable() {
+			t.Errorf("after a returned: c routable %v, a routable %v; want c ejected", c.Routable(), a.Routable())
+		}
+		f.unEject(c)
 	})
-	if got := counterValue(t, f, "kvroute_discovery_ejections_total"); got != 5 {
-		t.Errorf("ejections counted %v, want 5", got)
+	if got := counterValue(t, f, "kvroute_discovery_ejections_total"); got != 6 {
+		t.Errorf("ejections counted %v, want 6", got)
+	}
+}
+
+// TestEjectionEndsByItself: the ejection's own timer ends it after the
+// cooldown. The test only waits for the return, so a short cooldown
+// races nothing.
+func TestEjectionEndsByItself(t *testing.T) {
+	o := quietOptions()
+	o.Passive = PassiveConfig{Failures: 2, Cooldown: 10 * time.Millisecond, MaxCooldown: time.Second, MaxEjectedShare: 1}
+	f, rec, eps := staticFleet(t, o, "http://10.0.0.1:8000", "http://10.0.0.2:8000")
+	e := eps[0]
+	for range 2 {
+		m := rec.mark()
+		e.ReportFailure()
+		e.ReportFailure()
+		if n := rec.count(m, "eject", e); n != 1 {
+			t.Fatalf("%d eject events after two failures", n)
+		}
+		rec.wait(t, m, "return", e, 1)
+		if !e.Routable() {
+			t.Fatalf("state %v after the return", e.State())
+		}
+	}
+	if got := counterValue(t, f, "kvroute_discovery_ejections_total"); got != 2 {
+		t.Errorf("ejections counted %v, want 2", got)
 	}
 }
 

@@ -26,6 +26,20 @@ func TestMain(m *testing.M) {
 // a speed assertion.
 const waitTimeout = 10 * time.Second
 
+// recv returns the next value from ch (the zero value once ch is
+// closed), failing the test if none comes within waitTimeout.
+func recv[T any](t testing.TB, ch <-chan T, what string) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(waitTimeout):
+		t.Fatalf("timed out waiting for %s", what)
+		var zero T
+		return zero
+	}
+}
+
 // event is one Fleet trace event.
 type event struct {
 	name string
@@ -138,7 +152,7 @@ func run(t *testing.T, f *Fleet) {
 	go func() { done <- f.Run(ctx) }()
 	t.Cleanup(func() {
 		cancel()
-		if err := <-done; err != nil {
+		if err := recv(t, done, "Run to return"); err != nil {
 			t.Errorf("Run: %v", err)
 		}
 	})

@@ -25,16 +25,25 @@ func readFixture(t testing.TB, name string) []byte {
 	return b
 }
 
-// sharedSample reads a file of shared/vllm-wire when the checkout has it.
-func sharedSample(t testing.TB, name string) []byte {
-	t.Helper()
+// sharedSample reads a file of shared/vllm-wire (the real captures) when
+// the checkout has it, else returns nil.
+func sharedSample(name string) []byte {
 	for _, dir := range []string{"../../shared/vllm-wire", "../shared/vllm-wire"} {
 		if b, err := os.ReadFile(filepath.Join(dir, name)); err == nil {
 			return b
 		}
 	}
-	t.Skipf("shared/vllm-wire/%s not present", name)
 	return nil
+}
+
+// readWire reads a file of the module's own wire samples, testdata/wire.
+func readWire(t testing.TB, name string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("..", "testdata", "wire", name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
 }
 
 func TestParseEngine(t *testing.T) {
@@ -67,26 +76,6 @@ func TestParseEngine(t *testing.T) {
 			text: func(t *testing.T) []byte { return readFixture(t, "sglang-dp2.txt") },
 			want: EngineStats{Engine: "sglang", Running: 12, Waiting: 3, KVUsage: 0.2,
 				PromptTokens: 10752, PrefixQueries: 10752, PrefixHits: 2688},
-		},
-		{
-			name: "shared: vLLM 0.19 full scrape",
-			text: func(t *testing.T) []byte { return sharedSample(t, "vllm-metrics.txt") },
-			want: EngineStats{Engine: "vllm", KVCapacityTokens: 16 * 7975, PromptTokens: 115898,
-				PrefixQueries: 115898, PrefixHits: 101440, StartTime: 1.77775786492e+09,
-				ITLSum: 412.552094290033, ITLCount: 17571}, // vllm:inter_token_latency_seconds
-		},
-		{
-			name: "shared: vLLM 0.9 full scrape",
-			text: func(t *testing.T) []byte { return sharedSample(t, "vllm-metrics-old.txt") },
-			want: EngineStats{Engine: "vllm", KVCapacityTokens: 16 * 2340, PromptTokens: 14,
-				ITLSum: 2.254702091217041, ITLCount: 106}, // vllm:time_per_output_token_seconds
-		},
-		{
-			name: "shared: SGLang doc sample",
-			text: func(t *testing.T) []byte { return sharedSample(t, "sglang-metrics.txt") },
-			want: EngineStats{Engine: "sglang", Running: 162, Waiting: 2826, KVUsage: 0.28,
-				PromptTokens: 8.128902e+06, PrefixQueries: 8.128902e+06,
-				ITLSum: 866964.5791549598, ITLCount: 7.400757e+06},
 		},
 		{
 			name:    "not an engine",
@@ -124,6 +113,64 @@ func TestParseEngine(t *testing.T) {
 			}
 			if got != tc.want {
 				t.Errorf("got  %+v\nwant %+v", got, tc.want)
+			}
+		})
+	}
+}
+
+// TestParseFullScrapes: whole scrapes of each engine and layout, every
+// family an engine exports and not only the ones kvroute reads: the
+// module's own samples always, and the real captures of the same shapes
+// when the checkout has shared/vllm-wire.
+func TestParseFullScrapes(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		// own is the module's sample, shared the real capture's name.
+		own          func(t *testing.T) []byte
+		shared       string
+		want, wantSh EngineStats
+	}{
+		{
+			name: "vLLM V1 (0.19)", own: func(t *testing.T) []byte { return readWire(t, "vllm-metrics.txt") },
+			want: EngineStats{Engine: "vllm", Running: 5, Waiting: 2, KVUsage: 0.4375, KVCapacityTokens: 16 * 28672,
+				PromptTokens: 262144, PrefixQueries: 262144, PrefixHits: 196608, StartTime: 1.76421512305e+09,
+				ITLSum: 572.8, ITLCount: 45824},
+			shared: "vllm-metrics.txt",
+			wantSh: EngineStats{Engine: "vllm", KVCapacityTokens: 16 * 7975, PromptTokens: 115898,
+				PrefixQueries: 115898, PrefixHits: 101440, StartTime: 1.77775786492e+09,
+				ITLSum: 412.552094290033, ITLCount: 17571}, // vllm:inter_token_latency_seconds
+		},
+		{
+			name: "vLLM V0 (0.9)", own: func(t *testing.T) []byte { return readFixture(t, "vllm-v0.txt") },
+			want:   EngineStats{Engine: "vllm", Running: 2, Waiting: 5, KVUsage: 0.4, KVCapacityTokens: 37440, PromptTokens: 14},
+			shared: "vllm-metrics-old.txt",
+			wantSh: EngineStats{Engine: "vllm", KVCapacityTokens: 16 * 2340, PromptTokens: 14,
+				ITLSum: 2.254702091217041, ITLCount: 106}, // vllm:time_per_output_token_seconds
+		},
+		{
+			name: "SGLang", own: func(t *testing.T) []byte { return readWire(t, "sglang-metrics.txt") },
+			want: EngineStats{Engine: "sglang", Running: 24, Waiting: 7, KVUsage: 0.61,
+				PromptTokens: 1048576, PrefixQueries: 1048576, PrefixHits: 524288,
+				ITLSum: 81.92, ITLCount: 4096}, // sglang:time_per_output_token_seconds
+			shared: "sglang-metrics.txt",
+			wantSh: EngineStats{Engine: "sglang", Running: 162, Waiting: 2826, KVUsage: 0.28,
+				PromptTokens: 8.128902e+06, PrefixQueries: 8.128902e+06,
+				ITLSum: 866964.5791549598, ITLCount: 7.400757e+06},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			check := func(t *testing.T, text []byte, want EngineStats) {
+				got, _, err := parseEngine(text, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got != want {
+					t.Errorf("got  %+v\nwant %+v", got, want)
+				}
+			}
+			t.Run("testdata", func(t *testing.T) { check(t, tc.own(t), tc.want) })
+			if b := sharedSample(tc.shared); b != nil {
+				t.Run("shared", func(t *testing.T) { check(t, b, tc.wantSh) })
 			}
 		})
 	}
@@ -178,7 +225,7 @@ func TestScrape(t *testing.T) {
 	if s == nil || s.Running != 7 || s.Waiting != 3 || s.KVUsage != 0.5 || s.At.IsZero() {
 		t.Fatalf("Engine() = %+v", s)
 	}
-	if got := <-capacity; got != 255200 {
+	if got := recv(t, capacity, "OnCapacity"); got != 255200 {
 		t.Errorf("OnCapacity(%d), want 255200", got)
 	}
 
@@ -212,7 +259,7 @@ func TestScrape(t *testing.T) {
 			m = rec.mark()
 			p.serve(http.StatusOK, base)
 			if tc.back {
-				<-restarts
+				recv(t, restarts, "OnRestart on the return to the fixture")
 			}
 			rec.wait(t, m, "scrape", e, 2)
 		})
@@ -220,7 +267,7 @@ func TestScrape(t *testing.T) {
 
 	t.Run("capacity change", func(t *testing.T) {
 		p.serve(http.StatusOK, bytes.ReplaceAll(base, []byte(`num_gpu_blocks="7975"`), []byte(`num_gpu_blocks="8000"`)))
-		if got := <-capacity; got != 2*16*8000 {
+		if got := recv(t, capacity, "OnCapacity after the change"); got != 2*16*8000 {
 			t.Errorf("OnCapacity(%d), want %d", got, 2*16*8000)
 		}
 	})
@@ -287,15 +334,12 @@ func FuzzParseEngine(f *testing.F) {
 }
 
 // BenchmarkParseEngine parses one full vLLM scrape (the shared 0.19 sample
-// when present), with the line filter kvroute uses and, for comparison,
-// expfmt over the whole text.
+// when present, else the module's own of the same shape), with the line
+// filter kvroute uses and, for comparison, expfmt over the whole text.
 func BenchmarkParseEngine(b *testing.B) {
-	text := readFixture(b, "vllm-v1-dp2.txt")
-	for _, dir := range []string{"../../shared/vllm-wire", "../shared/vllm-wire"} {
-		if t, err := os.ReadFile(filepath.Join(dir, "vllm-metrics.txt")); err == nil {
-			text = t
-			break
-		}
+	text := sharedSample("vllm-metrics.txt")
+	if text == nil {
+		text = readWire(b, "vllm-metrics.txt")
 	}
 	b.Run("filtered", func(b *testing.B) {
 		b.ReportAllocs()

@@ -34,8 +34,13 @@ func startRouter(t *testing.T, cfg Config) (*Router, string) {
 	go func() { done <- rt.Run(ctx, ln, nil, 5*time.Second) }()
 	t.Cleanup(func() {
 		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("router: %v", err)
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("router: %v", err)
+			}
+		case <-time.After(30 * time.Second): // above Run's 5 s drain: a deadlock guard
+			t.Error("the router did not stop")
 		}
 	})
 	return rt, "http://" + ln.Addr().String()

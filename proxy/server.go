@@ -230,6 +230,10 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		err = errors.Join(err, ctx.Err())
 	}
 	s.attempts.close()
+	s.clients.Range(func(_, v any) bool {
+		v.(*fasthttp.HostClient).CloseIdleConnections()
+		return true
+	})
 	return err
 }
 
@@ -247,7 +251,11 @@ func (s *Server) handleServerError(ctx *fasthttp.RequestCtx, err error) {
 		e = ErrHeaderTooLarge
 	}
 	status := writeError(ctx, e)
-	ctx.Response.Header.SetBytesKV(headerRequestID, s.newRequestID(nil))
+	id := ctx.Request.Header.PeekBytes(headerRequestID) // when the header was read (413)
+	if len(id) == 0 {
+		id = s.newRequestID(nil)
+	}
+	ctx.Response.Header.SetBytesKV(headerRequestID, id)
 	ctx.Response.SetConnectionClose() // the stream's framing is unknown after a parse error
 	s.opt.Logger.Debug("malformed request", zap.Int("status", status), zap.Stringer("remote", ctx.RemoteAddr()))
 	s.opt.Metrics.Request(int(routing.KindOther), status, 0)

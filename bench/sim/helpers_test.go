@@ -235,8 +235,20 @@ func histCount(t *testing.T, mfs map[string]*dto.MetricFamily, name string) uint
 	return mf.GetMetric()[0].GetHistogram().GetSampleCount()
 }
 
-// wireDir finds shared/vllm-wire above the package directory.
+// wireDir returns the directory of wire samples: shared/vllm-wire (the
+// real captures) when the checkout has it above the package directory,
+// else the module's own testdata/wire, which keeps their shapes.
 func wireDir(t *testing.T) string {
+	t.Helper()
+	if dir := sharedWireDir(t); dir != "" {
+		return dir
+	}
+	return ownWireDir(t)
+}
+
+// sharedWireDir returns shared/vllm-wire above the package directory, or
+// "" when there is none.
+func sharedWireDir(t *testing.T) string {
 	t.Helper()
 	dir, err := os.Getwd()
 	if err != nil {
@@ -249,10 +261,23 @@ func wireDir(t *testing.T) string {
 		}
 		parent := filepath.Dir(dir)
 		if parent == dir {
-			t.Skip("shared/vllm-wire not found above the package directory")
+			return ""
 		}
 		dir = parent
 	}
+}
+
+// ownWireDir returns the module's testdata/wire.
+func ownWireDir(t *testing.T) string {
+	t.Helper()
+	dir, err := filepath.Abs(filepath.Join("..", "..", "testdata", "wire"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, err := os.Stat(dir); err != nil || !st.IsDir() {
+		t.Fatalf("testdata/wire not found: %v", err)
+	}
+	return dir
 }
 
 // tokenPrompt returns n consecutive token ids from first (wrapping below

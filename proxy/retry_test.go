@@ -1,0 +1,118 @@
+package proxy
+
+import (
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/kvroute/kvroute/discovery"
+)
+
+// TestRealPoliciesRetry: under the real least-request and prefix policies
+// (not a test picker), a request whose first endpoint refuses the
+// connection or answers 503 is re-sent to the other endpoint and
+// succeeds there; a request whose endpoint answered 200 is never re-sent,
+// even when its body then breaks. The endpoints are on a bare Pool (no
+// ejection), so the failing one keeps being picked.
+func TestRealPoliciesRetry(t *testing.T) {
+	for _, policy := range []string{"least-request", "prefix"} {
+		t.Run(policy, func(t *testing.T) {
+			t.Run("connection refused", func(t *testing.T) {
+				good, goodHits := namedBackend(t, "good", 200)
+				bad := closedAddr(t)
+				h := startProxy(t, policyByName(t, policy), Options{Limits: Limits{Retries: 2}}, bad, good.URL)
+				n := retryUntilTried(t, h, h.pool.Load().Endpoints[0])
+				if goodHits.Load() != int64(n) {
+					t.Errorf("good backend answered %d of %d requests", goodHits.Load(), n)
+				}
+			})
+			t.Run("503", func(t *testing.T) {
+				good, goodHits := namedBackend(t, "good", 200)
+				bad, badHits := namedBackend(t, "busy", 503)
+				h := startProxy(t, policyByName(t, policy), Options{Limits: Limits{Retries: 2}}, bad.URL, good.URL)
+				n := retryUntilTried(t, h, h.pool.Load().Endpoints[0])
+				if goodHits.Load() != int64(n) || badHits.Load() != int64(h.pool.Load().Endpoints[0].Requests()) {
+					t.Errorf("good backend answered %d of %d requests; busy one %d", goodHits.Load(), n, badHits.Load())
+				}
+			})
+			t.Run("200 is final", func(t *testing.T) {
+				a, aHits := namedBackend(t, "a", 200)
+				b, bHits := namedBackend(t, "b", 200)
+				h := startProxy(t, policyByName(t, policy), Options{Limits: Limits{Retries: 2}}, a.URL, b.URL)
+				const n = 30
+				for i := range n {
+					if code, from := completion(t, h.url, i); code != 200 || from == "" {
+						t.Fatalf("status %d from %q", code, from)
+					}
+				}
+				if got := aHits.Load() + bHits.Load(); got != n {
+					t.Errorf("%d upstream requests for %d client requests", got, n)
+				}
+				if r := counterValue(t, h.reg, "kvroute_retries_total", nil); r != 0 {
+					t.Errorf("%v retries after 200s", r)
+				}
+			})
+			t.Run("200 whose stream breaks is final", func(t *testing.T) {
+				var hits atomic.Int64
+				broken := func() string {
+					s := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+						hits.Add(1)
+						_, _ = io.Copy(io.Discard, r.Body)
+						w.Header().Set("Content-Type", "text/event-stream")
+						_, _ = io.WriteString(w, "data: {\"i\":0}\n\n")
+						w.(http.Flusher).Flush()
+						panic(http.ErrAbortHandler) // drop the connection mid-stream
+					}))
+					t.Cleanup(s.Close)
+					return s.URL
+				}
+				h := startProxy(t, policyByName(t, policy), Options{Limits: Limits{Retries: 2}}, broken(), broken())
+				const n = 10
+				for i := range n {
+					resp := post(t, h.url+"/v1/completions",
+						fmt.Sprintf(`{"model":"m","prompt":"request %d","stream":true}`, i))
+					got, err := io.ReadAll(resp.Body)
+					resp.Body.Close()
+					if resp.StatusCode != 200 || !strings.HasPrefix(string(got), "data: {\"i\":0}") || err == nil {
+						t.Fatalf("status %d body %q err %v: want the first event, then a broken stream", resp.StatusCode, got, err)
+					}
+				}
+				h.waitIdle(t)
+				if hits.Load() != n {
+					t.Errorf("%d upstream requests for %d client requests", hits.Load(), n)
+				}
+				if r := counterValue(t, h.reg, "kvroute_retries_total", nil); r != 0 {
+					t.Errorf("%v retries after 200s", r)
+				}
+			})
+		})
+	}
+}
+
+// retryUntilTried sends distinct requests through h until the policy has
+// sent at least three of them to bad first (the policies choose at
+// random or by hashing, so which requests do is not known in advance),
+// checks every one was answered 200 by the good backend, that each
+// attempt on bad was followed by one retry and nothing else was retried,
+// and returns the number of requests sent.
+func retryUntilTried(t *testing.T, h *harness, bad *discovery.Endpoint) int {
+	t.Helper()
+	n := 0
+	for ; bad.Requests() < 3; n++ {
+		if n == 300 {
+			t.Fatalf("the policy tried the failing endpoint %d times in %d requests", bad.Requests(), n)
+		}
+		if code, from := completion(t, h.url, n); code != 200 || from != "good" {
+			t.Fatalf("request %d: status %d from %q, want 200 from the good backend", n, code, from)
+		}
+	}
+	if r := counterValue(t, h.reg, "kvroute_retries_total", nil); r != float64(bad.Requests()) {
+		t.Errorf("%v retries for %d attempts on the failing endpoint", r, bad.Requests())
+	}
+	h.waitIdle(t)
+	return n
+}

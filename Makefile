@@ -4,7 +4,7 @@ BIN      ?= bin
 IMAGE    ?= kvroute:dev
 PKGS     := ./...
 
-.PHONY: all build test vet fmt-check bench run docker clean demo bench-e2e fuzz
+.PHONY: all build test vet fmt-check bench run docker clean demo bench-e2e fuzz soak
 
 all: build
 
@@ -70,3 +70,15 @@ demo: build
 TRACE ?= ../shared/traces/conversation_trace.jsonl
 bench-e2e: build
 	./$(BIN)/kvbench --scenario all,matrix $(if $(wildcard $(TRACE)),--trace $(TRACE))
+
+# Soak (issue #12): SOAK_DURATION of mixed traffic (shared-prefix,
+# multi-turn, random; streaming or not; some abandoned by the client) with
+# faults rotating over four simulated pods (5xx/429 storms, stalls, dropped
+# streams, a pod killed and restarted) through $(BIN)/kvroute. Samples its
+# RSS, open FDs, goroutines, in-flight requests and prefix index every 5 s;
+# fails unless they stay flat after warm-up, no request is lost and SIGTERM
+# stops kvroute cleanly. Results under bench/results/soak/ (soak.md,
+# soak.png, soak.csv). Takes SOAK_DURATION + ~20 s.
+SOAK_DURATION ?= 10m
+soak: build
+	$(GO) run ./bench/cmd/kvsoak --duration $(SOAK_DURATION) --kvroute $(BIN)/kvroute --out bench/results/soak

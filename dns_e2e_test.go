@@ -39,7 +39,11 @@ func startZone(t *testing.T, name string, ips ...string) (*zone, string) {
 	started := make(chan struct{})
 	z.srv.NotifyStartedFunc = func() { close(started) }
 	go func() { _ = z.srv.ActivateAndServe() }()
-	<-started
+	select {
+	case <-started:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the DNS server did not start")
+	}
 	t.Cleanup(func() { _ = z.srv.Shutdown() })
 	return z, pc.LocalAddr().String()
 }
@@ -145,11 +149,19 @@ func TestFollowsHeadlessServiceDNS(t *testing.T) {
 	case err := <-done:
 		cancel()
 		t.Fatal(err)
+	case <-time.After(10 * time.Second):
+		cancel()
+		t.Fatal("kvroute did not start")
 	}
 	defer func() {
 		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("run: %v", err)
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("run: %v", err)
+			}
+		case <-time.After(45 * time.Second): // above the 30 s drain timeout: a deadlock guard
+			t.Error("run did not return")
 		}
 	}()
 	served := func() map[string]float64 {

@@ -92,7 +92,13 @@ func TestGracefulDrain(t *testing.T) {
 		w.Header().Set("Content-Type", "text/event-stream")
 		_, _ = io.WriteString(w, "data: first\n\n")
 		w.(http.Flusher).Flush()
-		<-next
+		select {
+		case <-next:
+		case <-r.Context().Done():
+			return
+		case <-time.After(30 * time.Second): // a deadlock guard
+			return
+		}
 		_, _ = io.WriteString(w, "data: [DONE]\n\n")
 	}))
 	defer backend.Close()
@@ -109,6 +115,9 @@ func TestGracefulDrain(t *testing.T) {
 	case addrs = <-ready:
 	case err := <-done:
 		t.Fatal(err)
+	case <-time.After(10 * time.Second):
+		cancel()
+		t.Fatal("kvroute did not start")
 	}
 	get := func(path string) int {
 		resp, err := http.Get("http://" + addrs.Admin + path)

@@ -587,7 +587,7 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 	b := s.bodies.Get().(*upstreamBody)
 	b.s, b.resp, b.lease, b.att = s, resp, st.lease.Take(), st.att
 	st.att = nil
-	b.firstByte, b.readErr = false, nil
+	b.firstByte, b.readErr, b.last, b.tail = false, nil, 0, nil
 	// The engine's usage report (prompt and cached tokens) is read from
 	// every inference answer, for the endpoint's calibration and, under a
 	// learning policy, for the policy.
@@ -683,10 +683,19 @@ type upstreamBody struct {
 	stream      bool // a 200 SSE response
 	firstByte   bool
 	readErr     error
+	last        uint32 // the last two bytes read (whether an event ended there)
+	tail        []byte // after a cut: the error event still to send (empty, not nil, once sent)
 }
 
 // Read implements io.Reader.
 func (b *upstreamBody) Read(p []byte) (int, error) {
+	if b.tail != nil { // the error event that ends a cut stream, then the end
+		n := copy(p, b.tail)
+		if b.tail = b.tail[n:]; len(b.tail) == 0 {
+			return n, io.EOF
+		}
+		return n, nil
+	}
 	n, err := b.rd.Read(p)
 	if n > 0 {
 		if !b.firstByte {
@@ -697,11 +706,33 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 			b.cached.feed(p[:n])
 			b.prompt.feed(p[:n])
 		}
+		if n > 1 {
+			b.last = uint32(p[n-2])<<8 | uint32(p[n-1])
+		} else {
+			b.last = (b.last&0xff)<<8 | uint32(p[0])
+		}
 	}
 	if err != nil && err != io.EOF {
 		b.readErr = err
+		if b.stream && !b.att.clientGone() {
+			// An event stream the endpoint cut ends, as vLLM ends a stream
+			// that failed, with an error event and [DONE]: clients see an
+			// error, not a stream that may look complete.
+			b.tail = streamCutEvent(b.last&0xffff != '\n'<<8|'\n')
+			return n, nil
+		}
 	}
 	return n, err
+}
+
+// streamCutEvent is the end of an event stream the endpoint cut; sep
+// first ends the event the cut left incomplete.
+func streamCutEvent(sep bool) []byte {
+	var e []byte
+	if sep {
+		e = append(e, "\n\n"...)
+	}
+	return append(e, `data: {"error":{"message":"the model server's stream ended early","type":"BadGatewayError","param":null,"code":"upstream_stream_cut"}}`+"\n\ndata: [DONE]\n\n"...)
 }
 
 // markFirstByte records the first response byte: the endpoint has computed
@@ -862,9 +893,11 @@ func (s *Server) client(ep *discovery.Endpoint) *fasthttp.HostClient {
 		ReadBufferSize:                16 << 10,
 		Dial:                          s.dial,
 		RetryIfErr: func(_ *fasthttp.Request, attempts int, err error) (bool, bool) {
-			// A pooled keep-alive connection the endpoint closed just before
-			// we wrote: nothing was processed, so resend once on a new one.
-			return false, attempts < 2 && errors.Is(err, fasthttp.ErrConnectionClosed)
+			// A pooled keep-alive connection the endpoint had closed, found
+			// so before writing (timedConn.Write): nothing was sent, so
+			// resend once on a new one. A connection closed after the
+			// request went out is not resent: the engine may have started.
+			return false, attempts < 2 && errors.Is(err, errStaleConn)
 		},
 	}
 	c, _ := s.clients.LoadOrStore(ep, hc)

@@ -99,8 +99,10 @@ func TestStreamIdleTimeout(t *testing.T) {
 	}()
 	select {
 	case r := <-done:
-		if strings.Contains(string(r.rest), "[DONE]") {
-			t.Fatalf("the stream completed: %q", r.rest)
+		// Cut: kvroute's error event (then [DONE], as vLLM ends a stream
+		// that failed), right after the first event.
+		if !strings.HasPrefix(string(r.rest), "\ndata: {\"error\":") || !strings.Contains(string(r.rest), `"code":"upstream_stream_cut"`) {
+			t.Fatalf("the stalled stream did not end with the cut event: %q", r.rest)
 		}
 		t.Logf("the stream ended after the stall: %q, %v", r.rest, r.err)
 	case <-time.After(guardWait):

@@ -33,7 +33,6 @@ type attempt struct {
 	mu      sync.Mutex
 	conn    *timedConn // the upstream connection, once the request is on it
 	gone    bool       // the client left; conn was closed for it
-	written bool       // the request was written in full
 	failed  bool       // a write of the request failed
 }
 
@@ -178,7 +177,7 @@ func (a *attempt) neverStarted() bool {
 func (a *attempt) link(c *timedConn) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	a.conn = c
+	a.conn, a.failed = c, false // a resend on a new connection starts over
 	if a.gone {
 		_ = c.Conn.Close()
 	}
@@ -241,10 +240,12 @@ type timedConn struct {
 	tail         [3]byte  // the last bytes of the header read so far
 	tailN        int
 	until        time.Time // when set, the one read deadline (draining an answer)
+	used         bool      // a request was written before: the connection is reused
 }
 
 func (c *timedConn) Write(p []byte) (int, error) {
-	if !c.writing { // the first write of a new request
+	first := !c.writing
+	if first { // the first write of a new request
 		c.writing, c.linking, c.inHeader, c.armed, c.tailN, c.att, c.until = true, true, true, false, 0, nil, time.Time{}
 	}
 	if c.linking {
@@ -255,10 +256,21 @@ func (c *timedConn) Write(p []byte) (int, error) {
 			c.linking = false // the header went by without a known attempt
 		}
 	}
+	if first && c.used && peerClosed(c.Conn) {
+		// A pooled connection the endpoint closed while it sat idle (its
+		// keep-alive timeout, a graceful shutdown, a pod that died): the
+		// request is not sent, so it provably never started.
+		c.att.wrote(errStaleConn)
+		return 0, errStaleConn
+	}
+	c.used = true
 	n, err := c.Conn.Write(p)
 	c.att.wrote(err)
 	return n, err
 }
+
+// errStaleConn: a pooled connection its endpoint had closed.
+var errStaleConn = errors.New("proxy: pooled upstream connection closed by the endpoint")
 
 var crlfcrlf = []byte("\r\n\r\n")
 

@@ -20,17 +20,31 @@ func Usable(r *Request, e *discovery.Endpoint) bool {
 	return e.Routable() && !r.tried(e) && (r.MaxInFlight <= 0 || e.InFlight() < r.MaxInFlight)
 }
 
-// firstUsable returns the first endpoint of eps usable for r, scanning
-// from index start and wrapping around, and its index; nil and -1 if none.
-func firstUsable(r *Request, eps []*discovery.Endpoint, start int) (*discovery.Endpoint, int) {
-	n := len(eps)
-	for k := 0; k < n; k++ {
-		i := (start + k) % n
-		if e := eps[i]; Usable(r, e) {
-			return e, i
+// usableAt returns the endpoint of eps usable for r, other than skip,
+// chosen by pick from their number m (pick(m) in [0, m)); nil if none.
+// Unusable endpoints' turns thus spread evenly over the usable ones,
+// rather than all falling to the next one in order (which, with half a
+// fleet ejected, gave one healthy pod three times its share).
+func usableAt(r *Request, eps []*discovery.Endpoint, skip *discovery.Endpoint, pick func(m int) int) *discovery.Endpoint {
+	m := 0
+	for _, e := range eps {
+		if e != skip && Usable(r, e) {
+			m++
 		}
 	}
-	return nil, -1
+	if m == 0 {
+		return nil
+	}
+	k := pick(m)
+	for _, e := range eps {
+		if e != skip && Usable(r, e) {
+			if k == 0 {
+				return e
+			}
+			k--
+		}
+	}
+	return nil // the set changed under us: an endpoint became unusable
 }
 
 // whole is the decision of a policy that knows nothing of caches: the
@@ -57,10 +71,7 @@ func NewRoundRobin() *RoundRobin { return &RoundRobin{} }
 
 // Pick returns the next usable endpoint in rotation.
 func (p *RoundRobin) Pick(r *Request, set *discovery.Set) Decision {
-	var e *discovery.Endpoint
-	if n := len(set.Mixed); n > 0 {
-		e, _ = firstUsable(r, set.Mixed, int(p.next.Add(1)%uint64(n)))
-	}
+	e := usableAt(r, set.Mixed, nil, func(m int) int { return int(p.next.Add(1) % uint64(m)) })
 	return whole(r, e, ReasonRoundRobin)
 }
 
@@ -75,11 +86,7 @@ func NewRandom(intn func(int) int) *Random { return &Random{intn: intnOrDefault(
 
 // Pick returns a random usable endpoint.
 func (p *Random) Pick(r *Request, set *discovery.Set) Decision {
-	var e *discovery.Endpoint
-	if n := len(set.Mixed); n > 0 {
-		e, _ = firstUsable(r, set.Mixed, p.intn(n))
-	}
-	return whole(r, e, ReasonRandom)
+	return whole(r, usableAt(r, set.Mixed, nil, p.intn), ReasonRandom)
 }
 
 // LeastRequest samples two distinct usable endpoints at random and picks the
@@ -97,22 +104,11 @@ func NewLeastRequest(intn func(int) int) *LeastRequest {
 
 // Pick returns the less loaded of two random usable endpoints.
 func (p *LeastRequest) Pick(r *Request, set *discovery.Set) Decision {
-	n := len(set.Mixed)
-	if n == 0 {
-		return Decision{Reason: ReasonLeastRequest}
-	}
-	a, i := firstUsable(r, set.Mixed, p.intn(n))
-	if a != nil && n > 1 {
-		// The second sample: uniform over the others, the first usable
-		// one from there that is not a.
-		j := (i + 1 + p.intn(n-1)) % n
-		for k := 0; k < n-1; k++ {
-			if b := set.Mixed[(j+k)%n]; b != a && Usable(r, b) {
-				if b.InFlight() < a.InFlight() {
-					a = b
-				}
-				break
-			}
+	a := usableAt(r, set.Mixed, nil, p.intn)
+	if a != nil {
+		// The second sample: uniform over the other usable endpoints.
+		if b := usableAt(r, set.Mixed, a, p.intn); b != nil && b.InFlight() < a.InFlight() {
+			a = b
 		}
 	}
 	return whole(r, a, ReasonLeastRequest)

@@ -30,10 +30,10 @@ type attempt struct {
 	id     uint64
 	client net.Conn // the client's connection; nil when unknown
 
-	mu      sync.Mutex
-	conn    *timedConn // the upstream connection, once the request is on it
-	gone    bool       // the client left; conn was closed for it
-	failed  bool       // a write of the request failed
+	mu     sync.Mutex
+	conn   *timedConn // the upstream connection, once the request is on it
+	gone   bool       // the client left; conn was closed for it
+	failed bool       // a write of the request failed
 }
 
 // attempts are the attempts in flight, by id, and the watcher that checks

@@ -531,8 +531,9 @@ func TestRetries(t *testing.T) {
 		resp := post(t, h.url+"/v1/completions", `{"model":"m","prompt":"hi","stream":true}`)
 		got, err := io.ReadAll(resp.Body)
 		resp.Body.Close()
-		if resp.StatusCode != 200 || !strings.HasPrefix(string(got), "data: {\"i\":0}") || err == nil {
-			t.Fatalf("status %d body %q err %v: want the first event, then a broken stream", resp.StatusCode, got, err)
+		if resp.StatusCode != 200 || !strings.HasPrefix(string(got), "data: {\"i\":0}") || err != nil ||
+			!strings.Contains(string(got), `"code":"upstream_stream_cut"`) {
+			t.Fatalf("status %d body %q err %v: want the first event, then the cut event", resp.StatusCode, got, err)
 		}
 		if goodHits.Load() != 0 {
 			t.Fatal("retried after the first byte")

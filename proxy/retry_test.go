@@ -77,8 +77,9 @@ func TestRealPoliciesRetry(t *testing.T) {
 						fmt.Sprintf(`{"model":"m","prompt":"request %d","stream":true}`, i))
 					got, err := io.ReadAll(resp.Body)
 					resp.Body.Close()
-					if resp.StatusCode != 200 || !strings.HasPrefix(string(got), "data: {\"i\":0}") || err == nil {
-						t.Fatalf("status %d body %q err %v: want the first event, then a broken stream", resp.StatusCode, got, err)
+					if resp.StatusCode != 200 || !strings.HasPrefix(string(got), "data: {\"i\":0}") || err != nil ||
+						!strings.Contains(string(got), `"code":"upstream_stream_cut"`) {
+						t.Fatalf("status %d body %q err %v: want the first event, then the cut event", resp.StatusCode, got, err)
 					}
 				}
 				h.waitIdle(t)

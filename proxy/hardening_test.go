@@ -464,3 +464,25 @@ func TestErrorsCarryRequestID(t *testing.T) {
 	}
 	assertOpenAIError(t, resp, 502)
 }
+
+// Every upstream attempt carries a W3C traceparent: the client's trace id
+// and flags with a parent id of its own (so engine-side traces join), or a
+// new trace; tracestate passes untouched.
+func TestTraceparentOnEveryAttempt(t *testing.T) {
+	be, _ := echoBackend(t, "a")
+	h := startProxy(t, nil, Options{}, be.URL)
+	const client = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+	e := decodeEcho(t, post(t, h.url+"/v1/completions", `{"model":"m","prompt":"hi"}`, "traceparent", client, "tracestate", "vendor=x"))
+	got := e.Headers["Traceparent"]
+	if len(got) != 1 || len(got[0]) != 55 || got[0][:36] != client[:36] || got[0][52:] != "-01" || got[0][36:52] == client[36:52] ||
+		e.Headers["Tracestate"][0] != "vendor=x" {
+		t.Fatalf("upstream traceparent %v, tracestate %v (client's %s)", got, e.Headers["Tracestate"], client)
+	}
+	for _, bad := range []string{"", "01-zz", "00-00000000000000000000000000000000-00f067aa0ba902b7-01"} {
+		e := decodeEcho(t, post(t, h.url+"/v1/completions", `{"model":"m","prompt":"hi"}`, "traceparent", bad))
+		tp := e.Headers["Traceparent"]
+		if len(tp) != 1 || len(tp[0]) != 55 || !strings.HasPrefix(tp[0], "00-") || strings.HasPrefix(tp[0], "00-0000") || !strings.HasSuffix(tp[0], "-00") {
+			t.Fatalf("client traceparent %q: upstream %v, want a new trace", bad, tp)
+		}
+	}
+}

@@ -333,7 +333,7 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 	st.req.MaxInFlight = int64(s.opt.MaxInFlightPerEndpoint)
 	s.budget.request()
 	var lastErr error = ErrNoEndpoint
-	var failed []*discovery.Endpoint // endpoints that failed this request (Tried also holds busy ones)
+	var busy []*discovery.Endpoint // tried endpoints that had no free connection
 	var queued time.Time
 	defer func() {
 		if !queued.IsZero() {
@@ -345,14 +345,16 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 		d := s.opt.Picker.Pick(&st.req, set)
 		ep := d.Endpoint
 		if ep == nil {
-			if !saturated(set, failed) {
+			if !saturated(set, &st.req, busy) {
 				break
 			}
 			if err := s.wait(ctx, &queued); err != nil {
 				return nil, routing.Decision{}, err
 			}
 			set = s.opt.Pool.Load()
-			st.req.Tried = append(st.req.Tried[:0], failed...) // the busy may have room now
+			// The busy may have room now.
+			st.req.Tried = slices.DeleteFunc(st.req.Tried, func(e *discovery.Endpoint) bool { return slices.Contains(busy, e) })
+			busy = busy[:0]
 			continue
 		}
 		s.opt.Metrics.Decision(d.Reason, d.PromptTokens, d.PromptTokens-d.Prefill)
@@ -384,17 +386,17 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 		} else {
 			s.opt.Logger.Debug("upstream attempt failed", zap.String("endpoint", ep.URL), zap.Error(err))
 			gone := a.clientGone()
-			busy := !gone && errors.Is(err, fasthttp.ErrNoFreeConns)
-			retry = !gone && (busy || retry && neverSent(err, a) && s.allowRetry())
+			full := !gone && errors.Is(err, fasthttp.ErrNoFreeConns)
+			retry = !gone && (full || retry && neverSent(err, a) && s.allowRetry())
 			switch {
 			case gone:
 				err, kindLabel = fmt.Errorf("%w: %v", ErrClientGone, err), "cancelled"
-			case busy:
+			case full:
 				err, kindLabel = ErrOverloaded, "busy"
+				busy = append(busy, ep)
 			default:
 				err, kindLabel = classifyUpstream(err)
 				ep.ReportFailure()
-				failed = append(failed, ep)
 			}
 		}
 		fasthttp.ReleaseResponse(resp)
@@ -424,12 +426,13 @@ func (s *Server) allowRetry() bool {
 	return false
 }
 
-// saturated reports whether some routable endpoint that has not failed this
-// request exists: the policy found none usable because all such were
-// saturated, so the request may wait for one.
-func saturated(set *discovery.Set, failed []*discovery.Endpoint) bool {
-	for _, e := range set.Endpoints {
-		if e.Routable() && !slices.Contains(failed, e) {
+// saturated reports, once the policy found no endpoint usable for r,
+// whether that is because routable endpoints are saturated — at r's
+// in-flight cap (not yet tried), or out of connections (busy) — so that
+// the request may wait for one, rather than because all failed it.
+func saturated(set *discovery.Set, r *routing.Request, busy []*discovery.Endpoint) bool {
+	for _, e := range set.Mixed {
+		if e.Routable() && (!slices.Contains(r.Tried, e) || slices.Contains(busy, e)) {
 			return true
 		}
 	}

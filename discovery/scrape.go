@@ -414,7 +414,8 @@ func (w *scrapeWorker) scrape(ctx context.Context, e *Endpoint) {
 	s.At, s.Routed = now, e.InFlight()
 	restarted := mem.seen && (s.StartTime != 0 && mem.start != 0 && math.Abs(s.StartTime-mem.start) > 1e-3 ||
 		s.PromptTokens < mem.prompt || s.PrefixQueries < mem.queries)
-	capChanged := s.KVCapacityTokens > 0 && s.KVCapacityTokens != mem.capacity
+	// A restarted engine was forgotten (OnRestart): its capacity counts anew.
+	capChanged := s.KVCapacityTokens > 0 && (restarted || s.KVCapacityTokens != mem.capacity)
 	mem.seen, mem.start, mem.prompt, mem.queries = true, s.StartTime, s.PromptTokens, s.PrefixQueries
 	if s.KVCapacityTokens > 0 {
 		mem.capacity = s.KVCapacityTokens

@@ -252,6 +252,11 @@ func TestScrape(t *testing.T) {
 			case <-time.After(waitTimeout):
 				t.Fatal("restart not detected")
 			}
+			// The forgotten engine's capacity counts anew (the index
+			// resizes its LRU after OnRestart dropped it).
+			if got := recv(t, capacity, "OnCapacity after the restart"); got != 255200 {
+				t.Errorf("OnCapacity(%d) after the restart, want 255200", got)
+			}
 			rec.wait(t, m, "scrape", e, 3)
 			if n := rec.count(m, "restart", e); n != 1 {
 				t.Errorf("%d restart events for one restart", n)
@@ -260,6 +265,7 @@ func TestScrape(t *testing.T) {
 			p.serve(http.StatusOK, base)
 			if tc.back {
 				recv(t, restarts, "OnRestart on the return to the fixture")
+				recv(t, capacity, "OnCapacity on the return to the fixture")
 			}
 			rec.wait(t, m, "scrape", e, 2)
 		})

@@ -74,6 +74,9 @@ func TestProbeDownAndBack(t *testing.T) {
 	if e.Routable() || e.State() != StateDown {
 		t.Fatalf("after failing probes: routable %v, state %v", e.Routable(), e.State())
 	}
+	// The probe that marks the endpoint down records its probe-fail event
+	// after the down event: wait for it.
+	rec.wait(t, m, "probe-fail", e, DefaultFailThreshold)
 	if n := rec.count(m, "probe-fail", e); n < DefaultFailThreshold {
 		t.Errorf("down after %d failed probes, want ≥ %d", n, DefaultFailThreshold)
 	}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -67,17 +66,7 @@ func startFleetProxy(t *testing.T, policy string, lim Limits, p discovery.Passiv
 	pick := policyByName(t, policy)
 	srv := New(Options{Limits: lim, Picker: pick, Pool: f.Pool(), Metrics: metrics.New(reg, Classes, nil),
 		Logger: zap.NewNop(), BlockSize: 1024})
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go func() { _ = srv.Serve(ln) }()
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = srv.Shutdown(ctx)
-	})
-	return &fleetHarness{url: "http://" + ln.Addr().String(), fleet: f, reg: reg}
+	return &fleetHarness{url: serveLoopback(t, srv), fleet: f, reg: reg}
 }
 
 // policyByName builds a policy of routing's table as the router does.

@@ -71,6 +71,13 @@ func startProxy(t testing.TB, p Picker, opt Options, backends ...string) *harnes
 		opt.Logger = zap.NewNop()
 	}
 	srv := New(opt)
+	return &harness{url: serveLoopback(t, srv), srv: srv, pool: pool, reg: reg}
+}
+
+// serveLoopback serves srv on 127.0.0.1:0 until the test ends and returns
+// its base URL.
+func serveLoopback(t testing.TB, srv *Server) string {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -81,7 +88,7 @@ func startProxy(t testing.TB, p Picker, opt Options, backends ...string) *harnes
 		defer cancel()
 		_ = srv.Shutdown(ctx)
 	})
-	return &harness{url: "http://" + ln.Addr().String(), srv: srv, pool: pool, reg: reg}
+	return "http://" + ln.Addr().String()
 }
 
 // inFlight sums the in-flight counters of every endpoint.

@@ -16,7 +16,7 @@ type retryBudget struct {
 	share float64
 	min   int64
 	mu    sync.Mutex
-	sec   int64 // the second of buckets[0]... (unix seconds of the newest bucket)
+	sec   int64 // unix second of the newest bucket
 	reqs  [retryWindow]int64
 	tries [retryWindow]int64
 	now   func() time.Time

@@ -89,7 +89,7 @@ type Limits struct {
 	// stays a small multiple of its body.
 	MaxPromptTokens int
 	// RetryBudget is the share of recent requests that may be retries
-	// (over a sliding RetryBudgetWindow); at least MinRetries retries
+	// (over a sliding window of 10 s); at least MinRetries retries
 	// per window are always allowed. 0: no budget.
 	RetryBudget float64
 	// MinRetries: see RetryBudget.

@@ -55,8 +55,8 @@ func newFlags(c *config) *proxy.Flags {
 	f := proxy.NewFlags("kvroute", "kvroute: a KV-cache-aware router for vLLM and SGLang.\n\nUsage: kvroute [flags]\n\n"+
 		"Every flag may also be set as KVROUTE_<FLAG> in the environment, e.g. KVROUTE_BACKENDS.\n")
 	g := f.Group
-	listen, backends, health, pfx, upstream, ops := g("Listeners"), g("Backends and routing"), g("Health and engine metrics"),
-		g("Prefix-aware routing (--policy prefix)"), g("Upstream connections"), g("Operations")
+	listen, backends, health, pfx, pd, upstream, ops := g("Listeners"), g("Backends and routing"), g("Health and engine metrics"),
+		g("Prefix-aware routing (--policy prefix)"), g("Prefill/decode disaggregation (with a decode pool)"), g("Upstream connections"), g("Operations")
 
 	listen.StringVar(&c.Listen, "listen", c.Listen, "address of the OpenAI-compatible API listener")
 	listen.StringVar(&c.AdminListen, "admin-listen", c.AdminListen, "address of the admin listener (/metrics, /livez, /readyz, /debug/pprof/)")
@@ -113,6 +113,12 @@ func newFlags(c *config) *proxy.Flags {
 	pfx.Float64Var(&c.Prefix.QueueCostSec, "prefix-queue-cost", c.Prefix.QueueCostSec, "prior seconds of wait per request queued in the engine, scraped (learned per endpoint as its mean prefill time or batch turnover; setting it pins it)")
 	pfx.Float64Var(&c.Prefix.KVCostSec, "prefix-kv-cost", c.Prefix.KVCostSec, "seconds of wait at a full KV cache (scraped usage 1.0), linear in usage")
 	pfx.Float64Var(&c.Prefix.HomeLoadFactor, "prefix-home-load-factor", c.Prefix.HomeLoadFactor, "no endpoint homes more than this × the mean number of recurring prefixes (a prefix is homed on its rendezvous winner unless that endpoint is full)")
+
+	pd.StringVar(&c.PDProtocol, "pd-protocol", c.PDProtocol, "prefill/decode handoff protocol with a decode pool: vllm (NixlConnector: a prefill leg, then its kv_transfer_params to the decode pod) or sglang (bootstrap room, both legs at once)")
+	pd.IntVar(&c.PDMinUncachedTokens, "pd-min-uncached-tokens", c.PDMinUncachedTokens, "vllm: a request on a decode pod gets a prefill leg only when its prompt tokens not cached there reach this (0: learned per decode pod as the tokens it prefills in one decode step; 200 with the priors)")
+	pd.DurationVar(&c.PrefillTimeout, "prefill-timeout", c.PrefillTimeout, "bound on a prefill leg, from sending it to its whole answer; then another prefill pod, then the decode pod alone (0: none)")
+	pd.IntVar(&c.PDBootstrapPort, "pd-bootstrap-port", c.PDBootstrapPort, "sglang: the prefill pods' bootstrap port, unless a prefill URL names its own (http://host:port#bootstrap=PORT)")
+	pd.BoolVar(&c.TrustClientKVParams, "trust-client-kv-params", c.TrustClientKVParams, "forward a client's own kv_transfer_params / bootstrap_* fields (without a prefill leg) instead of refusing them with 400; they make a decode engine connect where they say")
 
 	upstream.DurationVar(&c.ConnectTimeout, "connect-timeout", c.ConnectTimeout, "timeout for connecting to a model server")
 	upstream.DurationVar(&c.ResponseHeaderTimeout, "response-header-timeout", c.ResponseHeaderTimeout, "timeout from sending a request to the first response byte (0: none); non-streaming requests answer only after generation")

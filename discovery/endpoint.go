@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"net"
 	"net/url"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -58,6 +59,10 @@ type Endpoint struct {
 	BasePath string
 	// Role is the endpoint's serving role.
 	Role Role
+	// BootstrapPort is the port of a prefill endpoint's SGLang bootstrap
+	// server, from the URL's "#bootstrap=PORT" fragment; 0: the router's
+	// default (--pd-bootstrap-port).
+	BootstrapPort int
 	// ID is a stable 64-bit identity derived from URL (used by rendezvous
 	// hashing so independent router replicas agree).
 	ID uint64
@@ -216,7 +221,9 @@ func (e *Endpoint) SetEngine(st *EngineStats) {
 }
 
 // NewEndpoint parses a base URL ("http://host:port[/base]", or "host:port",
-// which means http) into an Endpoint with zeroed counters.
+// which means http) into an Endpoint with zeroed counters. The one fragment
+// allowed, "#bootstrap=PORT", sets BootstrapPort; it is not part of the
+// endpoint's URL or identity.
 func NewEndpoint(raw string, role Role) (*Endpoint, error) {
 	s := strings.TrimSpace(raw)
 	if s == "" {
@@ -240,8 +247,15 @@ func NewEndpoint(raw string, role Role) (*Endpoint, error) {
 	if u.Host == "" || u.Hostname() == "" {
 		return nil, fmt.Errorf("%w: %q: no host", ErrBadURL, raw)
 	}
-	if u.RawQuery != "" || u.Fragment != "" || u.User != nil {
-		return nil, fmt.Errorf("%w: %q: query, fragment and user info are not allowed", ErrBadURL, raw)
+	if u.RawQuery != "" || u.User != nil {
+		return nil, fmt.Errorf("%w: %q: query and user info are not allowed", ErrBadURL, raw)
+	}
+	var bootstrap int
+	if u.Fragment != "" {
+		v, ok := strings.CutPrefix(u.Fragment, "bootstrap=")
+		if bootstrap, err = strconv.Atoi(v); !ok || err != nil || bootstrap < 1 || bootstrap > 65535 {
+			return nil, fmt.Errorf("%w: %q: the only fragment allowed is #bootstrap=PORT (an SGLang prefill endpoint's bootstrap port, 1-65535)", ErrBadURL, raw)
+		}
 	}
 	port := u.Port()
 	if port == "" {
@@ -252,10 +266,11 @@ func NewEndpoint(raw string, role Role) (*Endpoint, error) {
 	}
 	base := strings.TrimRight(u.EscapedPath(), "/")
 	ep := &Endpoint{
-		Addr:     net.JoinHostPort(u.Hostname(), port),
-		TLS:      tls,
-		BasePath: base,
-		Role:     role,
+		Addr:          net.JoinHostPort(u.Hostname(), port),
+		TLS:           tls,
+		BasePath:      base,
+		Role:          role,
+		BootstrapPort: bootstrap,
 	}
 	ep.URL = u.Scheme + "://" + ep.Addr + base
 	ep.ID = hashString(ep.URL)

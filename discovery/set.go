@@ -16,13 +16,17 @@ type Set struct {
 	// Version increases with every published Set.
 	Version uint64
 	// Endpoints lists every endpoint of the snapshot: the mixed ones, then
-	// the prefill ones, then the decode ones, each group in publication
+	// the decode ones, then the prefill ones, each group in publication
 	// order.
 	Endpoints []*Endpoint
-	// Mixed, Prefill and Decode are the groups of Endpoints by role. They
+	// Mixed, Decode and Prefill are the groups of Endpoints by role. They
 	// share Endpoints' backing array (no copy); a group without endpoints
 	// is nil.
-	Mixed, Prefill, Decode []*Endpoint
+	Mixed, Decode, Prefill []*Endpoint
+	// Serving is Mixed then Decode (one slice of Endpoints): the endpoints
+	// that answer a client's request, a decode endpoint after a prefill
+	// endpoint computed the prompt or alone. nil when there are none.
+	Serving []*Endpoint
 }
 
 // Len returns the number of endpoints in s; a nil Set has none.
@@ -112,7 +116,6 @@ func (p *Pool) publishLocked(eps []*Endpoint) *Set {
 		prev[poolKey{d.e.URL, d.e.Role}] = d.e
 	}
 	seen := make(map[poolKey]bool, len(eps))
-	var counts [3]int
 	kept := make([]*Endpoint, 0, len(eps))
 	for _, e := range eps {
 		k := poolKey{e.URL, e.Role}
@@ -124,26 +127,28 @@ func (p *Pool) publishLocked(eps []*Endpoint) *Set {
 			e = o
 		}
 		kept = append(kept, e)
-		counts[roleIndex(e.Role)]++
 	}
 	next := &Set{Endpoints: make([]*Endpoint, 0, len(kept))}
 	if old != nil {
 		next.Version = old.Version + 1
 	}
-	for r := range counts {
+	at := 0
+	for _, g := range [...]struct {
+		role  Role
+		group *[]*Endpoint
+	}{{RoleMixed, &next.Mixed}, {RoleDecode, &next.Decode}, {RolePrefill, &next.Prefill}} {
 		for _, e := range kept {
-			if roleIndex(e.Role) == r {
+			if e.Role == g.role {
 				next.Endpoints = append(next.Endpoints, e)
 			}
 		}
-	}
-	at := 0
-	groups := [3]*[]*Endpoint{&next.Mixed, &next.Prefill, &next.Decode}
-	for r, n := range counts {
-		if n > 0 {
-			*groups[r] = next.Endpoints[at : at+n : at+n]
+		if n := len(next.Endpoints) - at; n > 0 {
+			*g.group = next.Endpoints[at : at+n : at+n]
 		}
-		at += n
+		at = len(next.Endpoints)
+	}
+	if n := len(next.Mixed) + len(next.Decode); n > 0 {
+		next.Serving = next.Endpoints[:n:n]
 	}
 
 	// Revive the draining endpoints that came back; drain the departed.

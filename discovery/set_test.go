@@ -34,9 +34,12 @@ func TestPublishGroupsRolesAndKeepsEndpoints(t *testing.T) {
 	default:
 		t.Fatal("Changed not closed by Publish")
 	}
-	if got, want := urls(s1.Endpoints), []string{"http://10.0.0.1:8000", "http://10.0.1.1:8000",
-		"http://10.0.0.1:8000", "http://10.0.2.1:8000", "http://10.0.2.2:8000"}; !slices.Equal(got, want) {
+	if got, want := urls(s1.Endpoints), []string{"http://10.0.0.1:8000", "http://10.0.2.1:8000",
+		"http://10.0.2.2:8000", "http://10.0.1.1:8000", "http://10.0.0.1:8000"}; !slices.Equal(got, want) {
 		t.Fatalf("Endpoints = %v, want %v", got, want)
+	}
+	if want := slices.Concat(m[:1], d); !slices.Equal(s1.Serving, want) || cap(s1.Serving) != len(want) {
+		t.Errorf("Serving = %v, want the mixed then the decode endpoints", urls(s1.Serving))
 	}
 	for _, tc := range []struct {
 		role Role

@@ -28,6 +28,9 @@ type EndpointSample struct {
 	URL, Role          string
 	InFlight           int64
 	Requests, Failures uint64
+	// KVUsage is the engine's scraped KV-cache usage (0–1); negative when
+	// not freshly scraped.
+	KVUsage float64
 	// Costs are the endpoint's learned costs; nil before any observation.
 	Costs *CostsSample
 }
@@ -68,6 +71,14 @@ type Metrics struct {
 	estExact      prometheus.Counter
 
 	reqCache sync.Map // reqKey → prometheus.Counter
+
+	e2e          prometheus.Observer
+	pdDecisions  *prometheus.CounterVec
+	pdStranded   *prometheus.CounterVec
+	prefillLeg   prometheus.Observer
+	prefillQueue prometheus.Observer
+	handoff      prometheus.Observer
+	decodeTTFB   prometheus.Observer
 }
 
 type reqKey struct {
@@ -145,6 +156,7 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 			Help: "Cached prompt tokens the engines reported (usage.prompt_tokens_details.cached_tokens).",
 		}),
 	}
+	m.registerPD(reg)
 	est := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: Namespace, Name: "prefix_estimates_total",
 		Help: "Router estimates of cached tokens against the engine's report: exact (within 256 tokens), over, under.",
@@ -272,6 +284,60 @@ func (c *indexCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descHomes, prometheus.GaugeValue, float64(s.Homes))
 }
 
+// registerPD registers the end-to-end histogram and the collectors of
+// prefill/decode disaggregation.
+func (m *Metrics) registerPD(reg prometheus.Registerer) {
+	hist := func(name, help string) prometheus.Histogram {
+		h := prometheus.NewHistogram(prometheus.HistogramOpts{Name: name, Help: help, Buckets: latencyBuckets})
+		reg.MustRegister(h)
+		return h
+	}
+	m.e2e = hist("llm_request_e2e_seconds",
+		"Time from reading an inference request (completions, chat, responses) to the end of its response, every stage included.")
+	m.prefillQueue = hist("llm_prefill_queue_seconds",
+		"Disaggregated requests: time from reading the request to the prefill pod's answer (pick, the prefill pod's queue and prefill); the decode leg starts then.")
+	m.prefillLeg = hist(Namespace+"_pd_prefill_leg_seconds",
+		"Disaggregated requests: duration of each prefill leg, from sending it to its whole answer.")
+	m.handoff = hist(Namespace+"_pd_handoff_to_first_byte_seconds",
+		"Disaggregated requests: time from the prefill leg's answer to the decode leg's first body byte (KV transfer, decode queue, one step).")
+	m.decodeTTFB = hist(Namespace+"_pd_decode_first_byte_seconds",
+		"Disaggregated requests: time from sending the decode leg to its first body byte.")
+	m.pdDecisions = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: Namespace, Name: "pd_decisions_total",
+		Help: "Requests routed to a decode endpoint, by decision: disaggregated, decode_only (too few uncached tokens), single_only (several prompts or n>1), client_kv (a trusted client's own transfer parameters), or fallback_* (decode alone after no_prefill, prefill_failed, no_reference).",
+	}, []string{"decision"})
+	m.pdStranded = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: Namespace, Name: "pd_stranded_prefills_total",
+		Help: "Prefill legs that succeeded but whose decode never delivered (the prefill pod holds the KV until its timeout), by cause: decode_failed, client_gone, superseded.",
+	}, []string{"cause"})
+	reg.MustRegister(m.pdDecisions, m.pdStranded)
+}
+
+// RequestEnd records the end-to-end duration of an inference request.
+func (m *Metrics) RequestEnd(seconds float64) { m.e2e.Observe(seconds) }
+
+// PDDecision counts one disaggregation decision.
+func (m *Metrics) PDDecision(decision string) { m.pdDecisions.WithLabelValues(decision).Inc() }
+
+// PDStranded counts one prefill whose KV no decode leg used.
+func (m *Metrics) PDStranded(cause string) { m.pdStranded.WithLabelValues(cause).Inc() }
+
+// PrefillLeg records one prefill leg's duration and, for the leg whose
+// answer starts the decode leg, the request's time to it (queue >= 0).
+func (m *Metrics) PrefillLeg(seconds, queue float64) {
+	m.prefillLeg.Observe(seconds)
+	if queue >= 0 {
+		m.prefillQueue.Observe(queue)
+	}
+}
+
+// DecodeFirstByte records a disaggregated request's decode leg's first
+// byte: the time since the leg was sent and since the prefill's answer.
+func (m *Metrics) DecodeFirstByte(sinceSent, sincePrefill float64) {
+	m.decodeTTFB.Observe(sinceSent)
+	m.handoff.Observe(sincePrefill)
+}
+
 // Retry counts one retry.
 func (m *Metrics) Retry() { m.retries.Inc() }
 
@@ -310,6 +376,8 @@ var (
 		"Learned mean time from a stream's first byte to its end on the endpoint.", []string{"endpoint", "role"}, nil)
 	descBatchLimit = prometheus.NewDesc(Namespace+"_endpoint_batch_limit",
 		"Learned batch limit of the endpoint: the most requests its engine ran while others waited.", []string{"endpoint", "role"}, nil)
+	descDecodeKVUsage = prometheus.NewDesc("llm_decode_kv_cache_usage_percent",
+		"KV-cache usage of a decode endpoint's engine, 0-100, from its last fresh scrape.", []string{"endpoint"}, nil)
 	descCalibrationSamples = prometheus.NewDesc(Namespace+"_endpoint_calibration_samples",
 		"Observations behind the endpoint's learned costs, by kind (ttft, decode, decode_step, batch_limit).", []string{"endpoint", "role", "kind"}, nil)
 )
@@ -318,6 +386,7 @@ func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descEndpointInFlight
 	ch <- descEndpointRequests
 	ch <- descEndpointFailures
+	ch <- descDecodeKVUsage
 	for _, d := range []*prometheus.Desc{descPrefillRate, descFixed, descDecodeStep, descDecode, descBatchLimit, descCalibrationSamples} {
 		ch <- d
 	}
@@ -328,6 +397,9 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descEndpointInFlight, prometheus.GaugeValue, float64(s.InFlight), s.URL, s.Role)
 		ch <- prometheus.MustNewConstMetric(descEndpointRequests, prometheus.CounterValue, float64(s.Requests), s.URL, s.Role)
 		ch <- prometheus.MustNewConstMetric(descEndpointFailures, prometheus.CounterValue, float64(s.Failures), s.URL, s.Role)
+		if s.Role == "decode" && s.KVUsage >= 0 {
+			ch <- prometheus.MustNewConstMetric(descDecodeKVUsage, prometheus.GaugeValue, 100*s.KVUsage, s.URL)
+		}
 		if c := s.Costs; c != nil {
 			gauge := func(d *prometheus.Desc, v float64, labels ...string) {
 				ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, append([]string{s.URL, s.Role}, labels...)...)

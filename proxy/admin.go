@@ -65,7 +65,7 @@ func (s *Server) guard(h http.HandlerFunc) http.HandlerFunc {
 
 // anyRoutable reports whether set has an endpoint that can take requests.
 func anyRoutable(set *discovery.Set) bool {
-	for _, e := range set.Mixed {
+	for _, e := range set.Serving {
 		if e.Routable() {
 			return true
 		}
@@ -90,6 +90,23 @@ type explanation struct {
 	MatchedBlocks int            `json:"matched_blocks"`
 	Prefill       int            `json:"prefill_tokens"`
 	Endpoints     []routing.Term `json:"endpoints"`
+	// PD explains the disaggregation decision when the pick is a decode
+	// endpoint.
+	PD *pdExplanation `json:"pd,omitempty"`
+}
+
+// pdExplanation is /debug/route's account of a disaggregation decision and
+// of the prefill pick.
+type pdExplanation struct {
+	Protocol        string         `json:"protocol"`
+	Decision        string         `json:"decision"`
+	UncachedTokens  int            `json:"uncached_tokens"`
+	ThresholdTokens int            `json:"threshold_tokens,omitempty"`
+	Prefill         string         `json:"prefill,omitempty"`
+	PrefillReason   string         `json:"prefill_reason,omitempty"`
+	PrefillMatched  int            `json:"prefill_matched_blocks"`
+	PrefillTokens   int            `json:"prefill_tokens"`
+	PrefillPool     []routing.Term `json:"prefill_endpoints,omitempty"`
 }
 
 // HandleExplain serves POST /debug/route?path=/v1/chat/completions: it
@@ -122,9 +139,32 @@ func (s *Server) HandleExplain(mux *http.ServeMux, e Explainer) {
 			MatchedBlocks: d.MatchedBlocks, Prefill: d.Prefill, Endpoints: terms}
 		if d.Endpoint != nil {
 			out.Pick = d.Endpoint.URL
+			if d.Endpoint.Role == discovery.RoleDecode {
+				out.PD = s.explainPD(e, &st, d)
+			}
 		}
 		writeJSON(w, http.StatusOK, out)
 	})
+}
+
+// explainPD returns the disaggregation decision for st picked as d onto a
+// decode endpoint and, when it splits, the prefill pick.
+func (s *Server) explainPD(e Explainer, st *reqState, d routing.Decision) *pdExplanation {
+	out := &pdExplanation{Protocol: s.opt.PD.Protocol, UncachedTokens: d.Prefill}
+	split := s.planPD(st, d)
+	out.Decision, out.ThresholdTokens = st.pd.decision, st.pd.threshold
+	if !split {
+		return out
+	}
+	st.req.Prefill = true
+	pd, terms := e.Explain(&st.req, s.opt.Pool.Load())
+	out.PrefillReason, out.PrefillMatched, out.PrefillTokens, out.PrefillPool = pd.Reason, pd.MatchedBlocks, pd.Prefill, terms
+	if pd.Endpoint == nil {
+		out.Decision = routing.PDNoPrefill
+		return out
+	}
+	out.Prefill = pd.Endpoint.URL
+	return out
 }
 
 // Tunable is a policy whose parameters change at run time.

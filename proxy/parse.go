@@ -83,6 +83,14 @@ type reqState struct {
 	// big: this request's body was large, so the parser and buffers grew
 	// with it; the state is dropped rather than pooled.
 	big bool
+	// root is the parsed body (it lives in parser); single is true when it
+	// asks for one sequence (one prompt, n at most 1), which is what a
+	// prefill leg can hand over; clientKV when it carries transfer
+	// parameters of its own (kv_transfer_params, bootstrap_*).
+	root     *fastjson.Value
+	single   bool
+	clientKV bool
+	pd       pdState
 }
 
 // pooledBodyBytes is the largest body whose parse state is pooled for the
@@ -158,6 +166,18 @@ func (s *reqState) parse(kind routing.Kind, body []byte, blockSize, maxBlocks in
 	}
 	r := &s.req
 	r.Kind = kind
+	s.root = v
+	s.clientKV = false
+	for _, k := range clientKVFields {
+		if x := v.Get(k); x != nil && x.Type() != fastjson.TypeNull {
+			s.clientKV = true
+		}
+	}
+	n, err := optInt(v, "n")
+	if err != nil {
+		return err
+	}
+	s.single = n <= 1 && (kind == routing.KindChat || kind == routing.KindCompletions && onePrompt(v.Get("prompt")))
 	if r.Model, err = optString(v, "model"); err != nil {
 		return err
 	}
@@ -191,6 +211,26 @@ func (s *reqState) parse(kind routing.Kind, body []byte, blockSize, maxBlocks in
 	r.PromptTokens = r.PromptBytes / 4
 	r.Hashes = s.hasher.Hashes
 	return nil
+}
+
+// clientKVFields are the body fields that steer a KV transfer (vLLM's
+// NixlConnector, SGLang's bootstrap): kvroute sets them, clients may not.
+var clientKVFields = [...]string{"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"}
+
+// onePrompt reports whether a completions prompt is one prompt: a string
+// or a list of token ids, or a list of one of those.
+func onePrompt(p *fastjson.Value) bool {
+	if p == nil || p.Type() != fastjson.TypeArray {
+		return p != nil
+	}
+	a := p.GetArray()
+	switch {
+	case len(a) == 0:
+		return false
+	case a[0].Type() == fastjson.TypeNumber:
+		return true // token ids
+	}
+	return len(a) == 1
 }
 
 // render writes the canonical rendering of v's prompt to w. The rendering

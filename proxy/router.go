@@ -51,6 +51,13 @@ type Config struct {
 	EndpointDrainLimit  time.Duration
 
 	Limits
+	// Prefill/decode disaggregation (with a decode pool).
+	PDProtocol          string
+	PDMinUncachedTokens int
+	PrefillTimeout      time.Duration
+	PDBootstrapPort     int
+	TrustClientKVParams bool
+
 	AccessLog bool
 	// AdminToken, when set, is the bearer token the admin listener's
 	// mutating endpoints and /debug/pprof/ require; without it they are
@@ -128,7 +135,12 @@ func DefaultConfig() Config {
 			QueueTimeout: 5 * time.Second,
 			MaxQueue:     1024,
 		},
-		AccessLog: true,
+		PDProtocol: ProtocolVLLM,
+		// A prefill leg answers once the prompt is computed: 128k tokens
+		// at 20k tokens/s take 6.4 s, so a minute covers a long queue too.
+		PrefillTimeout:  60 * time.Second,
+		PDBootstrapPort: 8998, // SGLang's --disaggregation-bootstrap-port default
+		AccessLog:       true,
 
 		// 1 KiB of rendering ≈ 256 tokens; 256 blocks cover ≈ 64k tokens.
 		PrefixBlockBytes: 1024,
@@ -153,8 +165,21 @@ func (c *Config) policies() map[string]routing.NewPolicy {
 func (c *Config) Validate() error {
 	var errs []error
 	bad := func(format string, a ...any) { errs = append(errs, fmt.Errorf(format, a...)) }
-	if len(c.Backends) == 0 && c.Service == "" {
-		bad("no backends: set --service (a headless Service) or --backends (e.g. --backends http://10.0.0.7:8000,http://10.0.0.8:8000)")
+	mixed, prefill, decode := len(c.Backends) > 0 || c.Service != "", len(c.PrefillBackends) > 0 || c.PrefillService != "",
+		len(c.DecodeBackends) > 0 || c.DecodeService != ""
+	switch {
+	case !mixed && !decode:
+		bad("no backends: set --service (a headless Service) or --backends (e.g. --backends http://10.0.0.7:8000,http://10.0.0.8:8000), or a decode pool (--decode-service or --decode-backends) with a prefill pool")
+	case prefill && !decode:
+		bad("a prefill pool needs a decode pool (--decode-service or --decode-backends) to hand its KV to")
+	case decode && !prefill && c.PDProtocol == ProtocolSGLang:
+		bad("--pd-protocol sglang: a decode pool needs a prefill pool (--prefill-service or --prefill-backends); an SGLang decode engine cannot compute a prompt alone")
+	}
+	if c.PDProtocol != ProtocolVLLM && c.PDProtocol != ProtocolSGLang {
+		bad("--pd-protocol %q: want vllm or sglang", c.PDProtocol)
+	}
+	if c.PDMinUncachedTokens < 0 || c.PDBootstrapPort < 1 || c.PDBootstrapPort > 65535 || c.PrefillTimeout < 0 {
+		bad("--pd-min-uncached-tokens and --prefill-timeout must not be negative, --pd-bootstrap-port must be in [1, 65535]")
 	}
 	for _, l := range []struct {
 		name string
@@ -267,7 +292,10 @@ func NewRouter(cfg Config, logger *zap.Logger) (*Router, error) {
 	m := metrics.New(r.Registry, Classes, func(yield func(metrics.EndpointSample)) {
 		for _, e := range r.Pool.Load().Endpoints {
 			s := metrics.EndpointSample{URL: e.URL, Role: e.Role.String(),
-				InFlight: e.InFlight(), Requests: e.Requests(), Failures: e.Failures.Load()}
+				InFlight: e.InFlight(), Requests: e.Requests(), Failures: e.Failures.Load(), KVUsage: -1}
+			if st := e.Engine(); st != nil {
+				s.KVUsage = st.KVUsage
+			}
 			if c := e.Costs(); c != nil {
 				s.Costs = &metrics.CostsSample{PrefillTokensPerSec: c.PrefillTokensPerSec, FixedSec: c.FixedSec,
 					DecodeStepSec: c.DecodeStepSec, DecodeSec: c.DecodeSec, BatchLimit: c.BatchLimit,
@@ -278,7 +306,15 @@ func NewRouter(cfg Config, logger *zap.Logger) (*Router, error) {
 		}
 	})
 	opt := Options{Limits: cfg.Limits, Picker: pick, Pool: r.Pool, Metrics: m, Logger: logger,
-		AccessLog: cfg.AccessLog, AdminToken: cfg.AdminToken, BlockSize: cfg.PrefixBlockBytes, MaxBlocks: cfg.PrefixMaxBlocks}
+		AccessLog: cfg.AccessLog, AdminToken: cfg.AdminToken, BlockSize: cfg.PrefixBlockBytes, MaxBlocks: cfg.PrefixMaxBlocks,
+		PD: PDOptions{Protocol: cfg.PDProtocol, PrefillTimeout: cfg.PrefillTimeout, BootstrapPort: cfg.PDBootstrapPort,
+			TrustClientKV: cfg.TrustClientKVParams,
+			Decider: routing.PDDecider{MinUncachedTokens: cfg.PDMinUncachedTokens, Params: func() routing.PrefixParams {
+				if r.Prefix != nil {
+					return r.Prefix.Params()
+				}
+				return cfg.Prefix
+			}}}}
 	if r.Prefix != nil {
 		opt.Learner = r.Prefix
 		metrics.RegisterIndex(r.Registry, func() metrics.IndexSample {

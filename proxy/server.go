@@ -122,6 +122,8 @@ type Options struct {
 	// Learner, when set, receives the engine's cached-token counts, read
 	// from response bodies as they stream past.
 	Learner Learner
+	// PD configures prefill/decode disaggregation.
+	PD PDOptions
 }
 
 // Server is the proxy. Create it with New; it is safe for concurrent use.
@@ -140,6 +142,7 @@ type Server struct {
 	budget   retryBudget // retries allowed
 	queue    waitQueue   // requests waiting for a saturated fleet
 	hijacked sync.WaitGroup
+	legs     sync.WaitGroup // concurrent prefill legs (SGLang)
 }
 
 // New returns a Server. It starts nothing; call Serve.
@@ -223,7 +226,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.Drain()
 	err := s.srv.ShutdownWithContext(ctx)
 	done := make(chan struct{})
-	go func() { s.hijacked.Wait(); close(done) }()
+	go func() { s.hijacked.Wait(); s.legs.Wait(); close(done) }()
 	select {
 	case <-done:
 	case <-ctx.Done():
@@ -273,7 +276,8 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	start := time.Now()
 	st := s.states.Get().(*reqState)
 	st.req.Reset()
-	st.att = nil
+	st.att, st.root, st.single, st.clientKV = nil, nil, false, false
+	st.pd.reset()
 	defer s.release(st)
 	s.opt.Metrics.InFlight(1)
 	// The lease of the endpoint being tried is released here on every
@@ -302,6 +306,10 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	if kind != routing.KindOther && len(ctx.Request.Header.ContentEncoding()) == 0 {
 		if err := st.parse(kind, ctx.PostBody(), s.opt.BlockSize, s.opt.MaxBlocks); err != nil {
 			s.answer(ctx, st, err, start)
+			return
+		}
+		if st.clientKV && !s.opt.PD.TrustClientKV {
+			s.answer(ctx, st, errClientKV, start)
 			return
 		}
 	}
@@ -341,6 +349,7 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 			s.opt.Metrics.Queued(-1)
 		}
 	}()
+loop:
 	for tries := 0; ; {
 		d := s.opt.Picker.Pick(&st.req, set)
 		ep := d.Endpoint
@@ -359,17 +368,64 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 		}
 		s.opt.Metrics.Decision(d.Reason, d.PromptTokens, d.PromptTokens-d.Prefill)
 		st.req.Tried = append(st.req.Tried, ep)
-		st.lease = ep.Acquire(d.Prefill)
+		pd := &st.pd
+		split := ep.Role == discovery.RoleDecode && s.planPD(st, d)
+		own := d.Prefill
+		if split {
+			own = 0 // the prefill endpoint computes the prompt
+		}
+		st.lease = ep.Acquire(own)
+		if split {
+			ans, err := s.prefillStage(ctx, st, set)
+			switch {
+			case err != nil:
+				st.lease.Release()
+				lastErr = err
+				break loop
+			case ans != nil:
+				s.opt.Metrics.PDDecision(pd.decision)
+				return ans, pd.prefill, nil
+			}
+		}
+		if ep.Role == discovery.RoleDecode {
+			s.opt.Metrics.PDDecision(pd.decision)
+		}
 		a := s.attempts.begin(ctx.Conn())
-		s.setUpstream(ctx, st, ep, a.id)
+		leg := pd.leg
+		if leg != nil {
+			leg.pair(a)
+		}
+		s.setUpstream(&ctx.Request, st, ep, a.id)
 		resp := fasthttp.AcquireResponse()
 		resp.StreamBody = true
+		pd.decodeSent()
 		err := s.client(ep).Do(&ctx.Request, resp)
 		var kindLabel string
 		retry := tries < s.opt.Retries
+		if leg != nil {
+			// A failed prefill leg fails the request: its 4xx answer is
+			// the answer, else a 502.
+			wait := err == nil && resp.StatusCode() != fasthttp.StatusOK || err != nil && a.wasAborted()
+			if ans, lerr := leg.outcome(wait); ans != nil || lerr != nil {
+				if err == nil {
+					s.discard(resp, a)
+				}
+				fasthttp.ReleaseResponse(resp)
+				s.attempts.end(a)
+				leg.decodeEnd(false)
+				st.lease.Release()
+				if ans != nil {
+					pd.leg = nil
+					return ans, pd.prefill, nil
+				}
+				lastErr = lerr
+				break
+			}
+		}
 		if err == nil {
 			code := resp.StatusCode()
-			if !retry || !retryable(code) || !s.allowRetry() {
+			pd.decodeAnswered(code)
+			if !retry || !retryable(code) && !(pd.split && code >= 500) || !s.allowRetry() {
 				if code >= 500 {
 					ep.ReportFailure()
 				} else if code != fasthttp.StatusTooManyRequests {
@@ -387,7 +443,9 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 			s.opt.Logger.Debug("upstream attempt failed", zap.String("endpoint", ep.URL), zap.Error(err))
 			gone := a.clientGone()
 			full := !gone && errors.Is(err, fasthttp.ErrNoFreeConns)
-			retry = !gone && (full || retry && neverSent(err, a) && s.allowRetry())
+			// A decode leg that failed before its first byte is resent:
+			// its prompt was computed elsewhere, so it had not started.
+			retry = !gone && (full || retry && (neverSent(err, a) || pd.split) && s.allowRetry())
 			switch {
 			case gone:
 				err, kindLabel = fmt.Errorf("%w: %v", ErrClientGone, err), "cancelled"
@@ -402,6 +460,10 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 		fasthttp.ReleaseResponse(resp)
 		st.lease.Release()
 		s.attempts.end(a)
+		if leg != nil {
+			leg.decodeEnd(false)
+			pd.leg = nil
+		}
 		s.opt.Metrics.UpstreamError(kindLabel)
 		lastErr = err
 		if !retry {
@@ -412,6 +474,11 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 			s.opt.Metrics.Retry()
 			time.Sleep(backoff(tries))
 		}
+	}
+	if errors.Is(lastErr, ErrClientGone) {
+		s.strand(st, "client_gone")
+	} else {
+		s.strand(st, "decode_failed")
 	}
 	return nil, routing.Decision{}, lastErr
 }
@@ -431,7 +498,7 @@ func (s *Server) allowRetry() bool {
 // in-flight cap (not yet tried), or out of connections (busy) — so that
 // the request may wait for one, rather than because all failed it.
 func saturated(set *discovery.Set, r *routing.Request, busy []*discovery.Endpoint) bool {
-	for _, e := range set.Mixed {
+	for _, e := range set.Serving {
 		if e.Routable() && (!slices.Contains(r.Tried, e) || slices.Contains(busy, e)) {
 			return true
 		}
@@ -535,6 +602,12 @@ type record struct {
 	prefix                     bool
 	usage                      bool
 	promptTokens, cachedTokens int
+	// Disaggregation: the decision, the prefill endpoint whose answer the
+	// decode leg followed, when that answer came and when the decode leg
+	// was sent (zero without a prefill leg).
+	pdDecision     string
+	prefill        *discovery.Endpoint
+	prefilled, sent time.Time
 }
 
 // end records the end of a request, answered by an endpoint or by kvroute
@@ -543,6 +616,9 @@ type record struct {
 func (s *Server) end(r *record, err error) {
 	d := time.Since(r.start)
 	s.opt.Metrics.Request(r.class, r.status, d.Seconds())
+	if k := routing.Kind(r.class); k == routing.KindCompletions || k == routing.KindChat || k == routing.KindResponses {
+		s.opt.Metrics.RequestEnd(d.Seconds())
+	}
 	s.opt.Metrics.InFlight(-1)
 	if r.ep == nil && r.status >= 500 && err != nil {
 		s.opt.Logger.Warn("request failed", zap.ByteString("request_id", r.reqID),
@@ -561,6 +637,15 @@ func (s *Server) end(r *record, err error) {
 	if r.ep != nil {
 		fields = append(fields, zap.String("endpoint", r.ep.URL), zap.String("reason", r.decision.Reason),
 			zap.Int64("bytes", r.bytes))
+	}
+	if r.pdDecision != "" {
+		fields = append(fields, zap.String("pd", r.pdDecision))
+		if r.prefill != nil {
+			fields = append(fields, zap.String("prefill_endpoint", r.prefill.URL))
+		}
+		if !r.prefilled.IsZero() {
+			fields = append(fields, zap.Duration("prefill", r.prefilled.Sub(r.start)))
+		}
 	}
 	fields = append(fields, zap.Duration("duration", d))
 	if r.prefix {
@@ -588,25 +673,33 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 	h.SetBytesKV(headerRequestID, reqID)
 
 	b := s.bodies.Get().(*upstreamBody)
-	b.s, b.resp, b.lease, b.att = s, resp, st.lease.Take(), st.att
-	st.att = nil
+	b.s, b.resp, b.lease, b.att, b.leg = s, resp, st.lease.Take(), st.att, st.pd.leg
+	st.att, st.pd.leg = nil, nil
 	b.firstByte, b.readErr, b.last, b.tail = false, nil, 0, nil
 	// The engine's usage report (prompt and cached tokens) is read from
 	// every inference answer, for the endpoint's calibration and, under a
 	// learning policy, for the policy.
 	b.scan = resp.StatusCode() == fasthttp.StatusOK &&
 		(st.req.Kind == routing.KindCompletions || st.req.Kind == routing.KindChat || st.req.Kind == routing.KindResponses)
-	b.learn = b.scan && s.opt.Learner != nil
+	// A decode leg's usage counts the pulled KV as cached: it says
+	// nothing of what the endpoint held before.
+	b.learn = b.scan && s.opt.Learner != nil && !st.pd.split
 	b.promptBytes = st.req.PromptBytes
 	b.cached.reset(patCachedTokens)
 	b.prompt.reset(patPromptTokens)
 	b.rec = record{class: int(st.req.Kind), status: resp.StatusCode(), attempts: len(st.req.Tried), start: start,
 		reqID: append(b.rec.reqID[:0], reqID...), method: append(b.rec.method[:0], ctx.Method()...),
-		path: append(b.rec.path[:0], ctx.Path()...), ep: d.Endpoint, decision: d, prefix: b.learn}
+		path: append(b.rec.path[:0], ctx.Path()...), ep: d.Endpoint, decision: d, prefix: b.learn,
+		pdDecision: st.pd.decision, prefilled: st.pd.answered, sent: st.pd.sent}
+	if st.pd.split || d.Endpoint != nil && d.Endpoint.Role == discovery.RolePrefill {
+		b.rec.prefill = st.pd.prefill.Endpoint
+	}
 
 	// A streamed answer's first byte is its first token: the lease makes
-	// it a TTFT observation of the endpoint's costs.
+	// it a TTFT observation of the endpoint's costs, unless a prefill leg
+	// computed the prompt.
 	b.stream = resp.StatusCode() == fasthttp.StatusOK && isEventStream(resp)
+	b.observe = b.stream && !st.pd.split
 	rd := resp.BodyStream()
 	if rd == nil { // HEAD, 204, 304: no body
 		b.markFirstByte()
@@ -684,6 +777,8 @@ type upstreamBody struct {
 	prompt      numScanner
 	promptBytes int
 	stream      bool // a 200 SSE response
+	observe     bool // whose first byte is an observation of the endpoint's TTFT
+	leg         *sgLeg
 	firstByte   bool
 	readErr     error
 	last        uint32 // the last two bytes read (whether an event ended there)
@@ -742,8 +837,16 @@ func streamCutEvent(sep bool) []byte {
 // the prompt, so the lease's pending prefill ends.
 func (b *upstreamBody) markFirstByte() {
 	b.firstByte = true
-	b.lease.FirstByte(b.stream)
-	b.s.opt.Metrics.FirstByte(b.rec.class, time.Since(b.rec.start).Seconds())
+	b.lease.FirstByte(b.observe)
+	now := time.Now()
+	b.s.opt.Metrics.FirstByte(b.rec.class, now.Sub(b.rec.start).Seconds())
+	if !b.rec.sent.IsZero() {
+		prefilled := b.rec.prefilled
+		if b.leg != nil {
+			prefilled = b.rec.sent // the legs run together
+		}
+		b.s.opt.Metrics.DecodeFirstByte(now.Sub(b.rec.sent).Seconds(), now.Sub(prefilled).Seconds())
+	}
 }
 
 // CloseWithError is called by fasthttp exactly once when the body is done:
@@ -752,9 +855,12 @@ func (b *upstreamBody) markFirstByte() {
 // disconnect and stops generating.
 func (b *upstreamBody) CloseWithError(err error) error {
 	s, ep := b.s, b.rec.ep
+	s.attempts.end(b.att) // before the connection goes back to the pool
 	_ = b.resp.CloseBodyStream()
 	fasthttp.ReleaseResponse(b.resp)
-	s.attempts.end(b.att)
+	if b.leg != nil {
+		b.leg.decodeEnd(err == nil && b.readErr == nil)
+	}
 	if b.att.clientGone() {
 		// The watcher closed the upstream connection for a client that left.
 		b.readErr, err = nil, ErrClientGone
@@ -770,7 +876,9 @@ func (b *upstreamBody) CloseWithError(err error) error {
 	}
 	switch {
 	case b.readErr != nil:
-		ep.ReportFailure()
+		if !b.att.wasAborted() { // not the endpoint's fault when kvroute cut it
+			ep.ReportFailure()
+		}
 		s.opt.Metrics.UpstreamError("body")
 		s.opt.Logger.Warn("upstream body failed", zap.ByteString("request_id", b.rec.reqID),
 			zap.String("endpoint", ep.URL), zap.Error(b.readErr))
@@ -785,7 +893,7 @@ func (b *upstreamBody) CloseWithError(err error) error {
 		b.rec.usage, b.rec.promptTokens, b.rec.cachedTokens = true, b.prompt.Value, b.cached.Value
 	}
 	s.end(&b.rec, err)
-	b.resp, b.rd, b.readErr, b.att = nil, nil, nil, nil
+	b.resp, b.rd, b.readErr, b.att, b.leg = nil, nil, nil, nil, nil
 	b.rec.ep, b.rec.decision = nil, routing.Decision{}
 	s.bodies.Put(b)
 	return nil
@@ -911,20 +1019,20 @@ func (s *Server) client(ep *discovery.Endpoint) *fasthttp.HostClient {
 // client's request URI; its own Host (whatever the client sent, or
 // failed to send); and a traceparent whose parent id is the attempt's
 // span.
-func (s *Server) setUpstream(ctx *fasthttp.RequestCtx, st *reqState, ep *discovery.Endpoint, span uint64) {
+func (s *Server) setUpstream(req *fasthttp.Request, st *reqState, ep *discovery.Endpoint, span uint64) {
 	u := append(st.scratch[:0], ep.BasePath...)
 	u = append(u, st.uri...)
-	ctx.Request.SetRequestURIBytes(u)
+	req.SetRequestURIBytes(u)
 	st.scratch = u
-	ctx.Request.UseHostHeader = true
-	ctx.Request.Header.SetHost(ep.Addr)
+	req.UseHostHeader = true
+	req.Header.SetHost(ep.Addr)
 	tp := append(st.tp[:0], "00-"...)
 	tp = append(tp, st.traceID[:]...)
 	tp = append(tp, '-')
 	tp = appendHex16(tp, span)
 	tp = append(tp, '-')
 	tp = append(tp, st.flags[:]...)
-	ctx.Request.Header.SetBytesKV(headerTraceparent, tp)
+	req.Header.SetBytesKV(headerTraceparent, tp)
 	st.tp = tp
 }
 

@@ -30,10 +30,13 @@ type attempt struct {
 	id     uint64
 	client net.Conn // the client's connection; nil when unknown
 
-	mu     sync.Mutex
-	conn   *timedConn // the upstream connection, once the request is on it
-	gone   bool       // the client left; conn was closed for it
-	failed bool       // a write of the request failed
+	mu      sync.Mutex
+	conn    *timedConn // the upstream connection, once the request is on it, until end
+	gone    bool       // the client left; conn was closed for it
+	aborted bool       // kvroute gave the attempt up; conn was closed for it
+	failed  bool       // a write of the request failed
+	ended   bool       // end was called: conn may carry another request now
+	until   time.Time  // when set, the attempt's reads end then (the prefill timeout)
 }
 
 // attempts are the attempts in flight, by id, and the watcher that checks
@@ -103,7 +106,8 @@ func (as *attempts) begin(client net.Conn) *attempt {
 	return a
 }
 
-// end unregisters a.
+// end unregisters a and unlinks its connection, which may carry another
+// request from now on.
 func (as *attempts) end(a *attempt) {
 	if a == nil {
 		return
@@ -111,6 +115,9 @@ func (as *attempts) end(a *attempt) {
 	if _, ok := as.m.LoadAndDelete(a.id); ok {
 		as.n.Add(-1)
 	}
+	a.mu.Lock()
+	a.conn, a.ended = nil, true
+	a.mu.Unlock()
 }
 
 // find returns the attempt whose traceparent is in the request bytes p, or
@@ -142,7 +149,7 @@ var traceparentLine = []byte("\r\nTraceparent: ")
 func (a *attempt) cancel() bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.gone {
+	if a.gone || a.ended {
 		return false
 	}
 	a.gone = true
@@ -150,6 +157,35 @@ func (a *attempt) cancel() bool {
 		_ = a.conn.Conn.Close()
 	}
 	return true
+}
+
+// abort closes the attempt's upstream connection (now, or when it links)
+// while the attempt has not ended: the endpoint stops, and the reader of
+// its answer gets an error.
+func (a *attempt) abort() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.ended {
+		return
+	}
+	a.aborted = true
+	if a.conn != nil {
+		_ = a.conn.Conn.Close()
+	}
+}
+
+// wasAborted reports whether abort was called.
+func (a *attempt) wasAborted() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.aborted
+}
+
+// deadline makes every read of the attempt's answer end by t.
+func (a *attempt) deadline(t time.Time) {
+	a.mu.Lock()
+	a.until = t
+	a.mu.Unlock()
 }
 
 // clientGone reports whether the attempt was cancelled for its client.
@@ -178,7 +214,10 @@ func (a *attempt) link(c *timedConn) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.conn, a.failed = c, false // a resend on a new connection starts over
-	if a.gone {
+	if !a.until.IsZero() {
+		c.until = a.until
+	}
+	if a.gone || a.aborted {
 		_ = c.Conn.Close()
 	}
 }

@@ -56,9 +56,10 @@ func whole(r *Request, e *discovery.Endpoint, reason string) Decision {
 	return Decision{Endpoint: e, Reason: reason, Prefill: r.PromptTokens, PromptTokens: r.PromptTokens}
 }
 
-// The basic policies pick among the Set's mixed endpoints (whole
-// requests), report the whole prompt as prefill (they know nothing of
-// caches), and are safe for concurrent use.
+// The basic policies pick among the request's group of the Set (the
+// endpoints that answer clients, or the prefill pool), report the whole
+// prompt as prefill (they know nothing of caches), and are safe for
+// concurrent use.
 
 // RoundRobin cycles through the Set's endpoints, as a ClusterIP Service
 // (iptables/IPVS round-robin) spreads connections. Safe for concurrent use.
@@ -71,7 +72,7 @@ func NewRoundRobin() *RoundRobin { return &RoundRobin{} }
 
 // Pick returns the next usable endpoint in rotation.
 func (p *RoundRobin) Pick(r *Request, set *discovery.Set) Decision {
-	e := usableAt(r, set.Mixed, nil, func(m int) int { return int(p.next.Add(1) % uint64(m)) })
+	e := usableAt(r, r.group(set), nil, func(m int) int { return int(p.next.Add(1) % uint64(m)) })
 	return whole(r, e, ReasonRoundRobin)
 }
 
@@ -86,7 +87,7 @@ func NewRandom(intn func(int) int) *Random { return &Random{intn: intnOrDefault(
 
 // Pick returns a random usable endpoint.
 func (p *Random) Pick(r *Request, set *discovery.Set) Decision {
-	return whole(r, usableAt(r, set.Mixed, nil, p.intn), ReasonRandom)
+	return whole(r, usableAt(r, r.group(set), nil, p.intn), ReasonRandom)
 }
 
 // LeastRequest samples two distinct usable endpoints at random and picks the
@@ -104,10 +105,10 @@ func NewLeastRequest(intn func(int) int) *LeastRequest {
 
 // Pick returns the less loaded of two random usable endpoints.
 func (p *LeastRequest) Pick(r *Request, set *discovery.Set) Decision {
-	a := usableAt(r, set.Mixed, nil, p.intn)
+	a := usableAt(r, r.group(set), nil, p.intn)
 	if a != nil {
 		// The second sample: uniform over the other usable endpoints.
-		if b := usableAt(r, set.Mixed, a, p.intn); b != nil && b.InFlight() < a.InFlight() {
+		if b := usableAt(r, r.group(set), a, p.intn); b != nil && b.InFlight() < a.InFlight() {
 			a = b
 		}
 	}

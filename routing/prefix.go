@@ -258,13 +258,18 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	defer func() { *sp = matches[:0]; p.scratch.Put(sp) }()
 
 	key := rendezvousKey(r.Hashes, prm.MinMatchBlocks)
+	if r.Prefill {
+		// The prefill pool homes a prefix apart from the serving one.
+		key = prefix.Mix64(key ^ prefillPoolSalt)
+	}
+	group := r.group(set)
 	keyed := len(r.Hashes) >= prm.MinMatchBlocks
 	// The key's home; established when the key recurs.
 	var homeID uint64
 	var hk homeKey
 	var hasHome bool
 	if keyed {
-		homeID, hk, hasHome = p.homes.lookup(key, set.Mixed, prm.HomeLoadFactor, terms == nil)
+		homeID, hk, hasHome = p.homes.lookup(key, group, prm.HomeLoadFactor, terms == nil)
 	}
 	bpt := p.BytesPerToken()
 	promptTokens := r.PromptTokens
@@ -275,7 +280,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		tokensPerBlock: float64(p.blockBytes) / bpt}
 
 	var ch picks
-	for _, e := range set.Mixed {
+	for _, e := range group {
 		if !Usable(r, e) {
 			if terms != nil {
 				*terms = append(*terms, skippedTerm(r, e))
@@ -503,6 +508,10 @@ func (c candidate) decision(reason string, promptTokens int) Decision {
 	return Decision{Endpoint: c.e, Reason: reason, Prefill: c.uncached, MatchedBlocks: c.blocks,
 		Contended: c.load.pending > 0, PromptTokens: promptTokens}
 }
+
+// prefillPoolSalt separates a prefix key's home in the prefill pool from
+// its home among the endpoints that answer clients.
+const prefillPoolSalt = 0x5046_696c_6c50_6f6f // "PFillPoo"
 
 // rendezvousKey is the hash of the block at depth minMatch (or the last
 // block of shorter prompts): requests sharing a useful prefix share the key,

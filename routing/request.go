@@ -69,6 +69,18 @@ type Request struct {
 	// endpoint may have in flight: one at the cap is saturated, and
 	// policies skip it.
 	MaxInFlight int64
+	// Prefill asks for a prefill endpoint (the Set's Prefill group) for
+	// the prefill leg of a disaggregated request; otherwise policies pick
+	// among the endpoints that answer clients (Serving).
+	Prefill bool
+}
+
+// group returns the endpoints of set r is routed among.
+func (r *Request) group(set *discovery.Set) []*discovery.Endpoint {
+	if r.Prefill {
+		return set.Prefill
+	}
+	return set.Serving
 }
 
 // Reset clears r for reuse, keeping its slices' capacity.

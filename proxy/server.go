@@ -605,8 +605,8 @@ type record struct {
 	// Disaggregation: the decision, the prefill endpoint whose answer the
 	// decode leg followed, when that answer came and when the decode leg
 	// was sent (zero without a prefill leg).
-	pdDecision     string
-	prefill        *discovery.Endpoint
+	pdDecision      string
+	prefill         *discovery.Endpoint
 	prefilled, sent time.Time
 }
 

@@ -164,13 +164,16 @@ func (s *Server) prefillStage(ctx *fasthttp.RequestCtx, st *reqState, set *disco
 			return nil, fmt.Errorf("%w: during the prefill leg: %v", ErrClientGone, err)
 		case err != nil || code >= 500 || code == fasthttp.StatusTooManyRequests:
 			lease.Release()
+			st.req.Tried = append(st.req.Tried, pe)
 			if code != fasthttp.StatusTooManyRequests {
 				pe.ReportFailure()
 			}
 			s.opt.Logger.Warn("prefill leg failed", zap.ByteString("request_id", ctx.Request.Header.PeekBytes(headerRequestID)),
 				zap.String("endpoint", pe.URL), zap.Int("status", code), zap.Error(err))
 			s.opt.Metrics.UpstreamError("prefill")
-			fasthttp.ReleaseResponse(resp)
+			if resp != nil {
+				fasthttp.ReleaseResponse(resp)
+			}
 			continue
 		case code >= 400:
 			// The client's mistake (an unknown model, a context overflow):
@@ -195,9 +198,9 @@ func (s *Server) prefillStage(ctx *fasthttp.RequestCtx, st *reqState, set *disco
 			return nil, nil
 		}
 	}
-	p.decision, p.split = routing.PDPrefillFailed, false
-	if len(st.req.Tried) == 0 || st.req.Tried[len(st.req.Tried)-1].Role != discovery.RolePrefill {
-		p.decision = routing.PDNoPrefill // no prefill endpoint was usable
+	p.decision, p.split = routing.PDNoPrefill, false
+	if st.req.Tried[len(st.req.Tried)-1].Role == discovery.RolePrefill {
+		p.decision = routing.PDPrefillFailed // the last one tried failed
 	}
 	s.opt.Logger.Info("decode endpoint computes the prompt alone", zap.ByteString("request_id", ctx.Request.Header.PeekBytes(headerRequestID)),
 		zap.String("cause", p.decision))
@@ -205,15 +208,12 @@ func (s *Server) prefillStage(ctx *fasthttp.RequestCtx, st *reqState, set *disco
 	return nil, nil
 }
 
-// pickPrefill picks a prefill endpoint (the policy, over the prefill pool)
-// and counts it as tried.
+// pickPrefill picks a prefill endpoint (the policy, over the prefill pool
+// without those that failed this request).
 func (s *Server) pickPrefill(st *reqState, set *discovery.Set) routing.Decision {
 	st.req.Prefill = true
 	d := s.opt.Picker.Pick(&st.req, set)
 	st.req.Prefill = false
-	if d.Endpoint != nil {
-		st.req.Tried = append(st.req.Tried, d.Endpoint)
-	}
 	return d
 }
 

@@ -314,6 +314,12 @@ func NewRouter(cfg Config, logger *zap.Logger) (*Router, error) {
 					return r.Prefix.Params()
 				}
 				return cfg.Prefix
+			}, BlockTokens: func() int {
+				bpt := 4.0
+				if r.Prefix != nil {
+					bpt = r.Prefix.BytesPerToken()
+				}
+				return int(float64(cfg.PrefixBlockBytes) / bpt)
 			}}}}
 	if r.Prefix != nil {
 		opt.Learner = r.Prefix

@@ -41,12 +41,16 @@ const (
 // less than one token's time, while a prefill leg adds a second hop and a
 // KV transfer to the request's own first token; a longer one stalls every
 // stream on the endpoint by more than a token, which a prefill pool
-// avoids.
+// avoids. It is never below one index block (BlockTokens): the index
+// cannot tell a prompt's last, partial block from cached, so a repeated
+// prompt must not look uncached by it.
 type PDDecider struct {
 	MinUncachedTokens int
 	// Params returns the cost model's current priors and pins (the prefix
 	// policy's parameters).
 	Params func() PrefixParams
+	// BlockTokens returns the tokens of one index block (nil: no floor).
+	BlockTokens func() int
 }
 
 // Threshold returns the uncached tokens from which a request on decode
@@ -57,7 +61,11 @@ func (p *PDDecider) Threshold(e *discovery.Endpoint) int {
 	}
 	prm := p.Params()
 	r := prm.ratesOf(e.Costs(), prm.pins())
-	return max(1, int(math.Round(r.prefill*r.decode)))
+	t := max(1, int(math.Round(r.prefill*r.decode)))
+	if p.BlockTokens != nil {
+		t = max(t, p.BlockTokens())
+	}
+	return t
 }
 
 // Split reports whether a request decided as d (on a decode endpoint) is

@@ -4,7 +4,7 @@ BIN      ?= bin
 IMAGE    ?= kvroute:dev
 PKGS     := ./...
 
-.PHONY: all build test vet fmt-check bench run docker clean demo bench-e2e fuzz soak
+.PHONY: all build test vet fmt-check bench run docker clean demo bench-e2e bench-pd fuzz soak
 
 all: build
 
@@ -70,6 +70,15 @@ demo: build
 TRACE ?= ../shared/traces/conversation_trace.jsonl
 bench-e2e: build
 	./$(BIN)/kvbench --scenario all,matrix $(if $(wildcard $(TRACE)),--trace $(TRACE))
+
+# Prefill/decode disaggregation (issue #13): the same 8 simulated pods laid
+# out aggregated (8 mixed) and disaggregated (4P+4D, 2P+6D, and 4P+4D with
+# a prefill leg for every request) behind kvroute's prefix policy, on long
+# prompts with short answers, short prompts with long answers, and
+# shared-prefix (selective against always-PD). Results under
+# bench/results/pd-*/. About 15 minutes on two cores.
+bench-pd: build
+	./$(BIN)/kvbench --scenario pd-long-prompt,pd-long-output,pd-selective
 
 # Soak (issue #12): SOAK_DURATION of mixed traffic (shared-prefix,
 # multi-turn, random; streaming or not; some abandoned by the client) with

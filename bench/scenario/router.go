@@ -38,6 +38,10 @@ type Policy struct {
 	// policy after the benchmark's defaults (e.g. a peer's own engine
 	// metrics refresh).
 	Configure func(*proxy.Config)
+	// PrefillShare > 0 lays the fleet out disaggregated: that share of
+	// the pods (rounded, at least one, and one decode pod left) serve
+	// prefill, the rest decode (PDLayouts).
+	PrefillShare float64
 }
 
 // router returns the name of p in the router's policy table.
@@ -156,6 +160,10 @@ func SelectPolicies(names []string) ([]Policy, error) {
 	if len(names) == 0 {
 		return all, nil
 	}
+	all = append(all, PDLayouts()...)
+	if len(names) == 0 {
+		return all, nil
+	}
 	want := make(map[string]bool, len(names))
 	for _, n := range names {
 		want[n] = true
@@ -184,6 +192,9 @@ func SelectPolicies(names []string) ([]Policy, error) {
 func routerConfig(p Policy, backends []string, engines []sim.Config) proxy.Config {
 	cfg := proxy.DefaultConfig()
 	cfg.Backends, cfg.Policy, cfg.Policies = backends, p.router(), policyTable(engines)
+	if n := p.prefillPods(len(backends)); n > 0 {
+		cfg.Backends, cfg.PrefillBackends, cfg.DecodeBackends = nil, backends[:n], backends[n:]
+	}
 	cfg.Intn = seededIntn(policySeed)
 	cfg.AccessLog = false
 	cfg.Prefix, _ = PrefixParams() // checked by kvbench at start-up

@@ -217,6 +217,7 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 	if err != nil {
 		return nil, nil, err
 	}
+	p.layOut(cfgs)
 	fleet, err := sim.StartFleetOf(cfgs...)
 	if err != nil {
 		return nil, nil, err

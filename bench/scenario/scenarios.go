@@ -59,12 +59,15 @@ func Names() []string {
 	return []string{SharedPrefix, MultiTurn, Random, HotPrefix, Trace, Overhead}
 }
 
-// Lookup returns the policy comparison called name for p: one of Builtin(p)
-// or the demo. It reports false for overhead (see RunOverhead), for the
+// Lookup returns the policy comparison called name for p: one of Builtin(p),
+// the demo or a PD scenario (PDNames). It reports false for overhead (see RunOverhead), for the
 // trace scenario without a trace, and for unknown names.
 func Lookup(p Preset, name string) (Scenario, bool) {
 	if name == Demo {
 		return fit(p, demo(p)), true
+	}
+	if sc, ok := pdScenario(p, name); ok {
+		return fit(p, sc), true
 	}
 	for _, sc := range Builtin(p) {
 		if sc.Name == name {

@@ -102,7 +102,8 @@ func newFlags(o *options) *proxy.Flags {
 	sc, tgt, wl, ld, out := g("Scenarios (simulated fleet behind an in-process kvroute)"), g("Target (direct mode)"),
 		g("Workload (direct mode; lengths in tokens)"), g("Load (direct mode)"), g("Output and misc")
 
-	sc.StringSliceVar(&o.scenarios, "scenario", nil, "scenarios to run: "+strings.Join(scenario.Names(), ", ")+", all of them, demo (a short shared-prefix run of four policies), or matrix ("+
+	sc.StringSliceVar(&o.scenarios, "scenario", nil, "scenarios to run: "+strings.Join(scenario.Names(), ", ")+", all of them, demo (a short shared-prefix run of four policies), "+
+		strings.Join(scenario.PDNames(), ", ")+" (aggregated vs disaggregated fleets), or matrix ("+
 		strings.Join(scenario.MatrixScenarios(), ", ")+" on every profile, one table); default shared-prefix without --base-url")
 	sc.StringSliceVar(&o.profiles, "profile", nil, "engine profiles to run the scenarios on: "+strings.Join(sim.ProfileNames(), ", ")+
 		" (default "+sim.DefaultProfile+"; the matrix's: "+strings.Join(scenario.MatrixProfiles(), ", ")+"); loads are fitted to each; results of "+

@@ -35,7 +35,7 @@ func newPlan(o *options) (*plan, error) {
 	if len(req) == 0 {
 		req = []string{scenario.SharedPrefix}
 	}
-	known := append(scenario.Names(), scenario.Demo)
+	known := append(append(scenario.Names(), scenario.Demo), scenario.PDNames()...)
 	for _, n := range req {
 		switch {
 		case n == "all":
@@ -45,8 +45,8 @@ func newPlan(o *options) (*plan, error) {
 		case slices.Contains(known, n):
 			pl.names = append(pl.names, n)
 		default:
-			return nil, fmt.Errorf("unknown scenario %q (want %s, all, %s or %s)",
-				n, strings.Join(scenario.Names(), ", "), scenario.Demo, scenario.Matrix)
+			return nil, fmt.Errorf("unknown scenario %q (want %s, all, %s, %s or %s)",
+				n, strings.Join(scenario.Names(), ", "), strings.Join(scenario.PDNames(), ", "), scenario.Demo, scenario.Matrix)
 		}
 	}
 	pl.names = unique(pl.names)

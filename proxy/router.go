@@ -168,10 +168,10 @@ func (c *Config) Validate() error {
 	mixed, prefill, decode := len(c.Backends) > 0 || c.Service != "", len(c.PrefillBackends) > 0 || c.PrefillService != "",
 		len(c.DecodeBackends) > 0 || c.DecodeService != ""
 	switch {
-	case !mixed && !decode:
-		bad("no backends: set --service (a headless Service) or --backends (e.g. --backends http://10.0.0.7:8000,http://10.0.0.8:8000), or a decode pool (--decode-service or --decode-backends) with a prefill pool")
 	case prefill && !decode:
 		bad("a prefill pool needs a decode pool (--decode-service or --decode-backends) to hand its KV to")
+	case !mixed && !decode:
+		bad("no backends: set --service (a headless Service) or --backends (e.g. --backends http://10.0.0.7:8000,http://10.0.0.8:8000), or a decode pool (--decode-service or --decode-backends) with a prefill pool")
 	case decode && !prefill && c.PDProtocol == ProtocolSGLang:
 		bad("--pd-protocol sglang: a decode pool needs a prefill pool (--prefill-service or --prefill-backends); an SGLang decode engine cannot compute a prompt alone")
 	}

@@ -159,3 +159,82 @@ func TestBenchBodiesAreTheAdvertisedSize(t *testing.T) {
 		}
 	}
 }
+
+// prefillAnswer is an instant prefill pod's answer: vLLM's, with a
+// NixlConnector reference.
+const prefillAnswer = `{"id":"cmpl-0","object":"text_completion","created":1748736946,"model":"m","choices":[{"index":0,"text":" a","logprobs":null,"finish_reason":"length","stop_reason":null}],"usage":{"prompt_tokens":256,"total_tokens":257,"completion_tokens":1,"prompt_tokens_details":null},"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16]],"remote_engine_id":"f2e8e2e0-e662-4568-a07b-c05a1e5e4ee5","remote_request_id":"cmpl-0-0","remote_host":"10.0.0.9","remote_port":5557,"tp_size":1}}`
+
+// BenchmarkPDHop measures, in one run, the same request through kvroute
+// to an instant decode pod alone (aggregated) and with a prefill leg to an
+// instant prefill pod first (the vLLM protocol: the prefill body rewritten,
+// the reference read and spliced into the decode body), one at a time,
+// alternating; it reports what disaggregation adds: the second hop and the
+// JSON work.
+func BenchmarkPDHop(b *testing.B) {
+	for _, size := range []struct {
+		name string
+		path string
+		body []byte
+	}{
+		{"completion-1KiB", "/v1/completions", completionBody(1 << 10)},
+		{"chat-128KiB", "/v1/chat/completions", chatBody(128 << 10)},
+	} {
+		b.Run(size.name, func(b *testing.B) {
+			decode := instantBackend(b)
+			pln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				b.Fatal(err)
+			}
+			ps := &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
+				ctx.SetContentType("application/json")
+				ctx.SetBodyString(prefillAnswer)
+			}}
+			go func() { _ = ps.Serve(pln) }()
+			b.Cleanup(func() { _ = ps.Shutdown() })
+			agg := startPD(b, Options{}, pdPools{mixed: []string{decode}})
+			pd := startPD(b, Options{PD: PDOptions{Decider: routing.PDDecider{MinUncachedTokens: 1}}},
+				pdPools{prefill: []string{"http://" + pln.Addr().String()}, decode: []string{decode}})
+			clients := []*fasthttp.HostClient{
+				{Addr: strings.TrimPrefix(agg.url, "http://"), MaxConns: 1},
+				{Addr: strings.TrimPrefix(pd.url, "http://"), MaxConns: 1},
+			}
+			req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
+			req.Header.SetMethod("POST")
+			req.Header.SetContentType("application/json")
+			req.SetRequestURI(size.path)
+			req.SetHost("kvroute.test")
+			req.SetBody(size.body)
+			do := func(c *fasthttp.HostClient) time.Duration {
+				t0 := time.Now()
+				if err := c.Do(req, resp); err != nil || resp.StatusCode() != 200 {
+					b.Fatalf("%v %d %s", err, resp.StatusCode(), resp.Body())
+				}
+				return time.Since(t0)
+			}
+			for i := 0; i < 200; i++ {
+				do(clients[0])
+				do(clients[1])
+			}
+			a := make([]time.Duration, 0, b.N)
+			p := make([]time.Duration, 0, b.N)
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				a = append(a, do(clients[0]))
+				p = append(p, do(clients[1]))
+			}
+			b.StopTimer()
+			slices.Sort(a)
+			slices.Sort(p)
+			pct := func(x []time.Duration, q float64) float64 {
+				return float64(x[int(q*float64(len(x)-1))].Nanoseconds()) / 1e3
+			}
+			if n := pdDecisions(b, pd, routing.PDSplit); int(n) != b.N+200 {
+				b.Fatalf("%v of %d requests disaggregated", n, b.N+200)
+			}
+			b.ReportMetric(pct(a, 0.5), "aggregated-p50-µs")
+			b.ReportMetric(pct(p, 0.5), "pd-p50-µs")
+			b.ReportMetric(pct(p, 0.5)-pct(a, 0.5), "pd-added-p50-µs")
+			b.ReportMetric(pct(p, 0.99)-pct(a, 0.99), "pd-added-p99-µs")
+		})
+	}
+}

@@ -701,3 +701,57 @@ func TestPDSGLangFailedPrefillFailsTheRequest(t *testing.T) {
 		t.Errorf("legs: prefill %v, decode %v", pb, db)
 	}
 }
+
+// decodeFirst picks untried decode endpoints before mixed ones, and
+// prefill endpoints in order.
+type decodeFirst struct{}
+
+func (decodeFirst) Pick(r *routing.Request, set *discovery.Set) routing.Decision {
+	groups := [][]*discovery.Endpoint{set.Decode, set.Mixed}
+	if r.Prefill {
+		groups = [][]*discovery.Endpoint{set.Prefill}
+	}
+	for _, g := range groups {
+		for _, e := range g {
+			if !slices.Contains(r.Tried, e) {
+				return routing.Decision{Endpoint: e, Reason: "fixed", Prefill: r.PromptTokens}
+			}
+		}
+	}
+	return routing.Decision{}
+}
+
+// TestPDRetryOnAMixedPodSendsTheClientsBody: after a failed decode leg, a
+// mixed pod gets the client's own body, and the unused reference is
+// counted as stranded.
+func TestPDRetryOnAMixedPodSendsTheClientsBody(t *testing.T) {
+	pre := newRecorder(t, answerWith(200, wirePrefill(t)))
+	dec := newRecorder(t, answerWith(500, `{"error":{"message":"decode failed"}}`))
+	mixed := newRecorder(t, answerWith(200, `{"id":"m","choices":[{"text":"mixed"}]}`))
+	pool := &discovery.Pool{}
+	var eps []*discovery.Endpoint
+	for _, u := range []struct {
+		url  string
+		role discovery.Role
+	}{{pre.srv.URL, discovery.RolePrefill}, {dec.srv.URL, discovery.RoleDecode}, {mixed.srv.URL, discovery.RoleMixed}} {
+		ep, _ := discovery.NewEndpoint(u.url, u.role)
+		eps = append(eps, ep)
+	}
+	pool.Publish(eps)
+	reg := prometheus.NewRegistry()
+	srv := New(Options{Picker: decodeFirst{}, Pool: pool, Metrics: metrics.New(reg, Classes, nil), Logger: zap.NewNop(),
+		Limits: Limits{Retries: 2, MaxBodyBytes: 1 << 20},
+		PD:     PDOptions{Protocol: ProtocolVLLM, Decider: routing.PDDecider{MinUncachedTokens: 1}}})
+	url := serveLoopback(t, srv)
+	resp := post(t, url+"/v1/completions", `{"model":"m","prompt":"`+promptWords("m", 300)+`"}`)
+	if b := readAll(t, resp); resp.StatusCode != 200 || !strings.Contains(b, "mixed") {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	mb, _ := mixed.got()
+	if db, _ := dec.got(); len(db) != 1 || db[0]["kv_transfer_params"] == nil || len(mb) != 1 || mb[0]["kv_transfer_params"] != nil {
+		t.Errorf("decode got %v; mixed got %v", db, mb)
+	}
+	if n := counterValue(t, reg, "kvroute_pd_stranded_prefills_total", map[string]string{"cause": "superseded"}); n != 1 {
+		t.Errorf("superseded references %v, want 1", n)
+	}
+}

@@ -369,6 +369,7 @@ loop:
 		s.opt.Metrics.Decision(d.Reason, d.PromptTokens, d.PromptTokens-d.Prefill)
 		st.req.Tried = append(st.req.Tried, ep)
 		pd := &st.pd
+		pd.split = false
 		split := ep.Role == discovery.RoleDecode && s.planPD(st, d)
 		own := d.Prefill
 		if split {
@@ -386,6 +387,9 @@ loop:
 				s.opt.Metrics.PDDecision(pd.decision)
 				return ans, pd.prefill, nil
 			}
+		}
+		if !split && len(pd.orig) > 0 {
+			ctx.Request.SetBody(pd.orig) // an earlier attempt's leg body
 		}
 		if ep.Role == discovery.RoleDecode {
 			s.opt.Metrics.PDDecision(pd.decision)
@@ -415,7 +419,7 @@ loop:
 				leg.decodeEnd(false)
 				st.lease.Release()
 				if ans != nil {
-					pd.leg = nil
+					pd.leg, pd.sent = nil, time.Time{}
 					return ans, pd.prefill, nil
 				}
 				lastErr = lerr
@@ -432,6 +436,11 @@ loop:
 					ep.ReportSuccess()
 				}
 				st.att = a
+				if pd.split {
+					s.strand(st, "decode_failed") // unless this leg took it
+				} else {
+					s.strand(st, "superseded")
+				}
 				return resp, d, nil
 			}
 			s.discard(resp, a)

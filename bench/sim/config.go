@@ -1,8 +1,9 @@
 // Package sim is a simulated vLLM engine: it speaks vLLM's OpenAI-compatible
-// wire protocol (completions, chat, SSE streaming, /metrics, /tokenize,
-// NixlConnector prefill/decode handoff) and behaves like one GPU-bound engine
-// in time (continuous batching, a chained-hash prefix cache with LRU eviction,
-// a memory-bandwidth decode model), by default Llama-3.1-8B on one H100 and
+// wire protocol (completions, chat, SSE streaming, /metrics, /tokenize, and
+// the prefill/decode handoff of vLLM's NixlConnector and of SGLang's
+// bootstrap rooms) and behaves like one GPU-bound engine in time
+// (continuous batching, a chained-hash prefix cache with LRU eviction, a
+// memory-bandwidth decode model), by default Llama-3.1-8B on one H100 and
 // otherwise one of the named engine profiles (Profiles). Tests, benchmarks
 // and the demo run many cheap pods of it in one process; see New,
 // StartFleet and bench/cmd/kvsim.
@@ -21,21 +22,28 @@ var ErrConfig = errors.New("sim: invalid config")
 // ErrClosed is returned by Serve after Close.
 var ErrClosed = errors.New("sim: pod closed")
 
-// Role is what a pod does in prefill/decode disaggregation (vLLM NixlConnector
-// semantics: docs.vllm.ai "NixlConnector Usage Guide" and vLLM's
-// tests/v1/kv_connector/nixl_integration/toy_proxy_server.py).
+// Role is what a pod does in prefill/decode disaggregation, under either
+// protocol the simulator speaks (pd.go and bootstrap.go): vLLM's
+// NixlConnector (docs.vllm.ai "NixlConnector Usage Guide" and vLLM's
+// tests/v1/kv_connector/nixl_integration/toy_proxy_server.py) and SGLang's
+// bootstrap rooms (SGLang's PD router, sgl-model-gateway).
 type Role string
 
 const (
 	// RoleMixed serves whole requests and honours both do_remote_decode
 	// (acts as a prefill pod) and do_remote_prefill (acts as a decode pod),
-	// like vLLM with kv_role "kv_both".
+	// like vLLM with kv_role "kv_both". It ignores the bootstrap fields, like
+	// SGLang without --disaggregation-mode: both SGLang legs carry the same
+	// body, so only the server's role tells them apart.
 	RoleMixed Role = "mixed"
 	// RolePrefill honours do_remote_decode: it prefills, holds the KV blocks
-	// and returns a kv_transfer_params reference. do_remote_prefill is ignored.
+	// and returns a kv_transfer_params reference; and bootstrap_room: it
+	// prefills and holds the KV blocks for the decode pod that pulls the
+	// room from its bootstrap server. do_remote_prefill is ignored.
 	RolePrefill Role = "prefill"
-	// RoleDecode honours do_remote_prefill: it pulls the KV blocks named by
-	// the reference instead of computing the prefill. do_remote_decode is ignored.
+	// RoleDecode honours do_remote_prefill and bootstrap_room: it pulls the
+	// KV blocks named by the reference or the room instead of computing the
+	// prefill. do_remote_decode is ignored.
 	RoleDecode Role = "decode"
 )
 
@@ -141,6 +149,17 @@ type Config struct {
 	// SideChannelHost is the address the KV side channel listens on and
 	// advertises as remote_host; default 127.0.0.1.
 	SideChannelHost string
+	// SideChannelPort is the port of the KV side channel, which is also the
+	// SGLang bootstrap server (SGLang's default is 8998); default 0, a free
+	// port picked at New (see Pod.SideChannelAddr). Pods that share a
+	// SideChannelHost need distinct ports.
+	SideChannelPort int
+	// BootstrapWaitTimeout is how long the bootstrap server of a prefill
+	// pod waits for a room that no prefill request has opened yet (the two
+	// legs of the SGLang protocol race) before it answers 404; it is also
+	// how long a closed room is remembered. Wall time (the legs' race is the
+	// network's, not the GPU's); default 30 s.
+	BootstrapWaitTimeout time.Duration
 	// TPSize is reported as tp_size in kv_transfer_params; default 1.
 	TPSize int
 
@@ -218,6 +237,7 @@ func (c *Config) fill() {
 	setD(&c.KVTransferLatency, time.Millisecond)
 	setD(&c.KVHoldTimeout, 480*time.Second)
 	setStr(&c.SideChannelHost, "127.0.0.1")
+	setD(&c.BootstrapWaitTimeout, 30*time.Second)
 	setInt(&c.TPSize, 1)
 	if c.Faults.ErrorStatus == 0 {
 		c.Faults.ErrorStatus = 500
@@ -256,8 +276,11 @@ func (c *Config) Validate() error {
 		return bad("stream interval %d < 1", c.StreamInterval)
 	case c.MaxBodyBytes < 1:
 		return bad("max body bytes %d < 1", c.MaxBodyBytes)
-	case c.StepOverhead < 0 || c.PrefillStepOverhead < 0 || c.KVTransferLatency < 0 || c.KVHoldTimeout < 0:
+	case c.StepOverhead < 0 || c.PrefillStepOverhead < 0 || c.KVTransferLatency < 0 || c.KVHoldTimeout < 0 ||
+		c.BootstrapWaitTimeout < 0:
 		return bad("durations must not be negative")
+	case c.SideChannelPort < 0 || c.SideChannelPort > 65535:
+		return bad("side channel port %d outside [0, 65535]", c.SideChannelPort)
 	case c.WeightBytes < 0 || c.KVBytesPerToken < 0:
 		return bad("byte sizes must not be negative")
 	case c.MemBandwidth <= 0 || c.PrefillTokensPerSec <= 0 || c.KVTransferBandwidth <= 0:

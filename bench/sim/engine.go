@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"context"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -21,12 +22,31 @@ type request struct {
 	created      int64 // unix seconds
 	seqs         []*seq
 
-	wake      chan struct{} // capacity 1; signalled on progress
-	cancelled atomic.Bool   // the client went away; the engine aborts
+	wake      chan struct{}      // capacity 1; signalled on progress
+	cancelled atomic.Bool        // the client went away; the engine aborts
+	ctx       context.Context    // done once cancelled; stops the request's KV pulls
+	stop      context.CancelFunc // cancels ctx
 
 	mu       sync.Mutex
 	doneSeqs int     // guarded by mu
 	kv       *kvHold // guarded by mu: the prefill hold, once finished
+}
+
+// newRequest returns a request with its wake channel and context.
+func newRequest() *request {
+	r := &request{wake: make(chan struct{}, 1)}
+	r.ctx, r.stop = context.WithCancel(context.Background())
+	return r
+}
+
+// cancel marks the request as abandoned by its client and reports whether
+// this call did (the first one). Safe for concurrent use.
+func (r *request) cancel() bool {
+	if r.cancelled.Swap(true) {
+		return false
+	}
+	r.stop()
+	return true
 }
 
 // seqPub is what the engine publishes about a sequence (guarded by req.mu).
@@ -54,7 +74,8 @@ type seq struct {
 	ignoreEOS bool
 	seed      uint64 // output text and EOS draws
 	root      uint64 // parent hash of block 0 (cache_salt)
-	remote    *kvRef // do_remote_prefill reference, or nil
+	remote    *kvRef // where to pull the prompt's KV from (decode role), or nil
+	room      *room  // the bootstrap room to hold the KV for (prefill role), or nil
 
 	// Engine goroutine only.
 	state       seqState
@@ -85,7 +106,8 @@ func (s *seq) tokenAt(i int, vocab uint32) uint32 {
 // kvHold is KV a prefill pod keeps for a remote decode pod. Guarded by
 // engine.mu once published in engine.holds.
 type kvHold struct {
-	id       string // remote_request_id
+	id       string // remote_request_id; "" for a room's hold
+	room     *room  // the bootstrap room that holds it, or nil
 	blocks   []int32
 	tokens   int
 	deadline time.Time // wall
@@ -127,14 +149,18 @@ type engine struct {
 	done      <-chan struct{}
 	vocab     uint32
 	// startPull starts a tracked goroutine that pulls s's KV and posts
-	// evLoaded, not before the wall time ready (the modelled transfer end).
-	startPull func(s *seq, ready time.Time)
+	// evLoaded, not before the wall time ready (the modelled transfer end)
+	// nor, for a pull that waits for a concurrent prefill, before transfer
+	// (wall) after the prefill pod answered.
+	startPull func(s *seq, ready time.Time, transfer time.Duration)
 
-	mu        sync.Mutex
-	inbox     []event
-	holds     map[string]*kvHold
-	holdCount uint64
-	wake      chan struct{}
+	mu          sync.Mutex
+	inbox       []event
+	holds       map[string]*kvHold
+	holdCount   uint64
+	rooms       map[uint64]*room // bootstrap rooms (bootstrap.go)
+	closedRooms []*room          // closed rooms, FIFO by expiry
+	wake        chan struct{}
 
 	cache     *blockCache
 	hash      hasher
@@ -160,7 +186,7 @@ func newEngine(cfg *Config, start time.Time, done <-chan struct{}) *engine {
 	t.Stop()
 	return &engine{
 		cfg: cfg, scale: cfg.TimeScale, startWall: start, done: done,
-		vocab: uint32(cfg.VocabSize), holds: make(map[string]*kvHold),
+		vocab: uint32(cfg.VocabSize), holds: make(map[string]*kvHold), rooms: make(map[uint64]*room),
 		wake: make(chan struct{}, 1), cache: newBlockCache(cfg.NumGPUBlocks), timer: t,
 		toks: make([]uint32, cfg.BlockSize),
 	}
@@ -351,7 +377,11 @@ func (e *engine) sweepHolds(now time.Time) {
 			break
 		}
 		h.done = true
-		delete(e.holds, h.id)
+		if h.room != nil {
+			e.closeRoom(h.room, now, roomExpired)
+		} else {
+			delete(e.holds, h.id)
+		}
 		e.cache.releaseAll(h.blocks)
 		e.nHeld.Add(-int64(len(h.blocks)))
 		e.m.kvExpired.Inc()
@@ -431,8 +461,8 @@ func (e *engine) schedule() (prefill, ctxTokens int) {
 			e.popWaiting()
 			s.state = stLoading
 			e.loading++
-			ready := e.modelNow + e.cfg.TransferCost(len(s.prompt)-1-s.numComputed)
-			e.startPull(s, e.wallOf(ready))
+			cost := e.cfg.TransferCost(len(s.prompt) - 1 - s.numComputed)
+			e.startPull(s, e.wallOf(e.modelNow+cost), time.Duration(float64(cost)/e.scale))
 			continue
 		}
 		n := min(s.numTokens()-s.numComputed, budget)
@@ -608,7 +638,8 @@ func (e *engine) apply(end time.Duration) (decodes int) {
 }
 
 // finish ends a sequence: its blocks are freed, or held for a remote decode
-// pod when this is a prefill leg that stopped on its length limit.
+// pod when this is a prefill leg that stopped on its length limit. A
+// bootstrap room whose prefill ends any other way closes.
 func (e *engine) finish(s *seq, reason string, end time.Duration) {
 	s.state, s.reason = stDone, reason
 	e.m.success(reason).Inc()
@@ -616,12 +647,21 @@ func (e *engine) finish(s *seq, reason string, end time.Duration) {
 		e.m.e2e.Observe((end - s.arrival).Seconds())
 	}
 	r := s.req
-	if r.holdKV && s.index == 0 && reason == "length" && len(s.blocks) > 0 {
-		h := &kvHold{
-			blocks:   s.blocks,
-			tokens:   len(s.prompt),
-			deadline: e.wallOf(end + e.cfg.KVHoldTimeout),
-		}
+	held := reason == "length" && len(s.blocks) > 0
+	switch {
+	case s.room != nil && held:
+		h := e.hold(s, end)
+		e.mu.Lock()
+		h.room = s.room
+		e.readyRoom(s.room, h)
+		e.mu.Unlock()
+	case s.room != nil:
+		e.cache.releaseAll(s.blocks)
+		e.mu.Lock()
+		e.closeRoom(s.room, time.Now(), roomAborted)
+		e.mu.Unlock()
+	case r.holdKV && s.index == 0 && held:
+		h := e.hold(s, end)
 		e.mu.Lock()
 		h.id = r.id + "-0"
 		if _, taken := e.holds[h.id]; taken {
@@ -630,15 +670,26 @@ func (e *engine) finish(s *seq, reason string, end time.Duration) {
 		}
 		e.holds[h.id] = h
 		e.mu.Unlock()
-		e.holdQueue = append(e.holdQueue, h)
-		e.nHeld.Add(int64(len(h.blocks)))
 		r.mu.Lock()
 		r.kv = h
 		r.mu.Unlock()
-	} else {
+	default:
 		e.cache.releaseAll(s.blocks)
 	}
 	s.blocks = nil
+}
+
+// hold makes a hold of s's blocks, which a prefill step ending at end
+// computed, and queues it for expiry; the caller publishes it.
+func (e *engine) hold(s *seq, end time.Duration) *kvHold {
+	h := &kvHold{
+		blocks:   s.blocks,
+		tokens:   len(s.prompt),
+		deadline: e.wallOf(end + e.cfg.KVHoldTimeout),
+	}
+	e.holdQueue = append(e.holdQueue, h)
+	e.nHeld.Add(int64(len(h.blocks)))
+	return h
 }
 
 // publish copies s's progress to the HTTP side and wakes it.

@@ -37,6 +37,8 @@ func (c *Config) BindFlags(fs *pflag.FlagSet) {
 	fs.DurationVar(&c.KVTransferLatency, "kv-transfer-latency", c.KVTransferLatency, "modelled fixed cost of one KV pull")
 	fs.DurationVar(&c.KVHoldTimeout, "kv-hold-timeout", c.KVHoldTimeout, "modelled time a prefill pod holds unpulled KV")
 	fs.StringVar(&c.SideChannelHost, "side-channel-host", c.SideChannelHost, "address of the KV side channel (remote_host)")
+	fs.IntVar(&c.SideChannelPort, "side-channel-port", c.SideChannelPort, "port of the KV side channel and SGLang bootstrap server (SGLang: 8998; 0: a free port)")
+	fs.DurationVar(&c.BootstrapWaitTimeout, "bootstrap-wait-timeout", c.BootstrapWaitTimeout, "how long a prefill pod's bootstrap server waits for an unknown room (wall time)")
 	fs.IntVar(&c.TPSize, "tp-size", c.TPSize, "tp_size reported in kv_transfer_params")
 
 	fs.Float64Var(&c.Faults.ErrorRate, "fault-error-rate", c.Faults.ErrorRate, "fraction of inference requests failed with --fault-error-status")

@@ -18,6 +18,9 @@ func FuzzParseRequest(f *testing.F) {
 		`{"messages":[{"role":"user","content":[{"type":"text","text":"x"},{"type":"image_url"}]}],"tools":[{"type":"function"}]}`,
 		`{"prompt":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_host":"127.0.0.1","remote_port":1,"remote_request_id":"r","remote_block_ids":[[1]]}}`,
 		`{"prompt":"x","kv_transfer_params":{"do_remote_decode":true}}`,
+		`{"prompt":"x","bootstrap_host":"127.0.0.1","bootstrap_port":8998,"bootstrap_room":9223372036854775807}`,
+		`{"prompt":["a","b"],"bootstrap_host":["h","h"],"bootstrap_port":[1,2],"bootstrap_room":[0,18446744073709551615]}`,
+		`{"prompt":["a","b"],"bootstrap_host":"h","bootstrap_port":1,"bootstrap_room":[1]}`,
 		`{"prompt":[]}`, `[]`, `{"prompt":[-1]}`, `{"max_tokens":1e99,"prompt":"x"}`, `{`,
 	}
 	for _, s := range seeds {
@@ -52,6 +55,17 @@ func FuzzParseRequest(f *testing.F) {
 		}
 		if r.ref != nil && (r.ref.host == "" || r.ref.port <= 0 || r.ref.requestID == "") {
 			t.Fatalf("malformed reference accepted: %+v", r.ref)
+		}
+		if b := r.boot; b != nil {
+			np := len(r.prompts)
+			if r.n != 1 || len(b.hosts) != np || len(b.ports) != np || len(b.rooms) != np || r.remoteDecode || r.remotePrefill {
+				t.Fatalf("inconsistent bootstrap fields accepted: %+v for %d prompts", b, np)
+			}
+			for i := range np {
+				if b.hosts[i] == "" || b.ports[i] < 1 || b.ports[i] > 65535 {
+					t.Fatalf("bad bootstrap element %d accepted: %+v", i, b)
+				}
+			}
 		}
 	})
 }

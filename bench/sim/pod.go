@@ -20,7 +20,8 @@ import (
 )
 
 // Pod is one simulated vLLM server: an HTTP front end (fasthttp), one engine
-// loop goroutine, a KV side-channel listener and its own Prometheus registry.
+// loop goroutine, a KV side-channel listener (vLLM's NIXL side channel and
+// SGLang's bootstrap server in one) and its own Prometheus registry.
 // Create it with New, run it with Serve, stop it with Close. Methods are
 // safe for concurrent use.
 type Pod struct {
@@ -68,7 +69,7 @@ func New(cfg Config) (*Pod, error) {
 	if p.engineID == "" {
 		p.engineID = uuidLike(cfg.Seed ^ uint64(start.UnixNano()))
 	}
-	ln, err := net.Listen("tcp", net.JoinHostPort(cfg.SideChannelHost, "0"))
+	ln, err := net.Listen("tcp", net.JoinHostPort(cfg.SideChannelHost, strconv.Itoa(cfg.SideChannelPort)))
 	if err != nil {
 		cancel()
 		return nil, fmt.Errorf("sim: KV side channel: %w", err)
@@ -173,7 +174,8 @@ func (p *Pod) EngineID() string { return p.engineID }
 // StartTime returns the pod's start time (process_start_time_seconds).
 func (p *Pod) StartTime() time.Time { return p.start }
 
-// SideChannelAddr returns host:port of the KV side channel.
+// SideChannelAddr returns host:port of the KV side channel, which is also
+// the SGLang bootstrap server (bootstrap_port is its port).
 func (p *Pod) SideChannelAddr() string { return p.sideLn.Addr().String() }
 
 // Registry returns the pod's own Prometheus registry (served at /metrics).
@@ -308,6 +310,12 @@ func (p *Pod) infer(ctx *fasthttp.RequestCtx, chat bool) {
 	parser := p.parsers.Get()
 	ar, aerr := parseRequest(parser, ctx.PostBody(), chat, uint32(p.cfg.VocabSize))
 	p.parsers.Put(parser)
+	var rooms []*room
+	if aerr == nil && ar.boot != nil && p.cfg.Role == RolePrefill {
+		// Open the rooms first: the decode pod's pull may come at any time,
+		// and it learns at once if this request fails.
+		rooms, aerr = p.openRooms(ar.boot.rooms)
+	}
 	if aerr == nil && ar.model != "" && ar.model != p.cfg.Model {
 		aerr = &apiError{404, "NotFoundError", fmt.Sprintf("The model `%s` does not exist.", ar.model)}
 	}
@@ -315,67 +323,15 @@ func (p *Pod) infer(ctx *fasthttp.RequestCtx, chat bool) {
 	if aerr == nil {
 		maxTokens, aerr = p.limits(ar, chat)
 	}
+	if aerr == nil {
+		aerr = p.injectFaults()
+	}
 	if aerr != nil {
+		p.eng.failRooms(rooms)
 		writeError(ctx, aerr)
 		return
 	}
-	status, stall, until := p.faults.draw()
-	if status != 0 {
-		writeError(ctx, &apiError{status, errorType(status), "Simulated failure (fault injection)."})
-		return
-	}
-	if stall > 0 || until != nil {
-		var timeout <-chan time.Time
-		if stall > 0 {
-			t := time.NewTimer(stall)
-			defer t.Stop()
-			timeout = t.C
-		}
-		p.stalled.Add(1)
-		select {
-		case <-timeout:
-		case <-until:
-		case <-p.done:
-			p.stalled.Add(-1)
-			writeError(ctx, &apiError{503, "ServiceUnavailableError", "The engine is shutting down."})
-			return
-		}
-		p.stalled.Add(-1)
-	}
-
-	base := string(ctx.Request.Header.Peek("X-Request-Id"))
-	if base == "" {
-		n := p.ids.Add(1)
-		base = fmt.Sprintf("%016x%016x", splitmix(p.cfg.Seed), splitmix(p.cfg.Seed^n)+n)
-	}
-	r := &request{
-		chat: chat, stream: ar.stream, includeUsage: ar.includeUsage,
-		model: p.cfg.Model, created: time.Now().Unix(), wake: make(chan struct{}, 1),
-	}
-	r.id = "cmpl-" + base
-	if chat {
-		r.id = "chatcmpl-" + base
-	}
-	seed := splitmix(p.cfg.Seed ^ xxh3.HashString(r.id))
-	root := rootHash(ar.salt)
-	var ref *kvRef
-	if ar.remotePrefill && p.cfg.Role.servesDecode() {
-		ref = ar.ref
-		if ref == nil {
-			p.m.kvFailed.Inc() // malformed reference: compute the prefill here
-		}
-	}
-	for i, prompt := range ar.prompts {
-		for j := range ar.n {
-			idx := i*ar.n + j
-			r.seqs = append(r.seqs, &seq{
-				req: r, index: idx, prompt: prompt, maxTokens: maxTokens[i], ignoreEOS: ar.ignoreEOS,
-				seed: splitmix(seed + uint64(idx)), root: root, remote: ref,
-			})
-		}
-	}
-	r.holdKV = ar.remoteDecode && p.cfg.Role.servesPrefill() && !ar.stream && len(r.seqs) == 1
-	ctx.Response.Header.Set("X-Request-Id", base)
+	r := p.newInferRequest(ctx, ar, chat, maxTokens, rooms)
 	p.eng.post(event{kind: evRequest, req: r})
 
 	if r.stream {
@@ -407,6 +363,94 @@ func (p *Pod) infer(ctx *fasthttp.RequestCtx, chat bool) {
 	r.mu.Unlock()
 	ctx.SetContentType("application/json")
 	ctx.SetBody(appendFull(make([]byte, 0, 512), r, pubs, kv, p))
+}
+
+// injectFaults applies the fault set to an inference request: an injected
+// error, or a stall before it reaches the engine.
+func (p *Pod) injectFaults() *apiError {
+	status, stall, until := p.faults.draw()
+	if status != 0 {
+		return &apiError{status, errorType(status), "Simulated failure (fault injection)."}
+	}
+	if stall == 0 && until == nil {
+		return nil
+	}
+	var timeout <-chan time.Time
+	if stall > 0 {
+		t := time.NewTimer(stall)
+		defer t.Stop()
+		timeout = t.C
+	}
+	p.stalled.Add(1)
+	defer p.stalled.Add(-1)
+	select {
+	case <-timeout:
+	case <-until:
+	case <-p.done:
+		return &apiError{503, "ServiceUnavailableError", "The engine is shutting down."}
+	}
+	return nil
+}
+
+// newInferRequest builds the engine request of a parsed inference body and
+// sets its X-Request-Id: one sequence per prompt and choice, each with the
+// KV reference it pulls from (decode role) or, for a bootstrap prefill, the
+// room of its prompt (rooms) and exactly one token to generate.
+func (p *Pod) newInferRequest(ctx *fasthttp.RequestCtx, ar *apiRequest, chat bool, maxTokens []int, rooms []*room) *request {
+	base := string(ctx.Request.Header.Peek("X-Request-Id"))
+	if base == "" {
+		n := p.ids.Add(1)
+		base = fmt.Sprintf("%016x%016x", splitmix(p.cfg.Seed), splitmix(p.cfg.Seed^n)+n)
+	}
+	ctx.Response.Header.Set("X-Request-Id", base)
+	r := newRequest()
+	r.chat, r.stream, r.includeUsage = chat, ar.stream, ar.includeUsage
+	r.model, r.created = p.cfg.Model, time.Now().Unix()
+	r.id = "cmpl-" + base
+	if chat {
+		r.id = "chatcmpl-" + base
+	}
+	seed := splitmix(p.cfg.Seed ^ xxh3.HashString(r.id))
+	root := rootHash(ar.salt)
+	refs := p.remoteRefs(ar)
+	for i, prompt := range ar.prompts {
+		for j := range ar.n {
+			idx := i*ar.n + j
+			s := &seq{
+				req: r, index: idx, prompt: prompt, maxTokens: maxTokens[i], ignoreEOS: ar.ignoreEOS,
+				seed: splitmix(seed + uint64(idx)), root: root, remote: refs[i],
+			}
+			if rooms != nil {
+				// An SGLang prefill server ends the request after the
+				// first token (n is 1: one sequence per prompt).
+				s.room, s.maxTokens, s.ignoreEOS = rooms[i], 1, true
+			}
+			r.seqs = append(r.seqs, s)
+		}
+	}
+	r.holdKV = ar.remoteDecode && p.cfg.Role.servesPrefill() && !ar.stream && len(r.seqs) == 1
+	return r
+}
+
+// remoteRefs returns, per prompt, where a decode pod pulls its KV from
+// (nil: compute the prefill here). A mixed pod ignores bootstrap fields:
+// the same body goes to both SGLang legs, so only a role tells them apart.
+func (p *Pod) remoteRefs(ar *apiRequest) []*kvRef {
+	refs := make([]*kvRef, len(ar.prompts))
+	switch {
+	case ar.boot != nil && p.cfg.Role == RoleDecode:
+		for i := range refs {
+			refs[i] = ar.boot.ref(i)
+		}
+	case ar.remotePrefill && p.cfg.Role.servesDecode():
+		if ar.ref == nil {
+			p.m.kvFailed.Inc() // malformed reference: compute the prefill here
+		}
+		for i := range refs {
+			refs[i] = ar.ref
+		}
+	}
+	return refs
 }
 
 // limits resolves max_tokens per prompt and rejects what can never run:

@@ -17,14 +17,41 @@ func badRequest(format string, a ...any) *apiError {
 	return &apiError{status: 400, typ: "BadRequestError", msg: fmt.Sprintf(format, a...)}
 }
 
-// kvRef is a NixlConnector reference given to a decode pod
-// (kv_transfer_params with do_remote_prefill: true).
+// refKind is the prefill/decode protocol that a kvRef follows.
+type refKind uint8
+
+const (
+	// refNixl is vLLM's NixlConnector: kv_transfer_params with
+	// do_remote_prefill, pulled from the side channel's /kv/pull.
+	refNixl refKind = iota
+	// refBootstrap is SGLang's bootstrap room, pulled from the prefill
+	// pod's bootstrap server (/bootstrap/pull).
+	refBootstrap
+)
+
+// kvRef tells a decode pod where a prompt's KV is: a NixlConnector
+// reference or an SGLang bootstrap room.
 type kvRef struct {
-	engineID  string
-	requestID string
-	host      string
-	port      int
-	blockIDs  string // remote_block_ids, compact JSON
+	kind      refKind
+	engineID  string // NixlConnector remote_engine_id
+	requestID string // NixlConnector remote_request_id
+	host      string // remote_host or bootstrap_host
+	port      int    // remote_port or bootstrap_port
+	blockIDs  string // NixlConnector remote_block_ids, compact JSON
+	room      uint64 // bootstrap_room
+}
+
+// bootstrapFields are SGLang's prefill/decode fields, one element per
+// prompt.
+type bootstrapFields struct {
+	hosts []string
+	ports []int
+	rooms []uint64
+}
+
+// ref returns the decode-side reference of prompt i.
+func (b *bootstrapFields) ref(i int) *kvRef {
+	return &kvRef{kind: refBootstrap, host: b.hosts[i], port: b.ports[i], room: b.rooms[i]}
 }
 
 // apiRequest is a parsed /v1/completions or /v1/chat/completions body.
@@ -37,9 +64,10 @@ type apiRequest struct {
 	includeUsage  bool
 	ignoreEOS     bool
 	salt          string
-	remoteDecode  bool   // kv_transfer_params.do_remote_decode
-	remotePrefill bool   // kv_transfer_params.do_remote_prefill
-	ref           *kvRef // the reference, when do_remote_prefill and well-formed
+	remoteDecode  bool             // kv_transfer_params.do_remote_decode
+	remotePrefill bool             // kv_transfer_params.do_remote_prefill
+	ref           *kvRef           // the reference, when do_remote_prefill and well-formed
+	boot          *bootstrapFields // bootstrap_host, _port and _room, when present
 }
 
 // maxN bounds the n parameter (choices per prompt).
@@ -137,12 +165,16 @@ func parseRequest(p *fastjson.Parser, body []byte, chat bool, vocab uint32) (*ap
 			return nil, badRequest("The prompt cannot be empty.")
 		}
 	}
+	if aerr := r.parseBootstrap(v); aerr != nil {
+		return nil, aerr
+	}
 	return r, nil
 }
 
 // parseRef returns the decode-side reference, or nil when it is unusable.
 func parseRef(kv *fastjson.Value) *kvRef {
 	ref := &kvRef{
+		kind:      refNixl,
 		engineID:  string(kv.GetStringBytes("remote_engine_id")),
 		requestID: string(kv.GetStringBytes("remote_request_id")),
 		host:      string(kv.GetStringBytes("remote_host")),
@@ -155,6 +187,84 @@ func parseRef(kv *fastjson.Value) *kvRef {
 		return nil
 	}
 	return ref
+}
+
+// parseBootstrap parses SGLang's bootstrap_host, bootstrap_port and
+// bootstrap_room: all three or none, each a scalar or a list of one element
+// per prompt. A scalar host or port serves every prompt; a room names one
+// sequence, so several prompts need a list of rooms and n must be 1.
+func (r *apiRequest) parseBootstrap(v *fastjson.Value) *apiError {
+	host, port, room := present(v, "bootstrap_host"), present(v, "bootstrap_port"), present(v, "bootstrap_room")
+	if host == nil && port == nil && room == nil {
+		return nil
+	}
+	if host == nil || port == nil || room == nil {
+		return badRequest("bootstrap_host, bootstrap_port and bootstrap_room go together; got only some of them")
+	}
+	if r.remoteDecode || r.remotePrefill {
+		return badRequest("kv_transfer_params (vLLM) and bootstrap_room (SGLang) are two prefill/decode protocols; a request uses one")
+	}
+	np := len(r.prompts)
+	if r.n != 1 || (room.Type() != fastjson.TypeArray && np > 1) {
+		return badRequest("bootstrap_room needs one room per sequence: a list of %d rooms, one per prompt, and n of 1", np)
+	}
+	b := &bootstrapFields{hosts: make([]string, np), ports: make([]int, np), rooms: make([]uint64, np)}
+	if aerr := perPrompt(host, "bootstrap_host", "a non-empty string", np, func(i int, x *fastjson.Value) bool {
+		s, err := x.StringBytes()
+		b.hosts[i] = string(s)
+		return err == nil && len(s) > 0
+	}); aerr != nil {
+		return aerr
+	}
+	if aerr := perPrompt(port, "bootstrap_port", "a port number (1 to 65535)", np, func(i int, x *fastjson.Value) bool {
+		n, err := x.Int()
+		b.ports[i] = n
+		return err == nil && n > 0 && n <= 65535
+	}); aerr != nil {
+		return aerr
+	}
+	if aerr := perPrompt(room, "bootstrap_room", "a non-negative integer below 2^64", np, func(i int, x *fastjson.Value) bool {
+		n, err := x.Uint64() // exact: fastjson keeps the number's text
+		b.rooms[i] = n
+		return err == nil
+	}); aerr != nil {
+		return aerr
+	}
+	r.boot = b
+	return nil
+}
+
+// present returns the field key of v, or nil when it is absent or null.
+func present(v *fastjson.Value, key string) *fastjson.Value {
+	f := v.Get(key)
+	if f == nil || f.Type() == fastjson.TypeNull {
+		return nil
+	}
+	return f
+}
+
+// perPrompt calls ok for each of n prompts with its element of f, a list
+// of n elements or a scalar that serves every prompt; ok stores the element
+// and reports whether it is valid, what describing a valid one.
+func perPrompt(f *fastjson.Value, key, what string, n int, ok func(i int, x *fastjson.Value) bool) *apiError {
+	if f.Type() != fastjson.TypeArray {
+		for i := range n {
+			if !ok(i, f) {
+				return badRequest("%s must be %s or a list of them, one per prompt", key, what)
+			}
+		}
+		return nil
+	}
+	items := f.GetArray()
+	if len(items) != n {
+		return badRequest("%s has %d elements for %d prompts; it needs one per prompt", key, len(items), n)
+	}
+	for i, x := range items {
+		if !ok(i, x) {
+			return badRequest("%s[%d] must be %s", key, i, what)
+		}
+	}
+	return nil
 }
 
 func (r *apiRequest) parsePrompt(p *fastjson.Value, vocab uint32) *apiError {

@@ -75,7 +75,7 @@ func (st *sseStream) Read(b []byte) (int, error) {
 // Close is called by fasthttp when the response ends; an unfinished stream
 // means the client went away (or a fault dropped it), so the engine aborts it.
 func (st *sseStream) Close() error {
-	if !st.complete && !st.r.cancelled.Swap(true) {
+	if !st.complete && st.r.cancel() {
 		st.p.eng.post(event{kind: evNudge})
 	}
 	return nil

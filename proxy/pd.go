@@ -187,7 +187,17 @@ func (s *Server) prefillStage(ctx *fasthttp.RequestCtx, st *reqState, set *disco
 		default:
 			pe.ReportSuccess()
 			lease.FirstByte(true) // the answer came once the prompt was computed
-			lease.Complete(s.extractRef(st, resp.Body()))
+			prompt, cached := s.extractRef(st, resp.Body())
+			computed := discovery.Uncomputed
+			if prompt > 0 && cached >= 0 {
+				computed = max(0, prompt-cached)
+				if s.opt.Learner != nil {
+					// The prefill pod's report is about its own cache (a
+					// decode leg's counts the pulled KV as cached).
+					s.opt.Learner.Learn(pd, st.req.PromptBytes, prompt, cached)
+				}
+			}
+			lease.Complete(computed)
 			fasthttp.ReleaseResponse(resp)
 			p.answered, p.prefill = time.Now(), pd
 			s.opt.Metrics.PrefillLeg(took.Seconds(), p.answered.Sub(p.start).Seconds())
@@ -251,25 +261,24 @@ func (s *Server) vllmPrefillBody(st *reqState) []byte {
 }
 
 // extractRef keeps the prefill answer's kv_transfer_params in st.pd.ref
-// (empty when absent or null) and returns the prompt tokens the prefill
-// endpoint computed, from its usage (discovery.Uncomputed when it did
-// not say).
-func (s *Server) extractRef(st *reqState, answer []byte) int {
+// (empty when absent or null) and returns its usage's prompt tokens (0
+// when absent) and cached tokens (-1 when absent).
+func (s *Server) extractRef(st *reqState, answer []byte) (prompt, cached int) {
 	p := &st.pd
 	p.ref, p.refUses, p.delivered = p.ref[:0], 0, false
 	v, err := p.parser.ParseBytes(answer)
 	if err != nil {
-		return discovery.Uncomputed
+		return 0, -1
 	}
 	if kv := v.Get("kv_transfer_params"); kv != nil && kv.Type() != fastjson.TypeNull {
 		// MarshalTo writes strings and numbers as the engine wrote them.
 		p.ref = kv.MarshalTo(p.ref)
 	}
-	prompt := v.GetInt("usage", "prompt_tokens")
-	if prompt <= 0 {
-		return discovery.Uncomputed
+	cached = -1
+	if c := v.Get("usage", "prompt_tokens_details", "cached_tokens"); c != nil && c.Type() == fastjson.TypeNumber {
+		cached = c.GetInt()
 	}
-	return max(0, prompt-v.GetInt("usage", "prompt_tokens_details", "cached_tokens"))
+	return v.GetInt("usage", "prompt_tokens"), cached
 }
 
 // setDecodeBody puts the decode leg's body on ctx.Request: the client's,

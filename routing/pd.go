@@ -41,9 +41,12 @@ const (
 // less than one token's time, while a prefill leg adds a second hop and a
 // KV transfer to the request's own first token; a longer one stalls every
 // stream on the endpoint by more than a token, which a prefill pool
-// avoids. It is never below one index block (BlockTokens): the index
-// cannot tell a prompt's last, partial block from cached, so a repeated
-// prompt must not look uncached by it.
+// avoids. The decision's uncached tokens come from an index of whole
+// blocks (BlockTokens each): they include the part of the prompt beyond
+// the last whole matched block, which the engine may well hold (a repeated
+// prompt's tail, a system prompt's end) — up to a block, half a block on
+// average. So the learned threshold adds half a block, and is never below
+// a whole one: a repeated prompt never gets a prefill leg.
 type PDDecider struct {
 	MinUncachedTokens int
 	// Params returns the cost model's current priors and pins (the prefix
@@ -63,7 +66,8 @@ func (p *PDDecider) Threshold(e *discovery.Endpoint) int {
 	r := prm.ratesOf(e.Costs(), prm.pins())
 	t := max(1, int(math.Round(r.prefill*r.decode)))
 	if p.BlockTokens != nil {
-		t = max(t, p.BlockTokens())
+		b := p.BlockTokens()
+		t = max(t+b/2, b)
 	}
 	return t
 }

@@ -33,20 +33,25 @@ func TestPDThreshold(t *testing.T) {
 		t.Errorf("priors: threshold %d, want 20,000 tokens/s × 10 ms = 200", got)
 	}
 	d.BlockTokens = func() int { return 256 }
-	if got := d.Threshold(e); got != 256 {
-		t.Errorf("with a 256-token index block: threshold %d, want the block", got)
+	if got := d.Threshold(e); got != 328 {
+		t.Errorf("with a 256-token index block: threshold %d, want 200 + half a block", got)
 	}
+	d.BlockTokens = func() int { return 1024 }
+	if got := d.Threshold(e); got != 1024 {
+		t.Errorf("with a 1024-token index block: threshold %d, want the block", got)
+	}
+	d.BlockTokens = func() int { return 256 }
 	e.SetCosts(&discovery.Costs{PrefillTokensPerSec: 10000, PendingTokensPerSec: 10000, DecodeStepSec: 0.05})
-	if got := d.Threshold(e); got != 500 {
-		t.Errorf("learned 10,000 tokens/s and a 50 ms step: threshold %d, want 500", got)
+	if got := d.Threshold(e); got != 628 {
+		t.Errorf("learned 10,000 tokens/s and a 50 ms step: threshold %d, want 500 + half a block", got)
 	}
 	d.Params = func() PrefixParams {
 		p := DefaultPrefixParams()
 		p.Pinned = []string{PinPrefillRate, PinDecodeCost}
 		return p
 	}
-	if got := d.Threshold(e); got != 256 {
-		t.Errorf("pinned priors: threshold %d, want 256", got)
+	if got := d.Threshold(e); got != 328 {
+		t.Errorf("pinned priors: threshold %d, want 328", got)
 	}
 	d.MinUncachedTokens = 1000
 	if split, th := d.Split(Decision{Endpoint: e, Prefill: 999}); split || th != 1000 {

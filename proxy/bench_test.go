@@ -1,7 +1,10 @@
 package proxy
 
 import (
+	"bufio"
 	"encoding/json"
+	"fmt"
+	"io"
 	"net"
 	"slices"
 	"strings"
@@ -10,6 +13,7 @@ import (
 
 	"github.com/valyala/fasthttp"
 
+	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/routing"
 )
 
@@ -237,4 +241,58 @@ func BenchmarkPDHop(b *testing.B) {
 			b.ReportMetric(pct(p, 0.99)-pct(a, 0.99), "pd-added-p99-µs")
 		})
 	}
+}
+
+// BenchmarkPDLongPromptTTFT sends long new prompts one at a time through
+// kvroute to a simulated prefill pod and decode pod in real time, and
+// reports their time to first token against the cost model's sum of what
+// disaggregation must take: the prefill pod's prefill step, the KV
+// transfer and the decode pod's first step (the hop is what the ratio
+// leaves). A decode pod that computed the prompt itself would take the
+// same prefill again on top of the transfer-free first step, so a ratio
+// near 1 also shows it did not.
+func BenchmarkPDLongPromptTTFT(b *testing.B) {
+	const tokens = 4096
+	cfg := sim.Config{TimeScale: 1, Model: "m"}
+	pre := cfg
+	pre.Role = sim.RolePrefill
+	dec := cfg
+	dec.Role, dec.Seed = sim.RoleDecode, 1
+	fleet, err := sim.StartFleetOf(pre, dec)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = fleet.Close() })
+	h := startPD(b, Options{}, pdPools{prefill: []string{fleet.URL(0)}, decode: []string{fleet.URL(1)}})
+	def := sim.DefaultConfig()
+	// The prompt's tokens, approximately: the simulator tokenises the
+	// text; its usage gives the exact count.
+	var ttfts, models []float64
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		body := pdCompletion(promptWords(fmt.Sprintf("n%d", i), tokens), true, `"stream_options":{"include_usage":true}`)
+		t0 := time.Now()
+		resp := post(b, h.url+"/v1/completions", body)
+		br := bufio.NewReader(resp.Body)
+		if _, err := br.ReadString('\n'); err != nil {
+			b.Fatal(err)
+		}
+		ttft := time.Since(t0)
+		rest, _ := io.ReadAll(br)
+		resp.Body.Close()
+		prompt, cached, _ := usageOf(b, "data: "+string(rest[strings.Index(string(rest), "data: ")+6:]))
+		if cached != prompt-1 {
+			b.Fatalf("decode pod computed the prompt: %d of %d cached", cached, prompt)
+		}
+		model := def.StepCost(prompt, prompt) + def.TransferCost(prompt-1) + def.StepCost(0, prompt)
+		ttfts, models = append(ttfts, ttft.Seconds()), append(models, model.Seconds())
+	}
+	b.StopTimer()
+	var sum, msum float64
+	for i := range ttfts {
+		sum, msum = sum+ttfts[i], msum+models[i]
+	}
+	b.ReportMetric(1000*sum/float64(len(ttfts)), "ttft-ms")
+	b.ReportMetric(1000*msum/float64(len(models)), "model-ms")
+	b.ReportMetric(sum/msum, "ttft/model")
 }

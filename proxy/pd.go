@@ -423,6 +423,8 @@ type sgLeg struct {
 	answer *fasthttp.Response
 	err    error
 
+	pre *attempt // the prefill leg's attempt
+
 	mu           sync.Mutex
 	finished     bool     // the outcome is set
 	prefillOK    bool     // the prefill leg succeeded
@@ -462,7 +464,7 @@ func (s *Server) startSGLang(ctx *fasthttp.RequestCtx, st *reqState, set *discov
 	p.prefill, p.answered = pd, time.Time{}
 	a := s.attempts.begin(ctx.Conn())
 	req := s.legRequest(ctx, st, pe, a.id, p.body)
-	l := &sgLeg{s: s, pe: pe, reqID: string(ctx.Request.Header.PeekBytes(headerRequestID)), done: make(chan struct{})}
+	l := &sgLeg{s: s, pe: pe, pre: a, reqID: string(ctx.Request.Header.PeekBytes(headerRequestID)), done: make(chan struct{})}
 	p.leg = l
 	lease := pe.Acquire(pd.Prefill)
 	s.legs.Add(1)
@@ -478,8 +480,9 @@ func (l *sgLeg) run(req *fasthttp.Request, a *attempt, lease discovery.Lease, st
 	fasthttp.ReleaseRequest(req)
 	status := statusOrZero(resp)
 	var answer *fasthttp.Response
+	cancelled := err != nil && (a.clientGone() || a.wasAborted())
 	switch {
-	case err != nil && a.clientGone():
+	case cancelled: // the client left, or the decode leg failed
 		lease.Release()
 	case err != nil || status >= 500:
 		lease.Release()
@@ -508,7 +511,7 @@ func (l *sgLeg) run(req *fasthttp.Request, a *attempt, lease discovery.Lease, st
 		l.decode.abort()
 	}
 	l.mu.Unlock()
-	if failed && !a.clientGone() {
+	if failed && !cancelled {
 		s.opt.Metrics.UpstreamError("prefill")
 		s.opt.Logger.Warn("prefill leg failed", zap.String("request_id", l.reqID), zap.String("endpoint", l.pe.URL),
 			zap.Int("status", l.status), zap.Error(err), zap.Bool("decode_aborted", abort))
@@ -530,12 +533,17 @@ func (l *sgLeg) pair(a *attempt) {
 	}
 }
 
-// decodeEnd notes the end of the decode leg: delivered or not. A decode
-// that failed after the prefill leg succeeded strands the prefill's KV.
+// decodeEnd notes the end of the decode leg: delivered or not. A failed
+// decode leg cancels a prefill leg still running (its KV would wait for a
+// decode engine that never comes); one that failed after the prefill leg
+// succeeded strands the prefill's KV.
 func (l *sgLeg) decodeEnd(ok bool) {
 	l.mu.Lock()
 	l.decodeOver, l.decodeFailed = true, !ok
 	stranded := !ok && l.prefillOK
+	if !ok && !l.finished {
+		l.pre.abort()
+	}
 	l.mu.Unlock()
 	if stranded {
 		l.s.opt.Metrics.PDStranded("decode_failed")

@@ -755,3 +755,31 @@ func TestPDRetryOnAMixedPodSendsTheClientsBody(t *testing.T) {
 		t.Errorf("superseded references %v, want 1", n)
 	}
 }
+
+// TestPDSGLangFailedDecodeCancelsThePrefillLeg: a decode leg that fails
+// cancels its concurrent prefill leg, whose KV nobody would pull.
+func TestPDSGLangFailedDecodeCancelsThePrefillLeg(t *testing.T) {
+	cancelled := make(chan struct{}, 1)
+	pre := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		select {
+		case <-r.Context().Done():
+			cancelled <- struct{}{}
+		case <-time.After(10 * time.Second):
+		}
+	}))
+	t.Cleanup(pre.Close)
+	dec := newRecorder(t, answerWith(500, `{"error":{"message":"decode failed"}}`))
+	h := startPD(t, Options{PD: PDOptions{Protocol: ProtocolSGLang, BootstrapPort: 8998}},
+		pdPools{prefill: []string{pre.URL}, decode: []string{dec.srv.URL}})
+	assertOpenAIError(t, post(t, h.url+"/v1/completions", pdCompletion(promptWords("y", 300), false, "")), http.StatusBadGateway)
+	select {
+	case <-cancelled:
+	case <-time.After(3 * time.Second):
+		t.Fatal("the prefill leg outlived its failed decode leg")
+	}
+	h.waitIdle(t)
+	if n := counterValue(t, h.reg, "kvroute_upstream_errors_total", map[string]string{"kind": "prefill"}); n != 0 {
+		t.Errorf("the cancelled prefill leg counted as %v prefill failures", n)
+	}
+}

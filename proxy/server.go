@@ -408,14 +408,15 @@ loop:
 		retry := tries < s.opt.Retries
 		if leg != nil {
 			// A failed prefill leg fails the request: its 4xx answer is
-			// the answer, else a 502.
-			wait := err == nil && resp.StatusCode() != fasthttp.StatusOK || err != nil && a.wasAborted()
-			if ans, lerr := leg.outcome(wait); ans != nil || lerr != nil {
+			// the answer, else a 502. (When it aborted this leg it has
+			// ended; a prefill leg still running when the decode leg
+			// failed is cancelled below, with the decode leg's failure.)
+			if ans, lerr := leg.outcome(err != nil && a.wasAborted()); ans != nil || lerr != nil {
 				if err == nil {
 					s.discard(resp, a)
 				}
-				fasthttp.ReleaseResponse(resp)
 				s.attempts.end(a)
+				fasthttp.ReleaseResponse(resp)
 				leg.decodeEnd(false)
 				st.lease.Release()
 				if ans != nil {
@@ -466,9 +467,9 @@ loop:
 				ep.ReportFailure()
 			}
 		}
+		s.attempts.end(a)
 		fasthttp.ReleaseResponse(resp)
 		st.lease.Release()
-		s.attempts.end(a)
 		if leg != nil {
 			leg.decodeEnd(false)
 			pd.leg = nil
@@ -550,12 +551,14 @@ const (
 
 // discard drops a retryable answer's body: it reads at most maxDiscard of
 // it within discardTimeout; closing the body then closes the connection
-// unless the body was read whole.
+// unless the body was read whole. It ends the attempt first, since its
+// connection may then carry another request.
 func (s *Server) discard(resp *fasthttp.Response, a *attempt) {
 	if rd := resp.BodyStream(); rd != nil {
 		a.drainBy(time.Now().Add(discardTimeout))
 		_, _ = io.CopyN(io.Discard, rd, maxDiscard)
 	}
+	s.attempts.end(a)
 	_ = resp.CloseBodyStream()
 }
 
@@ -868,7 +871,7 @@ func (b *upstreamBody) CloseWithError(err error) error {
 	_ = b.resp.CloseBodyStream()
 	fasthttp.ReleaseResponse(b.resp)
 	if b.leg != nil {
-		b.leg.decodeEnd(err == nil && b.readErr == nil)
+		b.leg.decodeEnd(err == nil && b.readErr == nil && b.rec.status == fasthttp.StatusOK)
 	}
 	if b.att.clientGone() {
 		// The watcher closed the upstream connection for a client that left.

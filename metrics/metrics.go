@@ -304,7 +304,7 @@ func (m *Metrics) registerPD(reg prometheus.Registerer) {
 		"Disaggregated requests: time from sending the decode leg to its first body byte.")
 	m.pdDecisions = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: Namespace, Name: "pd_decisions_total",
-		Help: "Requests routed to a decode endpoint, by decision: disaggregated, decode_only (too few uncached tokens), single_only (several prompts or n>1), client_kv (a trusted client's own transfer parameters), or fallback_* (decode alone after no_prefill, prefill_failed, no_reference).",
+		Help: "Requests routed to a decode endpoint, by decision: disaggregated, decode_only (too few uncached tokens), single_only (vLLM protocol: several prompts or n>1), client_kv (a trusted client's own transfer parameters), or fallback_* (decode alone after no_prefill, prefill_failed, no_reference).",
 	}, []string{"decision"})
 	m.pdStranded = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: Namespace, Name: "pd_stranded_prefills_total",

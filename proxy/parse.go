@@ -83,13 +83,14 @@ type reqState struct {
 	// big: this request's body was large, so the parser and buffers grew
 	// with it; the state is dropped rather than pooled.
 	big bool
-	// root is the parsed body (it lives in parser); single is true when it
-	// asks for one sequence (one prompt, n at most 1), which is what a
-	// prefill leg can hand over; clientKV when it carries transfer
-	// parameters of its own (kv_transfer_params, bootstrap_*).
-	root     *fastjson.Value
-	single   bool
-	clientKV bool
+	// root is the parsed body (it lives in parser); prompts counts its
+	// prompts (completions and chat; 0 for other kinds) and n is its "n";
+	// one prompt and n at most 1 is what a vLLM prefill leg can hand over.
+	// clientKV is true when it carries transfer parameters of its own
+	// (kv_transfer_params, bootstrap_*).
+	root       *fastjson.Value
+	prompts, n int
+	clientKV   bool
 	pd       pdState
 }
 
@@ -173,11 +174,17 @@ func (s *reqState) parse(kind routing.Kind, body []byte, blockSize, maxBlocks in
 			s.clientKV = true
 		}
 	}
-	n, err := optInt(v, "n")
-	if err != nil {
+	if s.n, err = optInt(v, "n"); err != nil {
 		return err
 	}
-	s.single = n <= 1 && (kind == routing.KindChat || kind == routing.KindCompletions && onePrompt(v.Get("prompt")))
+	switch kind {
+	case routing.KindChat:
+		s.prompts = 1
+	case routing.KindCompletions:
+		s.prompts = promptCount(v.Get("prompt"))
+	default:
+		s.prompts = 0
+	}
 	if r.Model, err = optString(v, "model"); err != nil {
 		return err
 	}
@@ -217,20 +224,21 @@ func (s *reqState) parse(kind routing.Kind, body []byte, blockSize, maxBlocks in
 // NixlConnector, SGLang's bootstrap): kvroute sets them, clients may not.
 var clientKVFields = [...]string{"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"}
 
-// onePrompt reports whether a completions prompt is one prompt: a string
-// or a list of token ids, or a list of one of those.
-func onePrompt(p *fastjson.Value) bool {
-	if p == nil || p.Type() != fastjson.TypeArray {
-		return p != nil
+// promptCount returns the number of prompts of a completions prompt: one
+// for a string or a list of token ids, else the list's length (0 when
+// absent).
+func promptCount(p *fastjson.Value) int {
+	switch {
+	case p == nil:
+		return 0
+	case p.Type() != fastjson.TypeArray:
+		return 1
 	}
 	a := p.GetArray()
-	switch {
-	case len(a) == 0:
-		return false
-	case a[0].Type() == fastjson.TypeNumber:
-		return true // token ids
+	if len(a) > 0 && a[0].Type() == fastjson.TypeNumber {
+		return 1 // token ids
 	}
-	return len(a) == 1
+	return len(a)
 }
 
 // render writes the canonical rendering of v's prompt to w. The rendering

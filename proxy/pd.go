@@ -109,10 +109,12 @@ func (s *Server) planPD(st *reqState, d routing.Decision) bool {
 	switch {
 	case st.clientKV:
 		p.decision = routing.PDClientKV
-	case !st.single:
-		p.decision = routing.PDSingleOnly
-	case s.opt.PD.Protocol == ProtocolSGLang:
+	case s.opt.PD.Protocol == ProtocolSGLang && st.prompts > 0:
+		// An SGLang decode engine cannot compute a prompt alone; a batch
+		// gets one room per prompt.
 		p.decision, p.split = routing.PDSplit, true
+	case st.prompts != 1 || st.n > 1:
+		p.decision = routing.PDSingleOnly
 	default:
 		p.split, p.threshold = s.opt.PD.Decider.Split(d)
 		p.decision = routing.PDShort
@@ -145,7 +147,7 @@ func (s *Server) prefillStage(ctx *fasthttp.RequestCtx, st *reqState, set *disco
 		s.setDecodeBody(ctx, st)
 		return nil, nil
 	}
-	s.strand(st, "superseded")
+	s.strand(st, "decode_failed") // two decode legs failed with it
 	body := s.vllmPrefillBody(st)
 	for tries := 0; tries <= s.opt.Retries; tries++ {
 		pd := s.pickPrefill(st, set)
@@ -451,14 +453,8 @@ func (s *Server) startSGLang(ctx *fasthttp.RequestCtx, st *reqState, set *discov
 		port = s.opt.PD.BootstrapPort
 	}
 	host, _, _ := net.SplitHostPort(pe.Addr)
-	room := rand.Uint64() >> 1 // [0, 2^63-1]
 	p.body = appendMembers(p.body[:0], p.orig, func(b []byte) []byte {
-		b = append(b, `"bootstrap_host":`...)
-		b = strconv.AppendQuote(b, host)
-		b = append(b, `,"bootstrap_port":`...)
-		b = strconv.AppendInt(b, int64(port), 10)
-		b = append(b, `,"bootstrap_room":`...)
-		return strconv.AppendUint(b, room, 10)
+		return appendBootstrap(b, host, port, st.prompts)
 	})
 	ctx.Request.SetBody(p.body)
 	p.prefill, p.answered = pd, time.Time{}
@@ -470,6 +466,31 @@ func (s *Server) startSGLang(ctx *fasthttp.RequestCtx, st *reqState, set *discov
 	s.legs.Add(1)
 	go l.run(req, a, lease, p.start)
 	return nil
+}
+
+// appendBootstrap appends SGLang's bootstrap members for a request of
+// prompts prompts: scalars for one, lists of one element per prompt (each
+// its own random room in [0, 2^63-1]) for a batch.
+func appendBootstrap(b []byte, host string, port, prompts int) []byte {
+	list := func(b []byte, elem func([]byte) []byte) []byte {
+		if prompts == 1 {
+			return elem(b)
+		}
+		b = append(b, '[')
+		for i := range prompts {
+			if i > 0 {
+				b = append(b, ',')
+			}
+			b = elem(b)
+		}
+		return append(b, ']')
+	}
+	b = append(b, `"bootstrap_host":`...)
+	b = list(b, func(b []byte) []byte { return strconv.AppendQuote(b, host) })
+	b = append(b, `,"bootstrap_port":`...)
+	b = list(b, func(b []byte) []byte { return strconv.AppendInt(b, int64(port), 10) })
+	b = append(b, `,"bootstrap_room":`...)
+	return list(b, func(b []byte) []byte { return strconv.AppendUint(b, rand.Uint64()>>1, 10) })
 }
 
 // run sends the leg and records its outcome.

@@ -645,20 +645,26 @@ func TestPDSGLangConcurrentLegs(t *testing.T) {
 		{"/v1/completions", pdCompletion(promptWords("g", 2000), true, `"stream_options":{"include_usage":true}`)},
 		{"/v1/chat/completions", pdChat(promptWords("h", 2000), false)},
 		{"/v1/completions", pdCompletion("short", false, "")}, // sglang: every request gets its prefill leg
+		{"/v1/completions", `{"model":"m","max_tokens":4,"prompt":["` + promptWords("b1", 800) + `","` + promptWords("b2", 800) + `"]}`},
 	} {
 		resp := post(t, h.url+tc.path, tc.body)
 		body := readAll(t, resp)
 		if resp.StatusCode != 200 {
 			t.Fatalf("%d %s", resp.StatusCode, body)
 		}
-		if prompt, cached, completion := usageOf(t, body); completion != 8 || prompt > 100 && cached < prompt-1 {
+		batch := strings.Contains(tc.body, `"prompt":[`)
+		want, uncached := 8, 1
+		if batch {
+			want, uncached = 8, 2 // 4 tokens for each of two prompts, each recomputing its last token
+		}
+		if prompt, cached, completion := usageOf(t, body); completion != want || prompt > 100 && cached < prompt-uncached {
 			t.Errorf("usage %d/%d/%d: the decode pod did not pull the prompt", prompt, cached, completion)
 		}
 	}
 	if d := dPrefilled.Load(); d != 0 {
 		t.Errorf("decode pod computed %d prompt tokens", d)
 	}
-	if n := pdDecisions(t, h, routing.PDSplit); n != 3 {
+	if n := pdDecisions(t, h, routing.PDSplit); n != 4 {
 		t.Errorf("%v disaggregated", n)
 	}
 }

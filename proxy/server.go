@@ -276,7 +276,7 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	start := time.Now()
 	st := s.states.Get().(*reqState)
 	st.req.Reset()
-	st.att, st.root, st.single, st.clientKV = nil, nil, false, false
+	st.att, st.root, st.prompts, st.n, st.clientKV = nil, nil, 0, 0, false
 	st.pd.reset()
 	defer s.release(st)
 	s.opt.Metrics.InFlight(1)

@@ -14,8 +14,9 @@ const (
 	// PDShort: too few uncached tokens on the decode endpoint to be worth
 	// a prefill leg; the decode endpoint computes them itself.
 	PDShort = "decode_only"
-	// PDSingleOnly: several prompts or n > 1 — the protocols hand over
-	// one sequence's KV; the decode endpoint serves the request alone.
+	// PDSingleOnly: several prompts or n > 1 — vLLM's prefill pod holds
+	// KV for a one-sequence request only; the decode endpoint serves the
+	// request alone (SGLang's protocol takes a room per prompt instead).
 	PDSingleOnly = "single_only"
 	// PDClientKV: a trusted client brought its own transfer parameters;
 	// the request is forwarded as it is.

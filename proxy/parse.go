@@ -91,7 +91,7 @@ type reqState struct {
 	root       *fastjson.Value
 	prompts, n int
 	clientKV   bool
-	pd       pdState
+	pd         pdState
 }
 
 // pooledBodyBytes is the largest body whose parse state is pooled for the

@@ -4,7 +4,7 @@ BIN      ?= bin
 IMAGE    ?= kvroute:dev
 PKGS     := ./...
 
-.PHONY: all build test vet fmt-check bench run docker clean demo bench-e2e bench-pd fuzz soak
+.PHONY: all build test vet fmt-check bench run docker clean demo bench-e2e bench-pd bench-proxy fuzz soak
 
 all: build
 
@@ -79,6 +79,18 @@ bench-e2e: build
 # bench/results/pd-*/. About 15 minutes on two cores.
 bench-pd: build
 	./$(BIN)/kvbench --scenario pd-long-prompt,pd-long-output,pd-selective
+
+# The cost of one hop (issue #14): wrk against an instant loopback backend
+# directly, through kvroute (default flags), nginx and HAProxy (keep-alive
+# upstream, no buffering, access logs to files), alternating in rounds;
+# 1 KiB completions and 128 KiB chats at 1, 32 and 256 connections and a
+# 100-event stream. Installs wrk, nginx and haproxy with apt-get when
+# missing. Results in bench/results/proxy/. About 10 minutes.
+bench-proxy: build
+	@command -v wrk >/dev/null && command -v nginx >/dev/null && command -v haproxy >/dev/null || \
+		apt-get install -y wrk nginx-light haproxy
+	$(GO) build -trimpath -o $(BIN)/kvhop ./bench/cmd/kvhop
+	./$(BIN)/kvhop --kvroute $(BIN)/kvroute --out bench/results/proxy
 
 # Soak (issue #12): SOAK_DURATION of mixed traffic (shared-prefix,
 # multi-turn, random; streaming or not; some abandoned by the client) with

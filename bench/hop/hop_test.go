@@ -1,0 +1,61 @@
+package hop
+
+import (
+	"strings"
+	"testing"
+)
+
+const wrkOutput = `Running 5s test @ http://127.0.0.1:8000
+  2 threads and 32 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency   612.34us  301.12us  12.50ms   91.00%
+    Req/Sec    24.10k     1.20k   26.00k    70.00%
+  Latency Distribution
+     50%  576.00us
+     75%  701.00us
+     90%  880.00us
+     99%    1.50ms
+  240123 requests in 5.00s, 90.12MB read
+  Socket errors: connect 0, read 2, write 0, timeout 1
+  Non-2xx or 3xx responses: 3
+Requests/sec:  48024.60
+Transfer/sec:     18.02MB
+`
+
+func TestParseWrk(t *testing.T) {
+	m, err := parseWrk(wrkOutput)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.RPS != 48024.60 || m.P50us != 576 || m.P99us != 1500 || m.Errs != 6 {
+		t.Errorf("parsed %+v", m)
+	}
+	if _, err := parseWrk("garbage"); err == nil {
+		t.Error("garbage parsed")
+	}
+}
+
+func TestMarkdownRatiosToNginx(t *testing.T) {
+	r := &Report{Rounds: 1, Duration: "1s", Events: 100, Rows: []Row{{Case: Case{Name: "stream-1KiB", Conns: 1, Stream: true},
+		Targets: map[string]Measure{"direct": {RPS: 100, P50us: 100}, "kvroute": {RPS: 50, P50us: 300},
+			"nginx": {RPS: 100, P50us: 200}, "haproxy": {RPS: 200, P50us: 150}}}}}
+	md := r.Markdown()
+	for _, want := range []string{"| stream-1KiB | 1 | kvroute | 50 (5k events/s) | 0.50× | 300 µs | +200 µs (+2.0 µs/event)", "| haproxy | 200 (20k events/s) | 2.00×"} {
+		if !strings.Contains(md, want) {
+			t.Errorf("table lacks %q:\n%s", want, md)
+		}
+	}
+}
+
+func TestCasesHaveTheirSizes(t *testing.T) {
+	for _, c := range Cases() {
+		n := len(c.body)
+		want := 1 << 10
+		if strings.HasPrefix(c.Name, "chat-128KiB") {
+			want = 128 << 10
+		}
+		if n < want*9/10 || n > want*11/10 {
+			t.Errorf("%s: %d bytes", c.Name, n)
+		}
+	}
+}

@@ -15,7 +15,6 @@ import (
 	"net"
 	"net/netip"
 	"slices"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -143,6 +142,7 @@ type Server struct {
 	queue    waitQueue   // requests waiting for a saturated fleet
 	hijacked sync.WaitGroup
 	legs     sync.WaitGroup // concurrent prefill legs (SGLang)
+	access   accessLog
 }
 
 // New returns a Server. It starts nothing; call Serve.
@@ -166,6 +166,7 @@ func New(opt Options) *Server {
 		opt.UpstreamIdleTimeout = d.UpstreamIdleTimeout
 	}
 	s := &Server{opt: opt}
+	s.access.log = opt.Logger
 	s.budget.init(opt.RetryBudget, opt.MinRetries)
 	s.queue.init(opt.MaxQueue)
 	s.states.New = func() any { return new(reqState) }
@@ -214,6 +215,9 @@ func (q quietLogger) Printf(format string, _ ...any) {
 // Serve accepts client connections on ln until Shutdown.
 func (s *Server) Serve(ln net.Listener) error {
 	s.attempts.start(s.opt.Metrics.Cancelled)
+	if s.opt.AccessLog {
+		s.access.start()
+	}
 	return s.srv.Serve(clientListener{Listener: ln, body: s.opt.ClientBodyTimeout})
 }
 
@@ -233,6 +237,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		err = errors.Join(err, ctx.Err())
 	}
 	s.attempts.close()
+	s.access.close()
 	s.clients.Range(func(_, v any) bool {
 		v.(*fasthttp.HostClient).CloseIdleConnections()
 		return true
@@ -639,35 +644,23 @@ func (s *Server) end(r *record, err error) {
 	if !s.opt.AccessLog {
 		return
 	}
-	ce := s.opt.Logger.Check(zap.InfoLevel, "request")
-	if ce == nil {
-		return // the logger drops Info lines: build no fields
+	if !s.opt.Logger.Core().Enabled(zap.InfoLevel) {
+		return // the logger drops Info lines: copy nothing
 	}
-	fields := append(make([]zap.Field, 0, 15),
-		zap.ByteString("request_id", r.reqID), zap.ByteString("method", r.method),
-		zap.ByteString("path", r.path), zap.Int("status", r.status), zap.Int("attempts", r.attempts))
+	l := accessLine{at: r.start.Add(d), reqID: string(r.reqID), method: string(r.method), path: string(r.path),
+		status: r.status, attempts: r.attempts, duration: d, pd: r.pdDecision,
+		prefix: r.prefix, home: r.decision.Home, matched: r.decision.MatchedBlocks, prefixKey: r.decision.PrefixKey,
+		usage: r.usage, prompt: r.promptTokens, cached: r.cachedTokens}
 	if r.ep != nil {
-		fields = append(fields, zap.String("endpoint", r.ep.URL), zap.String("reason", r.decision.Reason),
-			zap.Int64("bytes", r.bytes))
+		l.endpoint, l.reason, l.bytes = r.ep.URL, r.decision.Reason, r.bytes
 	}
-	if r.pdDecision != "" {
-		fields = append(fields, zap.String("pd", r.pdDecision))
-		if r.prefill != nil {
-			fields = append(fields, zap.String("prefill_endpoint", r.prefill.URL))
-		}
-		if !r.prefilled.IsZero() {
-			fields = append(fields, zap.Duration("prefill", r.prefilled.Sub(r.start)))
-		}
+	if r.prefill != nil {
+		l.prefillEndpoint = r.prefill.URL
 	}
-	fields = append(fields, zap.Duration("duration", d))
-	if r.prefix {
-		fields = append(fields, zap.Bool("home", r.decision.Home), zap.Int("matched_blocks", r.decision.MatchedBlocks),
-			zap.String("prefix_key", strconv.FormatUint(r.decision.PrefixKey, 16)))
-		if r.usage {
-			fields = append(fields, zap.Int("prompt_tokens", r.promptTokens), zap.Int("cached_tokens", r.cachedTokens))
-		}
+	if !r.prefilled.IsZero() {
+		l.prefill = r.prefilled.Sub(r.start)
 	}
-	ce.Write(fields...)
+	s.access.add(l)
 }
 
 // commit hands the endpoint's response to the client: headers now, the body

@@ -42,6 +42,13 @@ type Config struct {
 	Events int
 	// Log receives progress lines (nil: none).
 	Log io.Writer
+	// Only, when set, keeps the cases whose name and connection count
+	// ("completion-1KiB/32") or name it lists, and Targets the targets it
+	// lists (nil: all).
+	Only, Targets []string
+	// Kvroutes, when set, are further kvroute binaries measured as extra
+	// targets named "kvroute-<i>" (an A/B of builds in one run).
+	Kvroutes []string
 }
 
 // Case is one workload: a body, its path, a connection count, and
@@ -76,6 +83,8 @@ type Report struct {
 	Events   int       `json:"events"`
 	Versions []string  `json:"versions"`
 	Rows     []Row     `json:"rows"`
+	// Targets are the targets measured, in order.
+	Targets []string `json:"targets"`
 }
 
 // Targets in the order they are measured within a round.
@@ -384,22 +393,39 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			p.stop()
 		}
 	}()
-	for _, t := range Targets {
-		p, err := startProxy(ctx, t, cfg.Kvroute, cfg.Dir, be.addr)
+	targets := Targets
+	if cfg.Targets != nil {
+		targets = cfg.Targets
+	}
+	for i := range cfg.Kvroutes {
+		targets = append(targets, fmt.Sprintf("kvroute-%d", i+1))
+	}
+	for _, t := range targets {
+		kind, bin := t, cfg.Kvroute
+		if n, ok := strings.CutPrefix(t, "kvroute-"); ok {
+			i, _ := strconv.Atoi(n)
+			kind, bin = "kvroute", cfg.Kvroutes[i-1]
+		}
+		p, err := startProxy(ctx, kind, bin, cfg.Dir, be.addr)
 		if err != nil {
 			return nil, err
 		}
 		procs[t] = p
 	}
 	rep := &Report{Started: time.Now(), Rounds: cfg.Rounds, Duration: cfg.Duration.String(), Events: cfg.Events, Versions: versions(cfg.Kvroute)}
-	cases := Cases()
+	var cases []Case
+	for _, c := range Cases() {
+		if cfg.Only == nil || slices.Contains(cfg.Only, c.Name) || slices.Contains(cfg.Only, fmt.Sprintf("%s/%d", c.Name, c.Conns)) {
+			cases = append(cases, c)
+		}
+	}
 	samples := make([]map[string][]Measure, len(cases))
 	for i := range samples {
 		samples[i] = map[string][]Measure{}
 	}
 	for r := range cfg.Rounds {
 		for i, c := range cases {
-			for _, t := range Targets {
+			for _, t := range targets {
 				m, err := runWrk(ctx, cfg.Dir, c, procs[t].url, cfg.Duration)
 				if err != nil {
 					return nil, fmt.Errorf("%s via %s: %w", c.Name, t, err)
@@ -412,9 +438,10 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			}
 		}
 	}
+	rep.Targets = targets
 	for i, c := range cases {
 		row := Row{Case: c, Targets: map[string]Measure{}}
-		for _, t := range Targets {
+		for _, t := range targets {
 			row.Targets[t] = median(samples[i][t])
 		}
 		rep.Rows = append(rep.Rows, row)
@@ -460,7 +487,7 @@ func (r *Report) Markdown() string {
 	fmt.Fprintf(&b, "| case | conns | target | req/s | vs nginx | p50 | added p50 | p99 | errors |\n|---|---:|---|---:|---:|---:|---:|---:|---:|\n")
 	for _, row := range r.Rows {
 		ng, dir := row.Targets["nginx"], row.Targets["direct"]
-		for _, t := range Targets {
+		for _, t := range r.Targets {
 			m := row.Targets[t]
 			rps := fmt.Sprintf("%.0f", m.RPS)
 			if row.Case.Stream {

@@ -36,7 +36,7 @@ func TestParseWrk(t *testing.T) {
 }
 
 func TestMarkdownRatiosToNginx(t *testing.T) {
-	r := &Report{Rounds: 1, Duration: "1s", Events: 100, Rows: []Row{{Case: Case{Name: "stream-1KiB", Conns: 1, Stream: true},
+	r := &Report{Rounds: 1, Duration: "1s", Events: 100, Targets: Targets, Rows: []Row{{Case: Case{Name: "stream-1KiB", Conns: 1, Stream: true},
 		Targets: map[string]Measure{"direct": {RPS: 100, P50us: 100}, "kvroute": {RPS: 50, P50us: 300},
 			"nginx": {RPS: 100, P50us: 200}, "haproxy": {RPS: 200, P50us: 150}}}}}
 	md := r.Markdown()

@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/kvroute/kvroute/bench/hop"
@@ -33,6 +34,9 @@ func run(args []string) error {
 	rounds := fs.Int("rounds", 3, "rounds; every target is measured once per round and case")
 	dur := fs.Duration("duration", 5*time.Second, "length of one wrk measurement (whole seconds)")
 	events := fs.Int("events", 100, "SSE events per streamed answer")
+	only := fs.String("only", "", "comma-separated cases to run (NAME or NAME/CONNS, e.g. completion-1KiB/32); default all")
+	targets := fs.String("targets", "", "comma-separated targets (direct, kvroute, nginx, haproxy); default all")
+	more := fs.String("kvroutes", "", "comma-separated further kvroute binaries, measured as kvroute-1, kvroute-2, ... (an A/B of builds)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -50,7 +54,16 @@ func run(args []string) error {
 	defer os.RemoveAll(work)
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
-	rep, err := hop.Run(ctx, hop.Config{Kvroute: abs, Dir: work, Rounds: *rounds, Duration: *dur, Events: *events, Log: os.Stdout})
+	cfg := hop.Config{Kvroute: abs, Dir: work, Rounds: *rounds, Duration: *dur, Events: *events, Log: os.Stdout,
+		Only: list(*only), Targets: list(*targets)}
+	for _, b := range list(*more) {
+		a, err := filepath.Abs(b)
+		if err != nil {
+			return err
+		}
+		cfg.Kvroutes = append(cfg.Kvroutes, a)
+	}
+	rep, err := hop.Run(ctx, cfg)
 	if err != nil {
 		return err
 	}
@@ -67,4 +80,12 @@ func run(args []string) error {
 	}
 	fmt.Print("\n" + md)
 	return nil
+}
+
+// list splits a comma-separated flag value; "" is nil.
+func list(s string) []string {
+	if s == "" {
+		return nil
+	}
+	return strings.Split(s, ",")
 }

@@ -84,13 +84,17 @@ bench-pd: build
 # directly, through kvroute (default flags), nginx and HAProxy (keep-alive
 # upstream, no buffering, access logs to files), alternating in rounds;
 # 1 KiB completions and 128 KiB chats at 1, 32 and 256 connections and a
-# 100-event stream. Installs wrk, nginx and haproxy with apt-get when
-# missing. Results in bench/results/proxy/. About 10 minutes.
+# 100-event stream; then kvroute's RSS with 9,800 SSE streams open through
+# it, and with as many idle keep-alive connections (9,800: each stream
+# takes two of kvroute's file descriptors, and the machine's limit is
+# 20,000). Installs wrk, nginx and haproxy with apt-get when missing.
+# Results in bench/results/proxy/. About 10 minutes.
 bench-proxy: build
 	@command -v wrk >/dev/null && command -v nginx >/dev/null && command -v haproxy >/dev/null || \
 		apt-get install -y wrk nginx-light haproxy
 	$(GO) build -trimpath -o $(BIN)/kvhop ./bench/cmd/kvhop
 	./$(BIN)/kvhop --kvroute $(BIN)/kvroute --out bench/results/proxy
+	./$(BIN)/kvhop --kvroute $(BIN)/kvroute --streams 9800 --out bench/results/proxy
 
 # Soak (issue #12): SOAK_DURATION of mixed traffic (shared-prefix,
 # multi-turn, random; streaming or not; some abandoned by the client) with

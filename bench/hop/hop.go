@@ -253,30 +253,34 @@ func startProxy(ctx context.Context, name, kvroute, dir, backend string) (*proxy
 	fill := func(tmpl string) string {
 		return strings.NewReplacer("{{dir}}", dir, "{{backend}}", backend, "{{port}}", strconv.Itoa(port)).Replace(tmpl)
 	}
-	var cmd *exec.Cmd
 	switch name {
 	case "kvroute":
 		admin, err := freePort()
 		if err != nil {
 			return nil, err
 		}
-		cmd = exec.CommandContext(ctx, kvroute, "--listen", fmt.Sprintf("127.0.0.1:%d", port),
+		return startProxyArgs(ctx, name, dir, port, kvroute, "--listen", fmt.Sprintf("127.0.0.1:%d", port),
 			"--admin-listen", fmt.Sprintf("127.0.0.1:%d", admin), "--backends", "http://"+backend)
 	case "nginx":
 		conf := filepath.Join(dir, "nginx.conf")
 		if err := os.WriteFile(conf, []byte(fill(nginxConf)), 0o644); err != nil {
 			return nil, err
 		}
-		cmd = exec.CommandContext(ctx, "nginx", "-c", conf, "-p", dir)
+		return startProxyArgs(ctx, name, dir, port, "nginx", "-c", conf, "-p", dir)
 	case "haproxy":
 		conf := filepath.Join(dir, "haproxy.cfg")
 		if err := os.WriteFile(conf, []byte(fill(haproxyConf)), 0o644); err != nil {
 			return nil, err
 		}
-		cmd = exec.CommandContext(ctx, "haproxy", "-db", "-f", conf)
-	default:
-		return &proxyProc{name: name, url: "http://" + backend}, nil
+		return startProxyArgs(ctx, name, dir, port, "haproxy", "-db", "-f", conf)
 	}
+	return &proxyProc{name: name, url: "http://" + backend}, nil
+}
+
+// startProxyArgs runs bin args as the proxy name listening on port, its
+// output in dir/name.log, and waits until it answers a completion.
+func startProxyArgs(ctx context.Context, name, dir string, port int, bin string, args ...string) (*proxyProc, error) {
+	cmd := exec.CommandContext(ctx, bin, args...)
 	logf, err := os.Create(filepath.Join(dir, name+".log"))
 	if err != nil {
 		return nil, err

@@ -1,6 +1,8 @@
 package hop
 
 import (
+	"context"
+	"os"
 	"strings"
 	"testing"
 )
@@ -58,4 +60,27 @@ func TestCasesHaveTheirSizes(t *testing.T) {
 			t.Errorf("%s: %d bytes", c.Name, n)
 		}
 	}
+}
+
+func TestRSSOfThisProcess(t *testing.T) {
+	if _, err := os.Stat("/proc/self/status"); err != nil {
+		t.Skip("no /proc")
+	}
+	if kib, err := rssKiB(os.Getpid()); err != nil || kib <= 0 {
+		t.Fatalf("rss %d KiB, %v", kib, err)
+	}
+}
+
+// A held stream answers its first event at once and ends on release.
+func TestHoldBackend(t *testing.T) {
+	be, err := startHoldBackend(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.close()
+	conns, err := openConns(context.Background(), be.addrs[0], 3, httpPost("/v1/completions", `{"stream":true}`), []byte("data: "))
+	if err != nil {
+		t.Fatal(err)
+	}
+	closeAll(conns)
 }

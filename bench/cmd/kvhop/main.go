@@ -36,6 +36,7 @@ func run(args []string) error {
 	events := fs.Int("events", 100, "SSE events per streamed answer")
 	only := fs.String("only", "", "comma-separated cases to run (NAME or NAME/CONNS, e.g. completion-1KiB/32); default all")
 	targets := fs.String("targets", "", "comma-separated targets (direct, kvroute, nginx, haproxy); default all")
+	streams := fs.Int("streams", 0, "instead of the wrk run: hold this many SSE streams, then as many idle keep-alive connections, through kvroute and report its RSS per stream and per connection (two file descriptors each in kvroute)")
 	more := fs.String("kvroutes", "", "comma-separated further kvroute binaries, measured as kvroute-1, kvroute-2, ... (an A/B of builds)")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -54,6 +55,9 @@ func run(args []string) error {
 	defer os.RemoveAll(work)
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
+	if *streams > 0 {
+		return memory(ctx, abs, work, *streams, *out)
+	}
 	cfg := hop.Config{Kvroute: abs, Dir: work, Rounds: *rounds, Duration: *dur, Events: *events, Log: os.Stdout,
 		Only: list(*only), Targets: list(*targets)}
 	for _, b := range list(*more) {
@@ -79,6 +83,30 @@ func run(args []string) error {
 		return err
 	}
 	fmt.Print("\n" + md)
+	return nil
+}
+
+// memory runs hop.MeasureMemory and writes memory.json and memory.md.
+func memory(ctx context.Context, kvroute, work string, n int, out string) error {
+	rep, err := hop.MeasureMemory(ctx, kvroute, work, n)
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(out, 0o755); err != nil {
+		return err
+	}
+	md := fmt.Sprintf("| open through kvroute | kvroute RSS | per one |\n|---|---:|---:|\n"+
+		"| nothing (after warm-up) | %d KiB | |\n| %d SSE streams | %d KiB | **%.1f KiB per stream** |\n"+
+		"| %d idle keep-alive connections (one request each) | %d KiB | **%.1f KiB per connection** |\n\n%s.\n",
+		rep.BaseRSSKiB, rep.Streams, rep.StreamsRSSKiB, rep.PerStreamKiB, rep.IdleConns, rep.IdleRSSKiB, rep.PerIdleConnKiB, rep.Note)
+	js, _ := json.MarshalIndent(rep, "", "  ")
+	if err := os.WriteFile(filepath.Join(out, "memory.md"), []byte(md), 0o644); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(out, "memory.json"), js, 0o644); err != nil {
+		return err
+	}
+	fmt.Print(md)
 	return nil
 }
 

@@ -62,6 +62,19 @@ func (l *Lease) FirstByte(streamed bool) {
 	}
 }
 
+// AddPrefill adds tokens to the prompt the endpoint is to compute, before
+// its first byte: a request planned for a prefill leg that the endpoint
+// serves alone after all.
+func (l *Lease) AddPrefill(tokens int) {
+	if l.e == nil || l.prefill < 0 || tokens <= 0 {
+		return
+	}
+	t := int64(tokens)
+	l.e.pendingPrefill.Add(t)
+	l.prefill += t
+	l.own += t
+}
+
 // Release ends the claim: the request leaves the endpoint's in-flight
 // count, and its pending prefill too if no byte came back.
 func (l *Lease) Release() {

@@ -392,6 +392,9 @@ loop:
 				s.opt.Metrics.PDDecision(pd.decision)
 				return ans, pd.prefill, nil
 			}
+			if !pd.split { // a fallback: the decode endpoint computes the prompt
+				st.lease.AddPrefill(d.Prefill)
+			}
 		}
 		if !split && len(pd.orig) > 0 {
 			ctx.Request.SetBody(pd.orig) // an earlier attempt's leg body

@@ -23,14 +23,18 @@ const completionResponse = `{"id":"cmpl-0","object":"text_completion","created":
 
 // instantBackend is a fasthttp server on loopback that answers every
 // request at once.
-func instantBackend(tb testing.TB) string {
+func instantBackend(tb testing.TB) string { return instantAnswer(tb, completionResponse) }
+
+// instantAnswer is a fasthttp server on loopback that answers every
+// request at once with the JSON answer.
+func instantAnswer(tb testing.TB, answer string) string {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		tb.Fatal(err)
 	}
 	s := &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
 		ctx.SetContentType("application/json")
-		ctx.SetBodyString(completionResponse)
+		ctx.SetBodyString(answer)
 	}}
 	go func() { _ = s.Serve(ln) }()
 	tb.Cleanup(func() { _ = s.Shutdown() })
@@ -66,55 +70,67 @@ func chatBody(n int) []byte {
 // request at a time, alternating, and reports the p50 and p99 of both and
 // the added latency of the kvroute hop (parsing and hashing included).
 func BenchmarkHopLatency(b *testing.B) {
-	for _, size := range []struct {
-		name string
-		path string
-		body []byte
-	}{
-		{"completion-1KiB", "/v1/completions", completionBody(1 << 10)},
-		{"chat-128KiB", "/v1/chat/completions", chatBody(128 << 10)},
-	} {
+	for _, size := range hopBodies {
 		b.Run(size.name, func(b *testing.B) {
 			backend := instantBackend(b)
 			h := startProxy(b, routing.NewLeastRequest(nil), Options{Limits: Limits{MaxBodyBytes: 1 << 20}}, backend)
-			direct := &fasthttp.HostClient{Addr: strings.TrimPrefix(backend, "http://"), MaxConns: 1}
-			via := &fasthttp.HostClient{Addr: strings.TrimPrefix(h.url, "http://"), MaxConns: 1}
-			req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
-			req.Header.SetMethod("POST")
-			req.Header.SetContentType("application/json")
-			req.SetRequestURI(size.path)
-			req.SetHost("kvroute.test")
-			req.SetBody(size.body)
-			do := func(c *fasthttp.HostClient) time.Duration {
-				t0 := time.Now()
-				if err := c.Do(req, resp); err != nil || resp.StatusCode() != 200 {
-					b.Fatalf("%v %d", err, resp.StatusCode())
-				}
-				return time.Since(t0)
-			}
-			for i := 0; i < 200; i++ { // warm connections and pools
-				do(direct)
-				do(via)
-			}
-			d := make([]time.Duration, 0, b.N)
-			v := make([]time.Duration, 0, b.N)
-			b.ResetTimer()
-			for i := 0; i < b.N; i++ {
-				d = append(d, do(direct))
-				v = append(v, do(via))
-			}
-			b.StopTimer()
-			slices.Sort(d)
-			slices.Sort(v)
-			pct := func(x []time.Duration, p float64) float64 {
-				return float64(x[int(p*float64(len(x)-1))].Nanoseconds()) / 1e3
-			}
+			d, v := alternate(b, size.path, size.body, backend, h.url)
 			b.ReportMetric(pct(d, 0.5), "direct-p50-µs")
 			b.ReportMetric(pct(v, 0.5), "kvroute-p50-µs")
 			b.ReportMetric(pct(v, 0.5)-pct(d, 0.5), "added-p50-µs")
 			b.ReportMetric(pct(v, 0.99)-pct(d, 0.99), "added-p99-µs")
 		})
 	}
+}
+
+// hopBodies are the bodies the hop benchmarks send.
+var hopBodies = []struct {
+	name string
+	path string
+	body []byte
+}{
+	{"completion-1KiB", "/v1/completions", completionBody(1 << 10)},
+	{"chat-128KiB", "/v1/chat/completions", chatBody(128 << 10)},
+}
+
+// alternate sends body to path at base URLs x and y, one request at a
+// time, alternating: 200 of each to warm connections and pools, then b.N
+// timed; it returns the sorted latencies of each.
+func alternate(b *testing.B, path string, body []byte, x, y string) (xs, ys []time.Duration) {
+	cx := &fasthttp.HostClient{Addr: strings.TrimPrefix(x, "http://"), MaxConns: 1}
+	cy := &fasthttp.HostClient{Addr: strings.TrimPrefix(y, "http://"), MaxConns: 1}
+	req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
+	req.Header.SetMethod("POST")
+	req.Header.SetContentType("application/json")
+	req.SetRequestURI(path)
+	req.SetHost("kvroute.test")
+	req.SetBody(body)
+	do := func(c *fasthttp.HostClient) time.Duration {
+		t0 := time.Now()
+		if err := c.Do(req, resp); err != nil || resp.StatusCode() != 200 {
+			b.Fatalf("%v %d %s", err, resp.StatusCode(), resp.Body())
+		}
+		return time.Since(t0)
+	}
+	for i := 0; i < 200; i++ {
+		do(cx)
+		do(cy)
+	}
+	xs, ys = make([]time.Duration, 0, b.N), make([]time.Duration, 0, b.N)
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		xs = append(xs, do(cx))
+		ys = append(ys, do(cy))
+	}
+	b.StopTimer()
+	slices.Sort(xs)
+	slices.Sort(ys)
+	return xs, ys
+}
+
+// pct returns the q-quantile of sorted latencies x in µs.
+func pct(x []time.Duration, q float64) float64 {
+	return float64(x[int(q*float64(len(x)-1))].Nanoseconds()) / 1e3
 }
 
 // BenchmarkParse compares kvroute's one-pass parse (fastjson, canonical
@@ -175,63 +191,13 @@ const prefillAnswer = `{"id":"cmpl-0","object":"text_completion","created":17487
 // alternating; it reports what disaggregation adds: the second hop and the
 // JSON work.
 func BenchmarkPDHop(b *testing.B) {
-	for _, size := range []struct {
-		name string
-		path string
-		body []byte
-	}{
-		{"completion-1KiB", "/v1/completions", completionBody(1 << 10)},
-		{"chat-128KiB", "/v1/chat/completions", chatBody(128 << 10)},
-	} {
+	for _, size := range hopBodies {
 		b.Run(size.name, func(b *testing.B) {
-			decode := instantBackend(b)
-			pln, err := net.Listen("tcp", "127.0.0.1:0")
-			if err != nil {
-				b.Fatal(err)
-			}
-			ps := &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
-				ctx.SetContentType("application/json")
-				ctx.SetBodyString(prefillAnswer)
-			}}
-			go func() { _ = ps.Serve(pln) }()
-			b.Cleanup(func() { _ = ps.Shutdown() })
+			decode, prefill := instantBackend(b), instantAnswer(b, prefillAnswer)
 			agg := startPD(b, Options{}, pdPools{mixed: []string{decode}})
 			pd := startPD(b, Options{PD: PDOptions{Decider: routing.PDDecider{MinUncachedTokens: 1}}},
-				pdPools{prefill: []string{"http://" + pln.Addr().String()}, decode: []string{decode}})
-			clients := []*fasthttp.HostClient{
-				{Addr: strings.TrimPrefix(agg.url, "http://"), MaxConns: 1},
-				{Addr: strings.TrimPrefix(pd.url, "http://"), MaxConns: 1},
-			}
-			req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
-			req.Header.SetMethod("POST")
-			req.Header.SetContentType("application/json")
-			req.SetRequestURI(size.path)
-			req.SetHost("kvroute.test")
-			req.SetBody(size.body)
-			do := func(c *fasthttp.HostClient) time.Duration {
-				t0 := time.Now()
-				if err := c.Do(req, resp); err != nil || resp.StatusCode() != 200 {
-					b.Fatalf("%v %d %s", err, resp.StatusCode(), resp.Body())
-				}
-				return time.Since(t0)
-			}
-			for i := 0; i < 200; i++ {
-				do(clients[0])
-				do(clients[1])
-			}
-			a := make([]time.Duration, 0, b.N)
-			p := make([]time.Duration, 0, b.N)
-			b.ResetTimer()
-			for i := 0; i < b.N; i++ {
-				a = append(a, do(clients[0]))
-				p = append(p, do(clients[1]))
-			}
-			b.StopTimer()
-			slices.Sort(a)
-			slices.Sort(p)
-			pct := func(x []time.Duration, q float64) float64 {
-				return float64(x[int(q*float64(len(x)-1))].Nanoseconds()) / 1e3
-			}
+				pdPools{prefill: []string{prefill}, decode: []string{decode}})
+			a, p := alternate(b, size.path, size.body, agg.url, pd.url)
 			if n := pdDecisions(b, pd, routing.PDSplit); int(n) != b.N+200 {
 				b.Fatalf("%v of %d requests disaggregated", n, b.N+200)
 			}

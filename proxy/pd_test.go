@@ -31,8 +31,9 @@ type pdPools struct {
 	mixed, prefill, decode []string
 }
 
-// startPD starts a proxy over pools with the prefix policy (learned
-// priors) and the PD options of opt; the vLLM protocol unless opt says.
+// startPD starts a proxy over pools with the PD options of opt (the vLLM
+// protocol unless opt says) and opt's Picker, or the prefix policy with
+// learned priors.
 func startPD(t testing.TB, opt Options, pools pdPools) *harness {
 	t.Helper()
 	pool := &discovery.Pool{}
@@ -52,7 +53,10 @@ func startPD(t testing.TB, opt Options, pools pdPools) *harness {
 	pool.Publish(eps)
 	reg := prometheus.NewRegistry()
 	pfx := routing.NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1000, MaxEntries: 100000}), 1024, routing.DefaultPrefixParams())
-	opt.Picker, opt.Pool, opt.Learner = pfx, pool, pfx
+	if opt.Picker == nil {
+		opt.Picker, opt.Learner = pfx, pfx
+	}
+	opt.Pool = pool
 	opt.Metrics = metrics.New(reg, Classes, nil)
 	opt.MaxBodyBytes = 1 << 20
 	if opt.Logger == nil {
@@ -536,22 +540,11 @@ func TestPDDecodeFailureBeforeTheFirstByte(t *testing.T) {
 	}
 	f1, u1 := failing()
 	f2, u2 := failing()
-	// fixed order: the two failing decode pods first, then the good one.
-	pool := &discovery.Pool{}
-	var eps []*discovery.Endpoint
-	for _, u := range []struct {
-		url  string
-		role discovery.Role
-	}{{u1, discovery.RoleDecode}, {u2, discovery.RoleDecode}, {durl, discovery.RoleDecode}, {purl, discovery.RolePrefill}} {
-		ep, _ := discovery.NewEndpoint(u.url, u.role)
-		eps = append(eps, ep)
-	}
-	pool.Publish(eps)
-	reg := prometheus.NewRegistry()
-	srv := New(Options{Picker: fixedGroup{}, Pool: pool, Metrics: metrics.New(reg, Classes, nil), Logger: zap.NewNop(),
-		Limits: Limits{Retries: 3, MaxBodyBytes: 1 << 20},
-		PD:     PDOptions{Protocol: ProtocolVLLM, Decider: routing.PDDecider{MinUncachedTokens: 1}}})
-	url := serveLoopback(t, srv)
+	// The two failing decode pods are picked first, then the good one.
+	h := startPD(t, Options{Picker: decodeFirst{}, Limits: Limits{Retries: 3},
+		PD: PDOptions{Decider: routing.PDDecider{MinUncachedTokens: 1}}},
+		pdPools{prefill: []string{purl}, decode: []string{u1, u2, durl}})
+	url, reg := h.url, h.reg
 	resp := post(t, url+"/v1/completions", pdCompletion(promptWords("r", 2000), true, `"stream_options":{"include_usage":true}`))
 	body := readAll(t, resp)
 	if resp.StatusCode != 200 {
@@ -570,23 +563,6 @@ func TestPDDecodeFailureBeforeTheFirstByte(t *testing.T) {
 	if prefills != 2 || stranded != 1 {
 		t.Errorf("%v prefill legs and %v stranded references; want a fresh prefill after two failed decodes, and the first reference counted", prefills, stranded)
 	}
-}
-
-// fixedGroup picks the first endpoint of the request's group not yet
-// tried, in Set order.
-type fixedGroup struct{}
-
-func (fixedGroup) Pick(r *routing.Request, set *discovery.Set) routing.Decision {
-	group := set.Serving
-	if r.Prefill {
-		group = set.Prefill
-	}
-	for _, e := range group {
-		if !slices.Contains(r.Tried, e) {
-			return routing.Decision{Endpoint: e, Reason: "fixed", Prefill: r.PromptTokens}
-		}
-	}
-	return routing.Decision{}
 }
 
 // TestPDStreamCutAfterTheFirstByte: once the decode pod streamed, a cut
@@ -754,21 +730,9 @@ func TestPDRetryOnAMixedPodSendsTheClientsBody(t *testing.T) {
 	pre := newRecorder(t, answerWith(200, wirePrefill(t)))
 	dec := newRecorder(t, answerWith(500, `{"error":{"message":"decode failed"}}`))
 	mixed := newRecorder(t, answerWith(200, `{"id":"m","choices":[{"text":"mixed"}]}`))
-	pool := &discovery.Pool{}
-	var eps []*discovery.Endpoint
-	for _, u := range []struct {
-		url  string
-		role discovery.Role
-	}{{pre.srv.URL, discovery.RolePrefill}, {dec.srv.URL, discovery.RoleDecode}, {mixed.srv.URL, discovery.RoleMixed}} {
-		ep, _ := discovery.NewEndpoint(u.url, u.role)
-		eps = append(eps, ep)
-	}
-	pool.Publish(eps)
-	reg := prometheus.NewRegistry()
-	srv := New(Options{Picker: decodeFirst{}, Pool: pool, Metrics: metrics.New(reg, Classes, nil), Logger: zap.NewNop(),
-		Limits: Limits{Retries: 2, MaxBodyBytes: 1 << 20},
-		PD:     PDOptions{Protocol: ProtocolVLLM, Decider: routing.PDDecider{MinUncachedTokens: 1}}})
-	url := serveLoopback(t, srv)
+	h := startPD(t, Options{Picker: decodeFirst{}, PD: PDOptions{Decider: routing.PDDecider{MinUncachedTokens: 1}}},
+		pdPools{prefill: []string{pre.srv.URL}, decode: []string{dec.srv.URL}, mixed: []string{mixed.srv.URL}})
+	url, reg := h.url, h.reg
 	resp := post(t, url+"/v1/completions", `{"model":"m","prompt":"`+promptWords("m", 300)+`"}`)
 	if b := readAll(t, resp); resp.StatusCode != 200 || !strings.Contains(b, "mixed") {
 		t.Fatalf("%d %s", resp.StatusCode, b)

@@ -387,16 +387,7 @@ func TestBootstrapHoldExpires(t *testing.T) {
 	prefill, purl := servePod(t, Config{TimeScale: 1000, Role: RolePrefill, KVHoldTimeout: time.Nanosecond})
 	c := newClient(t)
 	awaitLeg(t, sendLeg(c, purl, roomLeg(prefill, jsonInput(1, 64), 99)), false)
-	// The engine sweeps expired holds before it schedules the next request.
-	if code, _, body := post(t, c, purl+"/v1/completions", `{"prompt":"next","max_tokens":1}`); code != 200 {
-		t.Fatalf("%d %s", code, body)
-	}
-	if e := metricValue(t, scrape(t, c, purl), "kvsim:kv_hold_expired_total"); e != 1 {
-		t.Errorf("kvsim:kv_hold_expired_total = %v, want 1", e)
-	}
-	if st := prefill.Stats(); st.HeldBlocks != 0 || st.UsedBlocks != 0 {
-		t.Errorf("after expiry %+v, want no held or used blocks", st)
-	}
+	assertHoldExpired(t, c, prefill, purl)
 	side := "http://" + prefill.SideChannelAddr() + bootstrapPullPath
 	if code, _, body := post(t, c, side, `{"bootstrap_room":99,"num_tokens":64}`); code != 410 || !strings.Contains(string(body), "expired") {
 		t.Errorf("late pull: %d %s, want 410 expired", code, body)

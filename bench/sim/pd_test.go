@@ -3,6 +3,7 @@ package sim
 import (
 	"encoding/json"
 	"net"
+	"net/http"
 	"strconv"
 	"strings"
 	"testing"
@@ -175,8 +176,14 @@ func TestHoldExpiresWithoutPull(t *testing.T) {
 	c := newClient(t)
 	ids, _ := json.Marshal(tokenPrompt(1, 64))
 	runPrefill(t, purl, string(ids), "stranded")
-	// The hold expired at once; the engine sweeps expired holds before it
-	// schedules the next request, so after that request the blocks are free.
+	assertHoldExpired(t, c, prefill, purl)
+}
+
+// assertHoldExpired checks that the prefill pod's only hold, which expired
+// at once, is released and counted: the engine sweeps expired holds before
+// it schedules the next request, so after that request the blocks are free.
+func assertHoldExpired(t *testing.T, c *http.Client, prefill *Pod, purl string) {
+	t.Helper()
 	if code, _, body := post(t, c, purl+"/v1/completions", `{"prompt":"next","max_tokens":1}`); code != 200 {
 		t.Fatalf("%d %s", code, body)
 	}

@@ -74,6 +74,7 @@ type Metrics struct {
 
 	e2e          prometheus.Observer
 	pdDecisions  *prometheus.CounterVec
+	pdCache      sync.Map // decision → prometheus.Counter
 	pdStranded   *prometheus.CounterVec
 	prefillLeg   prometheus.Observer
 	prefillQueue prometheus.Observer
@@ -210,15 +211,22 @@ func (m *Metrics) UpstreamError(kind string) { m.upstreamErrs.WithLabelValues(ki
 // Decision counts one routing decision: its reason, the request's prompt
 // tokens and the tokens the chosen endpoint is believed to hold.
 func (m *Metrics) Decision(reason string, promptTokens, cachedTokens int) {
-	c, ok := m.decisionCache.Load(reason)
-	if !ok {
-		c, _ = m.decisionCache.LoadOrStore(reason, m.decisions.WithLabelValues(reason))
-	}
-	c.(prometheus.Counter).Inc()
+	child(&m.decisionCache, m.decisions, reason).Inc()
 	if promptTokens > 0 {
 		m.promptTokens.Add(float64(promptTokens))
 		m.hitTokens.Add(float64(cachedTokens))
 	}
+}
+
+// child returns vec's counter for label, resolved once through cache (a
+// bounded label set: a map lookup per request rather than hashing the
+// label values).
+func child(cache *sync.Map, vec *prometheus.CounterVec, label string) prometheus.Counter {
+	c, ok := cache.Load(label)
+	if !ok {
+		c, _ = cache.LoadOrStore(label, vec.WithLabelValues(label))
+	}
+	return c.(prometheus.Counter)
 }
 
 // CacheReport compares the router's estimate of a request's cached prompt
@@ -317,7 +325,7 @@ func (m *Metrics) registerPD(reg prometheus.Registerer) {
 func (m *Metrics) RequestEnd(seconds float64) { m.e2e.Observe(seconds) }
 
 // PDDecision counts one disaggregation decision.
-func (m *Metrics) PDDecision(decision string) { m.pdDecisions.WithLabelValues(decision).Inc() }
+func (m *Metrics) PDDecision(decision string) { child(&m.pdCache, m.pdDecisions, decision).Inc() }
 
 // PDStranded counts one prefill whose KV no decode leg used.
 func (m *Metrics) PDStranded(cause string) { m.pdStranded.WithLabelValues(cause).Inc() }

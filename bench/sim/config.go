@@ -167,8 +167,9 @@ type Config struct {
 	Faults Faults
 
 	// OnStep, if set, is called on the engine goroutine after every step
-	// with that step's figures. It must not block or call into the Pod; tests
-	// use it to observe batching without sleeping.
+	// with that step's figures, before the step's answers are sent. It must
+	// not block or call into the Pod; tests use it to observe batching
+	// without sleeping.
 	OnStep func(StepInfo)
 }
 

@@ -271,6 +271,7 @@ func (e *engine) run() {
 		if e.cfg.OnStep != nil {
 			e.cfg.OnStep(info)
 		}
+		e.deliver()
 	}
 }
 
@@ -627,14 +628,18 @@ func (e *engine) apply(end time.Duration) (decodes int) {
 	}
 	clear(e.running[len(out):])
 	e.running = out
-	// Gauges first, so a client that got its answer sees them updated.
+	return decodes
+}
+
+// deliver sends the answers of the step apply ended. Gauges first, so a
+// client that got its answer sees them (and the step's OnStep) updated.
+func (e *engine) deliver() {
 	e.publishGauges()
 	for i, s := range e.notify {
 		e.publish(s)
 		e.notify[i] = nil
 	}
 	e.notify = e.notify[:0]
-	return decodes
 }
 
 // finish ends a sequence: its blocks are freed, or held for a remote decode

@@ -21,16 +21,32 @@ import (
 // through it, then n idle keep-alive connections; kvroute's resident
 // memory (VmRSS) is read before and with them open.
 
-// MemoryReport is what MeasureMemory found.
+// MemoryReport is what MeasureMemory found. Per one stream or connection:
+// the growth of kvroute's RSS, and of the Go heap and goroutine stacks in
+// use (go_memstats_*_inuse_bytes from its /metrics), which say where the
+// RSS went.
 type MemoryReport struct {
 	Streams        int     `json:"streams"`
 	BaseRSSKiB     int     `json:"base_rss_kib"`
 	StreamsRSSKiB  int     `json:"streams_rss_kib"`
 	PerStreamKiB   float64 `json:"per_stream_kib"`
+	StreamHeapKiB  float64 `json:"per_stream_heap_inuse_kib"`
+	StreamStackKiB float64 `json:"per_stream_stack_inuse_kib"`
 	IdleConns      int     `json:"idle_conns"`
 	IdleRSSKiB     int     `json:"idle_rss_kib"`
 	PerIdleConnKiB float64 `json:"per_idle_conn_kib"`
+	IdleHeapKiB    float64 `json:"per_idle_conn_heap_inuse_kib"`
+	IdleStackKiB   float64 `json:"per_idle_conn_stack_inuse_kib"`
 	Note           string  `json:"note"`
+}
+
+// memSample is kvroute's memory at one moment, in KiB.
+type memSample struct{ rss, heap, stack float64 }
+
+// per is the growth from a to b, per one of n.
+func per(a, b memSample, n int) memSample {
+	d := float64(n)
+	return memSample{(b.rss - a.rss) / d, (b.heap - a.heap) / d, (b.stack - a.stack) / d}
 }
 
 // backendPods spreads the streams so that no pod needs more upstream
@@ -184,31 +200,37 @@ func MeasureMemory(ctx context.Context, kvroute, dir string, n int) (*MemoryRepo
 	}
 	defer be.close()
 	rep := &MemoryReport{Streams: n, IdleConns: n,
-		Note: "VmRSS of the kvroute process (Go heap, stacks, buffers of both sides in user space), each measurement in a fresh process after a warm-up; kernel socket buffers are not in it"}
+		Note: "VmRSS of the kvroute process (Go heap, stacks, buffers of both sides in user space) and the Go runtime's heap and stack figures, each measurement in a fresh process after a warm-up; kernel socket buffers are not in it"}
 	stream := httpPost("/v1/completions", `{"model":"m","prompt":"hold this stream open","stream":true}`)
-	if rep.BaseRSSKiB, rep.StreamsRSSKiB, err = rssWith(ctx, kvroute, dir, be, n, stream, []byte("data: ")); err != nil {
+	before, with, err := memWith(ctx, kvroute, dir, be, n, stream, []byte("data: "), "streams")
+	if err != nil {
 		return nil, fmt.Errorf("streams: %w", err)
 	}
-	rep.PerStreamKiB = float64(rep.StreamsRSSKiB-rep.BaseRSSKiB) / float64(n)
-	var base int
-	one := httpPost("/v1/completions", `{"model":"m","prompt":"one request, then idle"}`)
-	if base, rep.IdleRSSKiB, err = rssWith(ctx, kvroute, dir, be, n, one, []byte(`finish_reason`)); err != nil {
+	one := per(before, with, n)
+	rep.BaseRSSKiB, rep.StreamsRSSKiB = int(before.rss), int(with.rss)
+	rep.PerStreamKiB, rep.StreamHeapKiB, rep.StreamStackKiB = one.rss, one.heap, one.stack
+	idle := httpPost("/v1/completions", `{"model":"m","prompt":"one request, then idle"}`)
+	if before, with, err = memWith(ctx, kvroute, dir, be, n, idle, []byte(`finish_reason`), "idle"); err != nil {
 		return nil, fmt.Errorf("idle connections: %w", err)
 	}
-	rep.PerIdleConnKiB = float64(rep.IdleRSSKiB-base) / float64(n)
+	one = per(before, with, n)
+	rep.IdleRSSKiB = int(with.rss)
+	rep.PerIdleConnKiB, rep.IdleHeapKiB, rep.IdleStackKiB = one.rss, one.heap, one.stack
 	return rep, nil
 }
 
-// rssWith starts kvroute in front of be, warms it up, and returns its RSS
-// before and with n connections open that each sent req and read until.
-func rssWith(ctx context.Context, kvroute, dir string, be *holdBackend, n int, req, until []byte) (before, with int, err error) {
+// memWith starts kvroute in front of be, warms it up, and returns its
+// memory before and with n connections open that each sent req and read
+// until. With KVHOP_HEAP_PROFILE=P, the heap profile with them open is
+// saved to P-phase.
+func memWith(ctx context.Context, kvroute, dir string, be *holdBackend, n int, req, until []byte, phase string) (before, with memSample, err error) {
 	port, err := freePort()
 	if err != nil {
-		return 0, 0, err
+		return before, with, err
 	}
 	admin, err := freePort()
 	if err != nil {
-		return 0, 0, err
+		return before, with, err
 	}
 	var urls []string
 	for _, a := range be.addrs {
@@ -217,32 +239,64 @@ func rssWith(ctx context.Context, kvroute, dir string, be *holdBackend, n int, r
 	p, err := startProxyArgs(ctx, "kvroute", dir, port, kvroute, "--listen", fmt.Sprintf("127.0.0.1:%d", port),
 		"--admin-listen", fmt.Sprintf("127.0.0.1:%d", admin), "--backends", strings.Join(urls, ","), "--admin-token", profileToken)
 	if err != nil {
-		return 0, 0, err
+		return before, with, err
 	}
 	defer p.stop()
 	addr, pid := strings.TrimPrefix(p.url, "http://"), p.cmd.Process.Pid
 	warm, err := openConns(ctx, addr, 50, req, until)
 	if err != nil {
-		return 0, 0, err
+		return before, with, err
 	}
 	closeAll(warm)
 	time.Sleep(time.Second)
-	if before, err = rssKiB(pid); err != nil {
-		return 0, 0, err
+	metricsURL := fmt.Sprintf("http://127.0.0.1:%d/metrics", admin)
+	if before, err = sampleMem(pid, metricsURL); err != nil {
+		return before, with, err
 	}
 	conns, err := openConns(ctx, addr, n, req, until)
 	if err != nil {
-		return 0, 0, err
+		return before, with, err
 	}
 	defer closeAll(conns)
 	time.Sleep(2 * time.Second)
-	if with, err = rssKiB(pid); err != nil {
-		return 0, 0, err
+	if with, err = sampleMem(pid, metricsURL); err != nil {
+		return before, with, err
 	}
 	if path := os.Getenv("KVHOP_HEAP_PROFILE"); path != "" {
-		err = saveProfile(fmt.Sprintf("http://127.0.0.1:%d/debug/pprof/heap", admin), path)
+		err = saveProfile(fmt.Sprintf("http://127.0.0.1:%d/debug/pprof/heap", admin), path+"-"+phase)
 	}
 	return before, with, err
+}
+
+// sampleMem reads the process's VmRSS and the Go heap and stacks in use
+// from its /metrics.
+func sampleMem(pid int, metricsURL string) (memSample, error) {
+	rss, err := rssKiB(pid)
+	if err != nil {
+		return memSample{}, err
+	}
+	m := memSample{rss: float64(rss)}
+	body, err := get(metricsURL)
+	if err != nil {
+		return m, err
+	}
+	for _, l := range strings.Split(string(body), "\n") {
+		name, v, ok := strings.Cut(l, " ")
+		if !ok {
+			continue
+		}
+		f, _ := strconv.ParseFloat(v, 64)
+		switch name {
+		case "go_memstats_heap_inuse_bytes":
+			m.heap = f / 1024
+		case "go_memstats_stack_inuse_bytes":
+			m.stack = f / 1024
+		}
+	}
+	if m.heap == 0 || m.stack == 0 {
+		return m, errors.New("no go_memstats_heap_inuse_bytes or go_memstats_stack_inuse_bytes in " + metricsURL)
+	}
+	return m, nil
 }
 
 // profileToken is the benchmark kvroute's admin token (its admin
@@ -252,13 +306,25 @@ const profileToken = "kvhop"
 // saveProfile saves the pprof profile at url to path (KVHOP_HEAP_PROFILE:
 // the heap with the connections open, to see where their memory goes).
 func saveProfile(url, path string) error {
+	body, err := get(url)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(path, body, 0o644)
+}
+
+// get fetches url from kvroute's admin listener.
+func get(url string) ([]byte, error) {
 	req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
 	defer fasthttp.ReleaseRequest(req)
 	defer fasthttp.ReleaseResponse(resp)
 	req.SetRequestURI(url)
 	req.Header.Set("Authorization", "Bearer "+profileToken)
 	if err := fasthttp.DoTimeout(req, resp, 30*time.Second); err != nil {
-		return err
+		return nil, err
 	}
-	return os.WriteFile(path, resp.Body(), 0o644)
+	if resp.StatusCode() != 200 {
+		return nil, fmt.Errorf("%s: %d", url, resp.StatusCode())
+	}
+	return append([]byte(nil), resp.Body()...), nil
 }

@@ -95,10 +95,12 @@ func memory(ctx context.Context, kvroute, work string, n int, out string) error 
 	if err := os.MkdirAll(out, 0o755); err != nil {
 		return err
 	}
-	md := fmt.Sprintf("| open through kvroute | kvroute RSS | per one |\n|---|---:|---:|\n"+
-		"| nothing (after warm-up) | %d KiB | |\n| %d SSE streams | %d KiB | **%.1f KiB per stream** |\n"+
-		"| %d idle keep-alive connections (one request each) | %d KiB | **%.1f KiB per connection** |\n\n%s.\n",
-		rep.BaseRSSKiB, rep.Streams, rep.StreamsRSSKiB, rep.PerStreamKiB, rep.IdleConns, rep.IdleRSSKiB, rep.PerIdleConnKiB, rep.Note)
+	md := fmt.Sprintf("| open through kvroute | kvroute RSS | RSS per one | Go heap in use per one | goroutine stacks per one |\n|---|---:|---:|---:|---:|\n"+
+		"| nothing (after warm-up) | %d KiB | | | |\n"+
+		"| %d SSE streams | %d KiB | **%.1f KiB** | %.1f KiB | %.1f KiB |\n"+
+		"| %d idle keep-alive connections (one request each) | %d KiB | **%.1f KiB** | %.1f KiB | %.1f KiB |\n\n%s.\n",
+		rep.BaseRSSKiB, rep.Streams, rep.StreamsRSSKiB, rep.PerStreamKiB, rep.StreamHeapKiB, rep.StreamStackKiB,
+		rep.IdleConns, rep.IdleRSSKiB, rep.PerIdleConnKiB, rep.IdleHeapKiB, rep.IdleStackKiB, rep.Note)
 	js, _ := json.MarshalIndent(rep, "", "  ")
 	if err := os.WriteFile(filepath.Join(out, "memory.md"), []byte(md), 0o644); err != nil {
 		return err

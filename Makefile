@@ -3,13 +3,17 @@ GO       ?= go
 BIN      ?= bin
 IMAGE    ?= kvroute:dev
 PKGS     := ./...
+# Stamped into the binary (kvroute --version, the first log line, kvroute_build_info).
+VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+REVISION ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+LDFLAGS  := -X main.version=$(VERSION) -X main.revision=$(REVISION)
 
 .PHONY: all build test vet fmt-check bench run docker clean demo bench-e2e bench-pd bench-proxy fuzz soak
 
 all: build
 
 build:
-	$(GO) build -trimpath -o $(BIN)/kvroute .
+	$(GO) build -trimpath -ldflags "$(LDFLAGS)" -o $(BIN)/kvroute .
 	$(GO) build -trimpath -o $(BIN)/kvsim ./bench/cmd/kvsim
 	$(GO) build -trimpath -o $(BIN)/kvbench ./bench/cmd/kvbench
 
@@ -47,7 +51,7 @@ run: build
 	  --backends http://127.0.0.1:8100,http://127.0.0.1:8101,http://127.0.0.1:8102,http://127.0.0.1:8103
 
 docker:
-	docker build -t $(IMAGE) .
+	docker build --build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION) -t $(IMAGE) .
 
 clean:
 	rm -rf $(BIN)

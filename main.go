@@ -47,6 +47,7 @@ type config struct {
 	DrainTimeout time.Duration
 	LogLevel     string
 	LogFormat    string
+	showVersion  bool
 }
 
 // newFlags binds c's fields to flags, in groups; each flag's default is
@@ -126,10 +127,15 @@ func newFlags(c *config) *proxy.Flags {
 	upstream.DurationVar(&c.UpstreamIdleTimeout, "upstream-idle-timeout", c.UpstreamIdleTimeout, "close idle upstream keep-alive connections after this; keep below the engine's keep-alive (uvicorn, hence vLLM and SGLang: 5s)")
 	upstream.IntVar(&c.MaxConnsPerEndpoint, "max-conns-per-endpoint", c.MaxConnsPerEndpoint, "upstream connection cap per endpoint (each stream holds one)")
 
-	ops.DurationVar(&c.DrainTimeout, "drain-timeout", c.DrainTimeout, "on SIGTERM, how long in-flight requests and streams may finish")
+	ops.DurationVar(&c.ShutdownDelay, "shutdown-delay", c.ShutdownDelay, "on SIGTERM, keep accepting (answering with Connection: close) for this long while /readyz answers 503, so that Services and load balancers stop sending first; then drain")
+	ops.DurationVar(&c.DrainTimeout, "drain-timeout", c.DrainTimeout, "on SIGTERM, after --shutdown-delay, how long in-flight requests and streams may finish")
 	ops.StringVar(&c.LogLevel, "log-level", c.LogLevel, "log level: debug, info, warn, error")
 	ops.StringVar(&c.LogFormat, "log-format", c.LogFormat, "log format: json or console")
 	ops.BoolVar(&c.AccessLog, "access-log", c.AccessLog, "log one line per request")
+	ops.Float64Var(&c.AccessLogSample, "access-log-sample", c.AccessLogSample, "share of successful requests (status < 400) the access log records, at random; errors are always logged")
+	ops.StringVar(&c.OTLPEndpoint, "otlp-endpoint", c.OTLPEndpoint, "export OpenTelemetry spans (request, pick, prefill and decode legs) over OTLP/HTTP to this collector, e.g. http://otel-collector:4318 (off when empty)")
+	ops.Float64Var(&c.OTLPSampleRatio, "otlp-sample-ratio", c.OTLPSampleRatio, "share of new traces sampled for export; a client's sampled traceparent is always followed")
+	ops.BoolVar(&c.showVersion, "version", false, "print the version and exit")
 
 	return f
 }
@@ -222,6 +228,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready cha
 	if err != nil {
 		return err
 	}
+	bi := readBuildInfo()
+	if cfg.showVersion {
+		_, err := fmt.Fprintln(stdout, bi)
+		return err
+	}
 	if err := cfg.Validate(); err != nil {
 		return fmt.Errorf("invalid configuration:\n%w", err)
 	}
@@ -231,6 +242,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready cha
 	}
 	defer flush()
 
+	cfg.Version, cfg.Revision = bi.Version, bi.Revision
+	logger.Info("kvroute starting", zap.String("version", bi.Version), zap.String("revision", bi.Revision),
+		zap.String("goversion", bi.GoVersion))
 	router, err := proxy.NewRouter(cfg.Config, logger)
 	if err != nil {
 		return err

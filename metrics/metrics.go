@@ -25,8 +25,11 @@ var latencyBuckets = []float64{
 
 // EndpointSample is one endpoint's live state, read at scrape time.
 type EndpointSample struct {
-	URL, Role          string
-	InFlight           int64
+	URL, Role string
+	InFlight  int64
+	// PendingPrefill is the prompt tokens of the router's in-flight
+	// requests that the endpoint has not answered yet.
+	PendingPrefill     int64
 	Requests, Failures uint64
 	// KVUsage is the engine's scraped KV-cache usage (0–1); negative when
 	// not freshly scraped.
@@ -71,6 +74,9 @@ type Metrics struct {
 	estExact      prometheus.Counter
 
 	reqCache sync.Map // reqKey → prometheus.Counter
+	modelsMu sync.RWMutex
+	models   map[string]string // model names an endpoint accepted → their label value
+	chunkGap prometheus.Observer
 
 	e2e          prometheus.Observer
 	pdDecisions  *prometheus.CounterVec
@@ -83,9 +89,16 @@ type Metrics struct {
 }
 
 type reqKey struct {
-	class int
-	code  int
+	class, code int
+	model       string
 }
+
+// MaxModels bounds the model label: the first MaxModels model names that
+// an endpoint answered with a success are labelled by name; any other
+// name is "other", and a request without one (or that kvroute refused
+// before reading it) is "none". Clients choose the names, so only the
+// engines' acceptance admits one.
+const MaxModels = 32
 
 // New registers kvroute's collectors on reg. classes are the path classes
 // (label "class"), addressed by index in the recording methods. endpoints,
@@ -94,10 +107,11 @@ type reqKey struct {
 func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(EndpointSample))) *Metrics {
 	m := &Metrics{
 		classes: classes,
+		models:  map[string]string{},
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: Namespace, Name: "requests_total",
-			Help: "Requests answered, by path class and HTTP status (499: the client went away).",
-		}, []string{"class", "code"}),
+			Help: "Requests answered, by path class, HTTP status (499: the client went away) and model (the first 32 names an endpoint served; other, none).",
+		}, []string{"class", "code", "model"}),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: Namespace, Name: "request_duration_seconds",
 			Help:    "Time from reading the request to the end of the response body, by path class.",
@@ -114,7 +128,7 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 		}),
 		upstreamErrs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: Namespace, Name: "upstream_errors_total",
-			Help: "Failed upstream attempts, by kind (connect, timeout, status, body).",
+			Help: "Failed upstream attempts, by kind: connect (refused, reset, failed write), timeout, status (a 5xx, 429 or 503 answer), busy (no free connection), cancelled (the client left), body (cut mid-answer), prefill (a failed prefill leg).",
 		}, []string{"kind"}),
 		retries: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: Namespace, Name: "retries_total",
@@ -157,6 +171,11 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 			Help: "Cached prompt tokens the engines reported (usage.prompt_tokens_details.cached_tokens).",
 		}),
 	}
+	// Every known label value starts at 0, so that rate() and alerts see
+	// the series before the first failure.
+	for _, k := range []string{"connect", "timeout", "status", "busy", "cancelled", "body", "prefill"} {
+		m.upstreamErrs.WithLabelValues(k)
+	}
 	m.registerPD(reg)
 	est := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: Namespace, Name: "prefix_estimates_total",
@@ -186,16 +205,51 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 	return m
 }
 
-// Request records one answered request of class index class.
-func (m *Metrics) Request(class, code int, seconds float64) {
-	k := reqKey{class, code}
+// Request records one answered request of class index class for model
+// (the body's "model", empty when none).
+func (m *Metrics) Request(class, code int, model []byte, seconds float64) {
+	k := reqKey{class, code, m.modelLabel(model, code)}
 	c, ok := m.reqCache.Load(k)
 	if !ok {
-		c, _ = m.reqCache.LoadOrStore(k, m.requests.WithLabelValues(m.classes[class], strconv.Itoa(code)))
+		c, _ = m.reqCache.LoadOrStore(k, m.requests.WithLabelValues(m.classes[class], strconv.Itoa(code), k.model))
 	}
 	c.(prometheus.Counter).Inc()
 	m.durationByCls[class].Observe(seconds)
 }
+
+// modelLabel returns the model label of a request for model answered with
+// code (see MaxModels).
+func (m *Metrics) modelLabel(model []byte, code int) string {
+	if len(model) == 0 {
+		return "none"
+	}
+	m.modelsMu.RLock()
+	l, ok := m.models[string(model)]
+	n := len(m.models)
+	m.modelsMu.RUnlock()
+	switch {
+	case ok:
+		return l
+	case code >= 400 || n >= MaxModels:
+		return "other"
+	}
+	m.modelsMu.Lock()
+	defer m.modelsMu.Unlock()
+	if l, ok := m.models[string(model)]; ok {
+		return l
+	}
+	if len(m.models) >= MaxModels {
+		return "other"
+	}
+	l = string(model)
+	m.models[l] = l
+	return l
+}
+
+// ChunkGap records the time between two chunks of a streamed answer as
+// the router received them: the engine's inter-token gaps, batched by its
+// stream interval, plus the network.
+func (m *Metrics) ChunkGap(seconds float64) { m.chunkGap.Observe(seconds) }
 
 // FirstByte records the time to the first response byte for class index class.
 func (m *Metrics) FirstByte(class int, seconds float64) {
@@ -300,6 +354,8 @@ func (m *Metrics) registerPD(reg prometheus.Registerer) {
 		reg.MustRegister(h)
 		return h
 	}
+	m.chunkGap = hist(Namespace+"_stream_chunk_gap_seconds",
+		"Time between two successive chunks of a streamed answer (server-sent events) as the router received them from the endpoint.")
 	m.e2e = hist("llm_request_e2e_seconds",
 		"Time from reading an inference request (completions, chat, responses) to the end of its response, every stage included.")
 	m.prefillQueue = hist("llm_prefill_queue_seconds",
@@ -318,6 +374,9 @@ func (m *Metrics) registerPD(reg prometheus.Registerer) {
 		Namespace: Namespace, Name: "pd_stranded_prefills_total",
 		Help: "Prefill legs that succeeded but whose decode never delivered (the prefill pod holds the KV until its timeout), by cause: decode_failed, client_gone, superseded.",
 	}, []string{"cause"})
+	for _, c := range []string{"decode_failed", "client_gone", "superseded"} {
+		m.pdStranded.WithLabelValues(c)
+	}
 	reg.MustRegister(m.pdDecisions, m.pdStranded)
 }
 
@@ -370,6 +429,8 @@ type endpointCollector struct {
 var (
 	descEndpointInFlight = prometheus.NewDesc(Namespace+"_endpoint_in_flight_requests",
 		"Requests in flight to the endpoint from this router.", []string{"endpoint", "role"}, nil)
+	descEndpointPending = prometheus.NewDesc(Namespace+"_endpoint_pending_prefill_tokens",
+		"Prompt tokens of this router's in-flight requests to the endpoint that it has not answered yet (its prefill queue as the router sees it).", []string{"endpoint", "role"}, nil)
 	descEndpointRequests = prometheus.NewDesc(Namespace+"_endpoint_requests_total",
 		"Requests dispatched to the endpoint (attempts, retries included).", []string{"endpoint", "role"}, nil)
 	descEndpointFailures = prometheus.NewDesc(Namespace+"_endpoint_failures_total",
@@ -392,6 +453,7 @@ var (
 
 func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descEndpointInFlight
+	ch <- descEndpointPending
 	ch <- descEndpointRequests
 	ch <- descEndpointFailures
 	ch <- descDecodeKVUsage
@@ -403,6 +465,7 @@ func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) {
 func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 	c.each(func(s EndpointSample) {
 		ch <- prometheus.MustNewConstMetric(descEndpointInFlight, prometheus.GaugeValue, float64(s.InFlight), s.URL, s.Role)
+		ch <- prometheus.MustNewConstMetric(descEndpointPending, prometheus.GaugeValue, float64(s.PendingPrefill), s.URL, s.Role)
 		ch <- prometheus.MustNewConstMetric(descEndpointRequests, prometheus.CounterValue, float64(s.Requests), s.URL, s.Role)
 		ch <- prometheus.MustNewConstMetric(descEndpointFailures, prometheus.CounterValue, float64(s.Failures), s.URL, s.Role)
 		if s.Role == "decode" && s.KVUsage >= 0 {
@@ -423,4 +486,16 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 			gauge(descCalibrationSamples, float64(c.LimitSamples), "batch_limit")
 		}
 	})
+}
+
+// RegisterBuildInfo exports kvroute_build_info: 1, labelled with the
+// build's version, VCS revision and Go version.
+func RegisterBuildInfo(reg prometheus.Registerer, version, revision, goVersion string) {
+	g := prometheus.NewGauge(prometheus.GaugeOpts{
+		Namespace: Namespace, Name: "build_info",
+		Help:        "kvroute's build: 1, labelled with its version, VCS revision and Go version.",
+		ConstLabels: prometheus.Labels{"version": version, "revision": revision, "goversion": goVersion},
+	})
+	g.Set(1)
+	reg.MustRegister(g)
 }

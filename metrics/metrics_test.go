@@ -1,6 +1,7 @@
 package metrics
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 
@@ -125,10 +126,10 @@ func TestRecording(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	m := New(reg, testClasses, nil)
 
-	m.Request(1, 200, 0.5)
-	m.Request(1, 200, 1.5)
-	m.Request(2, 499, 0.0002)
-	m.Request(0, 503, 30)
+	m.Request(1, 200, []byte("m"), 0.5)
+	m.Request(1, 200, []byte("m"), 1.5)
+	m.Request(2, 499, []byte("m"), 0.0002)
+	m.Request(0, 503, nil, 30)
 	m.FirstByte(1, 0.003)
 	m.FirstByte(2, 0.25)
 	m.InFlight(1)
@@ -164,9 +165,9 @@ func TestRecording(t *testing.T) {
 		name, labels string
 		want         float64
 	}{
-		{"kvroute_requests_total", "class=completions,code=200", 2},
-		{"kvroute_requests_total", "class=chat,code=499", 1},
-		{"kvroute_requests_total", "class=other,code=503", 1},
+		{"kvroute_requests_total", "class=completions,code=200,model=m", 2},
+		{"kvroute_requests_total", "class=chat,code=499,model=m", 1},
+		{"kvroute_requests_total", "class=other,code=503,model=none", 1},
 		{"kvroute_upstream_errors_total", "kind=connect", 2},
 		{"kvroute_upstream_errors_total", "kind=timeout", 1},
 		{"kvroute_retries_total", "", 3},
@@ -368,4 +369,31 @@ func TestRegistriesAreIndependent(t *testing.T) {
 		}
 	}()
 	New(r1, testClasses, nil)
+}
+
+// TestModelLabelBounded: only names an endpoint answered with a success
+// are labelled, at most MaxModels of them; the rest are "other".
+func TestModelLabelBounded(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	m := New(reg, testClasses, nil)
+	for i := range MaxModels + 10 {
+		m.Request(1, 200, fmt.Appendf(nil, "model-%d", i), 0.1)
+		m.Request(1, 404, fmt.Appendf(nil, "typo-%d", i), 0.1)
+	}
+	models := map[string]bool{}
+	for _, mf := range gather(t, reg) {
+		if mf.GetName() != "kvroute_requests_total" {
+			continue
+		}
+		for _, x := range mf.GetMetric() {
+			for _, l := range x.GetLabel() {
+				if l.GetName() == "model" {
+					models[l.GetValue()] = true
+				}
+			}
+		}
+	}
+	if len(models) != MaxModels+1 || !models["other"] || !models["model-0"] || models["typo-0"] || models[fmt.Sprintf("model-%d", MaxModels)] {
+		t.Errorf("model label values %v: want model-0 … model-%d and other", models, MaxModels-1)
+	}
 }

@@ -20,16 +20,19 @@ import (
 // accessLine is one access-log line, copied out of the request's pooled
 // state.
 type accessLine struct {
-	at                      time.Time
-	reqID, method, path     string
-	status, attempts        int
-	endpoint, reason        string
-	bytes                   int64
-	pd, prefillEndpoint     string
-	prefill, duration       time.Duration
-	prefix, home, usage     bool
-	matched, prompt, cached int
-	prefixKey               uint64
+	at                           time.Time
+	reqID, traceID, method, path string
+	model                        string
+	status, attempts             int
+	endpoint, reason             string
+	uncached                     int
+	bytes                        int64
+	pd, prefillEndpoint          string
+	prefill, decode, ttfb        time.Duration
+	duration                     time.Duration
+	prefix, home, usage          bool
+	matched, prompt, cached      int
+	prefixKey                    uint64
 }
 
 // accessQueue is how many lines may wait for the writer.
@@ -95,11 +98,16 @@ func (a *accessLog) write(l *accessLine) {
 	if ce == nil {
 		return
 	}
-	fields := append(make([]zap.Field, 0, 16),
-		zap.String("request_id", l.reqID), zap.String("method", l.method),
-		zap.String("path", l.path), zap.Int("status", l.status), zap.Int("attempts", l.attempts))
+	fields := append(make([]zap.Field, 0, 24),
+		zap.String("request_id", l.reqID), zap.String("trace_id", l.traceID), zap.String("method", l.method),
+		zap.String("path", l.path))
+	if l.model != "" {
+		fields = append(fields, zap.String("model", l.model))
+	}
+	fields = append(fields, zap.Int("status", l.status), zap.Int("attempts", l.attempts))
 	if l.endpoint != "" {
-		fields = append(fields, zap.String("endpoint", l.endpoint), zap.String("reason", l.reason), zap.Int64("bytes", l.bytes))
+		fields = append(fields, zap.String("endpoint", l.endpoint), zap.String("reason", l.reason),
+			zap.Int("uncached_tokens", l.uncached), zap.Int64("bytes", l.bytes))
 	}
 	if l.pd != "" {
 		fields = append(fields, zap.String("pd", l.pd))
@@ -109,6 +117,12 @@ func (a *accessLog) write(l *accessLine) {
 		if l.prefill > 0 {
 			fields = append(fields, zap.Duration("prefill", l.prefill))
 		}
+		if l.decode > 0 {
+			fields = append(fields, zap.Duration("decode", l.decode))
+		}
+	}
+	if l.ttfb > 0 {
+		fields = append(fields, zap.Duration("ttfb", l.ttfb))
 	}
 	fields = append(fields, zap.Duration("duration", l.duration))
 	if l.prefix {

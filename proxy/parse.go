@@ -2,12 +2,14 @@ package proxy
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"fmt"
 	"io"
 	"strings"
 
 	"github.com/valyala/fastjson"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvroute/kvroute/discovery"
 	"github.com/kvroute/kvroute/prefix"
@@ -76,6 +78,10 @@ type reqState struct {
 	traceID [32]byte
 	flags   [2]byte
 	tp      []byte // scratch for the traceparent value
+	// With tracing: the request's span and its context (the parent of the
+	// pick and attempt spans); nil otherwise.
+	span trace.Span
+	tctx context.Context
 	// maxTokens, when positive, caps the prompt's token ids (set before
 	// parse); tokens counts them.
 	maxTokens int

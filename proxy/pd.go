@@ -156,10 +156,13 @@ func (s *Server) prefillStage(ctx *fasthttp.RequestCtx, st *reqState, set *disco
 			break
 		}
 		lease := pe.Acquire(pd.Prefill)
-		a := s.attempts.begin(ctx.Conn())
+		a := s.beginAttempt(st, ctx.Conn(), "kvroute.prefill", pe)
 		req := s.legRequest(ctx, st, pe, a.id, body)
 		resp, took, err := s.sendPrefill(req, pe, a)
 		fasthttp.ReleaseRequest(req)
+		if resp != nil {
+			a.answered(resp.StatusCode())
+		}
 		switch code := statusOrZero(resp); {
 		case err != nil && a.clientGone():
 			lease.Release()
@@ -224,7 +227,9 @@ func (s *Server) prefillStage(ctx *fasthttp.RequestCtx, st *reqState, set *disco
 // without those that failed this request).
 func (s *Server) pickPrefill(st *reqState, set *discovery.Set) routing.Decision {
 	st.req.Prefill = true
+	span := s.pickSpan(st)
 	d := s.opt.Picker.Pick(&st.req, set)
+	endPick(span, d, true)
 	st.req.Prefill = false
 	return d
 }
@@ -458,7 +463,7 @@ func (s *Server) startSGLang(ctx *fasthttp.RequestCtx, st *reqState, set *discov
 	})
 	ctx.Request.SetBody(p.body)
 	p.prefill, p.answered = pd, time.Time{}
-	a := s.attempts.begin(ctx.Conn())
+	a := s.beginAttempt(st, ctx.Conn(), "kvroute.prefill", pe)
 	req := s.legRequest(ctx, st, pe, a.id, p.body)
 	l := &sgLeg{s: s, pe: pe, pre: a, reqID: string(ctx.Request.Header.PeekBytes(headerRequestID)), done: make(chan struct{})}
 	p.leg = l

@@ -7,11 +7,13 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"runtime"
 	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.uber.org/zap"
 
 	"github.com/kvroute/kvroute/discovery"
@@ -59,6 +61,18 @@ type Config struct {
 	TrustClientKVParams bool
 
 	AccessLog bool
+	// AccessLogSample is the share of successful requests (status < 400)
+	// the access log records; the others are always recorded.
+	AccessLogSample float64
+	// ShutdownDelay is how long, once Run's context is done, the API
+	// listener keeps accepting while /readyz answers 503 (so that load
+	// balancers stop sending first), before the drain.
+	ShutdownDelay time.Duration
+	// OTLPEndpoint, when set, is the OTLP/HTTP collector (base URL or
+	// full /v1/traces URL) the request spans are exported to, with
+	// OTLPSampleRatio of the traces that no sampled parent decides.
+	OTLPEndpoint    string
+	OTLPSampleRatio float64
 	// AdminToken, when set, is the bearer token the admin listener's
 	// mutating endpoints and /debug/pprof/ require; without it they are
 	// off.
@@ -77,6 +91,9 @@ type Config struct {
 	// Intn is the random and least-request policies' source of randomness
 	// (nil: math/rand/v2). Not a flag: the benchmark seeds it.
 	Intn func(int) int
+	// Version and Revision are the build's (kvroute_build_info, the
+	// spans' service.version). Not flags: main sets them.
+	Version, Revision string
 }
 
 // DefaultConfig returns the defaults of every field: discovery's own for
@@ -141,6 +158,8 @@ func DefaultConfig() Config {
 		PrefillTimeout:  60 * time.Second,
 		PDBootstrapPort: 8998, // SGLang's --disaggregation-bootstrap-port default
 		AccessLog:       true,
+		AccessLogSample: 1,
+		OTLPSampleRatio: 1, // the OpenTelemetry SDK's default: every trace
 
 		// 1 KiB of rendering ≈ 256 tokens; 256 blocks cover ≈ 64k tokens.
 		PrefixBlockBytes: 1024,
@@ -239,6 +258,7 @@ func (c *Config) Validate() error {
 		{"--eject-cooldown", c.EjectCooldown}, {"--eject-max-cooldown", c.EjectMaxCooldown},
 		{"--scrape-interval", c.ScrapeInterval}, {"--scrape-timeout", c.ScrapeTimeout},
 		{"--endpoint-drain-limit", c.EndpointDrainLimit}, {"--prefix-ttl", c.PrefixTTL},
+		{"--shutdown-delay", c.ShutdownDelay},
 	} {
 		if d.v < 0 {
 			bad("%s must not be negative, got %s", d.name, d.v)
@@ -246,6 +266,19 @@ func (c *Config) Validate() error {
 	}
 	if c.UpstreamIdleTimeout == 0 {
 		bad("--upstream-idle-timeout must be positive")
+	}
+	for _, r := range []struct {
+		name string
+		v    float64
+	}{{"--access-log-sample", c.AccessLogSample}, {"--otlp-sample-ratio", c.OTLPSampleRatio}} {
+		if !(r.v >= 0 && r.v <= 1) {
+			bad("%s must be between 0 and 1, got %v", r.name, r.v)
+		}
+	}
+	if c.OTLPEndpoint != "" {
+		if _, err := otlpURL(c.OTLPEndpoint); err != nil {
+			bad("--otlp-endpoint: %v", err)
+		}
 	}
 	return errors.Join(errs...)
 }
@@ -262,6 +295,7 @@ type Router struct {
 	Picker   routing.Picker
 	Prefix   *routing.Prefix // the prefix policy, nil under another policy
 	Registry *prometheus.Registry
+	tracing  *sdktrace.TracerProvider // nil without --otlp-endpoint
 }
 
 // NewRouter validates cfg and builds the router; it starts nothing. logger
@@ -292,7 +326,7 @@ func NewRouter(cfg Config, logger *zap.Logger) (*Router, error) {
 	m := metrics.New(r.Registry, Classes, func(yield func(metrics.EndpointSample)) {
 		for _, e := range r.Pool.Load().Endpoints {
 			s := metrics.EndpointSample{URL: e.URL, Role: e.Role.String(),
-				InFlight: e.InFlight(), Requests: e.Requests(), Failures: e.Failures.Load(), KVUsage: -1}
+				InFlight: e.InFlight(), PendingPrefill: e.PendingPrefill(), Requests: e.Requests(), Failures: e.Failures.Load(), KVUsage: -1}
 			if st := e.Engine(); st != nil {
 				s.KVUsage = st.KVUsage
 			}
@@ -329,6 +363,14 @@ func NewRouter(cfg Config, logger *zap.Logger) (*Router, error) {
 				Bytes: s.Bytes, Evictions: s.Evictions, Expiries: s.Expiries, Homes: r.Prefix.Homes()}
 		})
 	}
+	if cfg.OTLPEndpoint != "" {
+		if r.tracing, err = newTracerProvider(cfg.OTLPEndpoint, cfg.OTLPSampleRatio, cfg.Version); err != nil {
+			return nil, err
+		}
+		opt.Tracer = r.tracing.Tracer("github.com/kvroute/kvroute/proxy")
+	}
+	opt.AccessLogSkip = 1 - cfg.AccessLogSample
+	metrics.RegisterBuildInfo(r.Registry, cfg.Version, cfg.Revision, runtime.Version())
 	r.Server = New(opt)
 	return r, nil
 }
@@ -433,6 +475,17 @@ func (r *Router) Run(ctx context.Context, api, admin net.Listener, drainTimeout 
 	case err = <-errc:
 		err = fmt.Errorf("serve: %w", err)
 	case <-ctx.Done():
+		if d := r.cfg.ShutdownDelay; d > 0 {
+			// Load balancers see /readyz fail and stop sending; until then
+			// new connections are still served (with Connection: close).
+			r.Server.Drain()
+			r.logger.Info("shutting down: still accepting", zap.Duration("delay", d))
+			select {
+			case err = <-errc:
+				err = fmt.Errorf("serve: %w", err)
+			case <-time.After(d):
+			}
+		}
 	}
 	r.logger.Info("draining", zap.Duration("timeout", drainTimeout))
 	dctx, cancel := context.WithTimeout(context.Background(), drainTimeout)
@@ -442,6 +495,13 @@ func (r *Router) Run(ctx context.Context, api, admin net.Listener, drainTimeout 
 	}
 	if adminSrv != nil {
 		_ = adminSrv.Shutdown(dctx)
+	}
+	if r.tracing != nil {
+		tctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		if terr := r.tracing.Shutdown(tctx); terr != nil { // exports the spans still queued
+			r.logger.Warn("exporting the last spans failed", zap.Error(terr))
+		}
+		cancel()
 	}
 	r.logger.Info("stopped")
 	return err

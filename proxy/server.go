@@ -21,6 +21,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/valyala/fasthttp"
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 
 	"github.com/kvroute/kvroute/discovery"
@@ -111,8 +112,12 @@ type Options struct {
 	Pool    *discovery.Pool
 	Metrics *metrics.Metrics
 	Logger  *zap.Logger
-	// AccessLog writes one Info line per request to Logger.
-	AccessLog bool
+	// Tracer, when set, makes a span of every request (see tracing.go).
+	Tracer trace.Tracer
+	// AccessLog writes one Info line per request to Logger, but for the
+	// share AccessLogSkip of successful ones (status < 400), at random.
+	AccessLog     bool
+	AccessLogSkip float64
 	// AdminToken guards the admin handler's mutating endpoints and pprof
 	// (Server.guard); "" turns them off.
 	AdminToken string
@@ -266,7 +271,7 @@ func (s *Server) handleServerError(ctx *fasthttp.RequestCtx, err error) {
 	ctx.Response.Header.SetBytesKV(headerRequestID, id)
 	ctx.Response.SetConnectionClose() // the stream's framing is unknown after a parse error
 	s.opt.Logger.Debug("malformed request", zap.Int("status", status), zap.Stringer("remote", ctx.RemoteAddr()))
-	s.opt.Metrics.Request(int(routing.KindOther), status, 0)
+	s.opt.Metrics.Request(int(routing.KindOther), status, nil, 0)
 }
 
 // release returns st to the pool, unless a large body made it large.
@@ -282,6 +287,7 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	st := s.states.Get().(*reqState)
 	st.req.Reset()
 	st.att, st.root, st.prompts, st.n, st.clientKV = nil, nil, 0, 0, false
+	st.span, st.tctx = nil, nil
 	st.pd.reset()
 	defer s.release(st)
 	s.opt.Metrics.InFlight(1)
@@ -306,7 +312,11 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		return
 	}
 	reqID := s.prepareRequest(ctx)
-	st.traceContext(ctx.Request.Header.PeekBytes(headerTraceparent))
+	tp := ctx.Request.Header.PeekBytes(headerTraceparent)
+	valid := st.traceContext(tp)
+	if s.opt.Tracer != nil {
+		s.startSpan(st, tp, ctx.Request.Header.PeekBytes(headerTracestate), valid, ctx.Method(), ctx.Path())
+	}
 	st.maxTokens = s.opt.MaxPromptTokens
 	if kind != routing.KindOther && len(ctx.Request.Header.ContentEncoding()) == 0 {
 		if err := st.parse(kind, ctx.PostBody(), s.opt.BlockSize, s.opt.MaxBlocks); err != nil {
@@ -356,7 +366,9 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 	}()
 loop:
 	for tries := 0; ; {
+		span := s.pickSpan(st)
 		d := s.opt.Picker.Pick(&st.req, set)
+		endPick(span, d, false)
 		ep := d.Endpoint
 		if ep == nil {
 			if !saturated(set, &st.req, busy) {
@@ -402,7 +414,7 @@ loop:
 		if ep.Role == discovery.RoleDecode {
 			s.opt.Metrics.PDDecision(pd.decision)
 		}
-		a := s.attempts.begin(ctx.Conn())
+		a := s.beginAttempt(st, ctx.Conn(), attemptSpanName(ep), ep)
 		leg := pd.leg
 		if leg != nil {
 			leg.pair(a)
@@ -437,6 +449,7 @@ loop:
 		}
 		if err == nil {
 			code := resp.StatusCode()
+			a.answered(code)
 			pd.decodeAnswered(code)
 			if !retry || !retryable(code) && !(pd.split && code >= 500) || !s.allowRetry() {
 				if code >= 500 {
@@ -594,7 +607,7 @@ func retryable(code int) bool {
 // its end.
 func (s *Server) answer(ctx *fasthttp.RequestCtx, st *reqState, err error, start time.Time) {
 	rec := record{class: int(st.req.Kind), status: writeError(ctx, err), attempts: len(st.req.Tried), start: start,
-		reqID: ctx.Request.Header.PeekBytes(headerRequestID), method: ctx.Method(), path: ctx.Path()}
+		reqID: ctx.Request.Header.PeekBytes(headerRequestID), method: ctx.Method(), path: ctx.Path(), model: []byte(st.req.Model)}
 	if len(rec.reqID) > 0 {
 		ctx.Response.Header.SetBytesKV(headerRequestID, rec.reqID)
 	}
@@ -604,6 +617,10 @@ func (s *Server) answer(ctx *fasthttp.RequestCtx, st *reqState, err error, start
 	case errors.Is(err, ErrClientGone):
 		ctx.SetConnectionClose()
 	}
+	if s.draining.Load() {
+		ctx.SetConnectionClose()
+	}
+	rec.span, st.span, rec.traceID = st.span, nil, st.traceID
 	s.end(&rec, err)
 }
 
@@ -613,6 +630,10 @@ type record struct {
 	class, status, attempts int
 	start                   time.Time
 	reqID, method, path     []byte
+	model                   []byte     // the body's "model"
+	traceID                 [32]byte   // hex, as the upstream traceparent carries it
+	span                    trace.Span // with tracing: the request's span, ended by end
+	ttfb                    time.Duration
 	// The endpoint's answer; zero when kvroute answered itself.
 	ep       *discovery.Endpoint
 	decision routing.Decision
@@ -635,7 +656,10 @@ type record struct {
 // request's end is recorded.
 func (s *Server) end(r *record, err error) {
 	d := time.Since(r.start)
-	s.opt.Metrics.Request(r.class, r.status, d.Seconds())
+	if r.span != nil {
+		endRequestSpan(r, r.start.Add(d))
+	}
+	s.opt.Metrics.Request(r.class, r.status, r.model, d.Seconds())
 	if k := routing.Kind(r.class); k == routing.KindCompletions || k == routing.KindChat || k == routing.KindResponses {
 		s.opt.Metrics.RequestEnd(d.Seconds())
 	}
@@ -644,24 +668,27 @@ func (s *Server) end(r *record, err error) {
 		s.opt.Logger.Warn("request failed", zap.ByteString("request_id", r.reqID),
 			zap.ByteString("path", r.path), zap.Int("status", r.status), zap.Error(err))
 	}
-	if !s.opt.AccessLog {
+	if !s.opt.AccessLog || r.status < 400 && s.opt.AccessLogSkip > 0 && rand.Float64() < s.opt.AccessLogSkip {
 		return
 	}
 	if !s.opt.Logger.Core().Enabled(zap.InfoLevel) {
 		return // the logger drops Info lines: copy nothing
 	}
-	l := accessLine{at: r.start.Add(d), reqID: string(r.reqID), method: string(r.method), path: string(r.path),
-		status: r.status, attempts: r.attempts, duration: d, pd: r.pdDecision,
-		prefix: r.prefix, home: r.decision.Home, matched: r.decision.MatchedBlocks, prefixKey: r.decision.PrefixKey,
+	l := accessLine{at: r.start.Add(d), reqID: string(r.reqID), traceID: string(r.traceID[:]), method: string(r.method),
+		path: string(r.path), model: string(r.model), status: r.status, attempts: r.attempts, duration: d, ttfb: r.ttfb,
+		pd: r.pdDecision, prefix: r.prefix, home: r.decision.Home, matched: r.decision.MatchedBlocks, prefixKey: r.decision.PrefixKey,
 		usage: r.usage, prompt: r.promptTokens, cached: r.cachedTokens}
 	if r.ep != nil {
-		l.endpoint, l.reason, l.bytes = r.ep.URL, r.decision.Reason, r.bytes
+		l.endpoint, l.reason, l.bytes, l.uncached = r.ep.URL, r.decision.Reason, r.bytes, r.decision.Prefill
 	}
 	if r.prefill != nil {
 		l.prefillEndpoint = r.prefill.URL
 	}
 	if !r.prefilled.IsZero() {
 		l.prefill = r.prefilled.Sub(r.start)
+	}
+	if !r.sent.IsZero() {
+		l.decode = d - r.sent.Sub(r.start)
 	}
 	s.access.add(l)
 }
@@ -670,7 +697,9 @@ func (s *Server) end(r *record, err error) {
 // as a stream that fasthttp writes and flushes chunk by chunk. The body
 // takes over the request's lease.
 func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decision, resp *fasthttp.Response, reqID []byte, start time.Time) {
-	clientClose := ctx.Request.Header.ConnectionClose()
+	// While shutting down, clients reconnect (through the load balancer,
+	// elsewhere) rather than keep this connection.
+	clientClose := ctx.Request.Header.ConnectionClose() || s.draining.Load()
 	resp.Header.CopyTo(&ctx.Response.Header)
 	h := &ctx.Response.Header
 	removeHopHeaders(h)
@@ -683,7 +712,7 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 	b := s.bodies.Get().(*upstreamBody)
 	b.s, b.resp, b.lease, b.att, b.leg = s, resp, st.lease.Take(), st.att, st.pd.leg
 	st.att, st.pd.leg = nil, nil
-	b.firstByte, b.readErr, b.last, b.tail = false, nil, 0, nil
+	b.firstByte, b.readErr, b.last, b.tail, b.lastChunk = false, nil, 0, nil, time.Time{}
 	// The engine's usage report (prompt and cached tokens) is read from
 	// every inference answer, for the endpoint's calibration and, under a
 	// learning policy, for the policy.
@@ -697,8 +726,9 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 	b.prompt.reset(patPromptTokens)
 	b.rec = record{class: int(st.req.Kind), status: resp.StatusCode(), attempts: len(st.req.Tried), start: start,
 		reqID: append(b.rec.reqID[:0], reqID...), method: append(b.rec.method[:0], ctx.Method()...),
-		path: append(b.rec.path[:0], ctx.Path()...), ep: d.Endpoint, decision: d, prefix: b.learn,
+		path: append(b.rec.path[:0], ctx.Path()...), model: append(b.rec.model[:0], st.req.Model...), ep: d.Endpoint, decision: d, prefix: b.learn,
 		pdDecision: st.pd.decision, prefilled: st.pd.answered, sent: st.pd.sent}
+	b.rec.span, st.span, b.rec.traceID = st.span, nil, st.traceID
 	if st.pd.split || d.Endpoint != nil && d.Endpoint.Role == discovery.RolePrefill {
 		b.rec.prefill = st.pd.prefill.Endpoint
 	}
@@ -788,6 +818,7 @@ type upstreamBody struct {
 	observe     bool // whose first byte is an observation of the endpoint's TTFT
 	leg         *sgLeg
 	firstByte   bool
+	lastChunk   time.Time // a stream's last chunk (for the gaps between chunks)
 	readErr     error
 	last        uint32 // the last two bytes read (whether an event ended there)
 	tail        []byte // after a cut: the error event still to send (empty, not nil, once sent)
@@ -806,6 +837,13 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 	if n > 0 {
 		if !b.firstByte {
 			b.markFirstByte()
+		}
+		if b.stream {
+			now := time.Now()
+			if !b.lastChunk.IsZero() {
+				b.s.opt.Metrics.ChunkGap(now.Sub(b.lastChunk).Seconds())
+			}
+			b.lastChunk = now
 		}
 		b.rec.bytes += int64(n)
 		if b.scan {
@@ -847,7 +885,8 @@ func (b *upstreamBody) markFirstByte() {
 	b.firstByte = true
 	b.lease.FirstByte(b.observe)
 	now := time.Now()
-	b.s.opt.Metrics.FirstByte(b.rec.class, now.Sub(b.rec.start).Seconds())
+	b.rec.ttfb = now.Sub(b.rec.start)
+	b.s.opt.Metrics.FirstByte(b.rec.class, b.rec.ttfb.Seconds())
 	if !b.rec.sent.IsZero() {
 		prefilled := b.rec.prefilled
 		if b.leg != nil {
@@ -913,6 +952,7 @@ func (eofReader) Read([]byte) (int, error) { return 0, io.EOF }
 
 var (
 	headerTraceparent    = []byte("traceparent")
+	headerTracestate     = []byte("tracestate")
 	headerRequestID      = []byte("X-Request-Id")
 	headerForwardedFor   = []byte("X-Forwarded-For")
 	headerForwardedProto = []byte("X-Forwarded-Proto")
@@ -1056,18 +1096,19 @@ func appendHex16(dst []byte, v uint64) []byte {
 // traceContext sets st's trace id and flags from the client's W3C
 // traceparent when it is a valid version-00 one, else to a new trace
 // (flags 00: not sampled). tracestate passes through untouched.
-func (st *reqState) traceContext(tp []byte) {
+func (st *reqState) traceContext(tp []byte) (valid bool) {
 	// 00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>
 	if len(tp) == 55 && tp[0] == '0' && tp[1] == '0' && tp[2] == '-' && tp[35] == '-' && tp[52] == '-' &&
 		isHex(tp[3:35]) && isHex(tp[36:52]) && isHex(tp[53:55]) &&
 		!allZero(tp[3:35]) && !allZero(tp[36:52]) {
 		copy(st.traceID[:], tp[3:35])
 		copy(st.flags[:], tp[53:55])
-		return
+		return true
 	}
 	t := appendHex16(appendHex16(st.tp[:0], rand.Uint64()), rand.Uint64()|1)
 	copy(st.traceID[:], t)
 	st.flags = [2]byte{'0', '0'}
+	return false
 }
 
 func isHex(b []byte) bool {

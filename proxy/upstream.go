@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/valyala/fasthttp"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // An attempt is one upstream try of a request. It links the request's
@@ -37,6 +38,8 @@ type attempt struct {
 	failed  bool       // a write of the request failed
 	ended   bool       // end was called: conn may carry another request now
 	until   time.Time  // when set, the attempt's reads end then (the prefill timeout)
+
+	span trace.Span // with tracing: the attempt's span, until end
 }
 
 // attempts are the attempts in flight, by id, and the watcher that checks
@@ -98,9 +101,13 @@ func (as *attempts) close() {
 	as.wg.Wait()
 }
 
-// begin registers a new attempt for a request whose client is on client.
-func (as *attempts) begin(client net.Conn) *attempt {
-	a := &attempt{id: rand.Uint64() | 1, client: client}
+// begin registers a new attempt for a request whose client is on client,
+// under id (0: a random one).
+func (as *attempts) begin(client net.Conn, id uint64) *attempt {
+	if id == 0 {
+		id = rand.Uint64() | 1
+	}
+	a := &attempt{id: id, client: client}
 	as.m.Store(a.id, a)
 	as.n.Add(1)
 	return a
@@ -117,7 +124,9 @@ func (as *attempts) end(a *attempt) {
 	}
 	a.mu.Lock()
 	a.conn, a.ended = nil, true
+	failed := a.failed || a.aborted || a.gone
 	a.mu.Unlock()
+	a.endSpan(failed)
 }
 
 // find returns the attempt whose traceparent is in the request bytes p, or

@@ -1,0 +1,197 @@
+package proxy
+
+import (
+	"context"
+	"encoding/hex"
+	"fmt"
+	"net"
+	"net/url"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
+	"go.opentelemetry.io/otel/sdk/resource"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/routing"
+)
+
+// Tracing. Every upstream request carries a W3C traceparent: the client's
+// trace (or a new one), with the attempt's own span id as the parent id, so
+// an engine's spans join the client's trace. With --otlp-endpoint, kvroute
+// also exports its own spans over OTLP/HTTP: one server span per request
+// ("kvroute.request", its parent the client's traceparent), and under it a
+// "kvroute.pick" span per routing decision and a client span per upstream
+// attempt ("kvroute.upstream", or "kvroute.prefill" and "kvroute.decode"
+// for the legs of a disaggregated request) whose span id is the parent id
+// its traceparent carries. Without an endpoint no span is made.
+
+// otlpURL returns the OTLP/HTTP traces URL of endpoint: a base URL gets the
+// signal's path, /v1/traces.
+func otlpURL(endpoint string) (string, error) {
+	u, err := url.Parse(endpoint)
+	switch {
+	case err != nil:
+		return "", err
+	case u.Scheme != "http" && u.Scheme != "https":
+		return "", fmt.Errorf("%q: want an http:// or https:// URL of an OTLP/HTTP collector (e.g. http://otel-collector:4318)", endpoint)
+	case u.Host == "":
+		return "", fmt.Errorf("%q: no host", endpoint)
+	}
+	if u.Path == "" || u.Path == "/" {
+		u.Path = "/v1/traces"
+	}
+	return u.String(), nil
+}
+
+// newTracerProvider exports spans to endpoint in batches, sampling
+// ratio of new traces and following a sampled parent.
+func newTracerProvider(endpoint string, ratio float64, version string) (*sdktrace.TracerProvider, error) {
+	u, err := otlpURL(endpoint)
+	if err != nil {
+		return nil, err
+	}
+	exp, err := otlptracehttp.New(context.Background(), otlptracehttp.WithEndpointURL(u))
+	if err != nil {
+		return nil, fmt.Errorf("otlp exporter: %w", err)
+	}
+	attrs := []attribute.KeyValue{attribute.String("service.name", "kvroute")}
+	if version != "" {
+		attrs = append(attrs, attribute.String("service.version", version))
+	}
+	return sdktrace.NewTracerProvider(
+		sdktrace.WithBatcher(exp),
+		sdktrace.WithSampler(sdktrace.ParentBased(sdktrace.TraceIDRatioBased(ratio))),
+		sdktrace.WithResource(resource.NewSchemaless(attrs...)),
+	), nil
+}
+
+// startSpan starts the request's span, its parent the client's traceparent
+// tp when valid (with its tracestate), and makes the upstream legs carry
+// the span's trace and sampling decision.
+func (s *Server) startSpan(st *reqState, tp, tracestate []byte, valid bool, method, path []byte) {
+	parent := context.Background()
+	if valid {
+		var cfg trace.SpanContextConfig
+		_, _ = hex.Decode(cfg.TraceID[:], tp[3:35])
+		_, _ = hex.Decode(cfg.SpanID[:], tp[36:52])
+		var f [1]byte
+		_, _ = hex.Decode(f[:], tp[53:55])
+		cfg.TraceFlags, cfg.Remote = trace.TraceFlags(f[0]), true
+		if len(tracestate) > 0 {
+			cfg.TraceState, _ = trace.ParseTraceState(string(tracestate))
+		}
+		parent = trace.ContextWithRemoteSpanContext(parent, trace.NewSpanContext(cfg))
+	}
+	ctx, span := s.opt.Tracer.Start(parent, "kvroute.request", trace.WithSpanKind(trace.SpanKindServer),
+		trace.WithAttributes(attribute.String("http.request.method", string(method)), attribute.String("url.path", string(path))))
+	st.tctx, st.span = ctx, span
+	sc := span.SpanContext()
+	tid := sc.TraceID()
+	hex.Encode(st.traceID[:], tid[:])
+	st.flags = [2]byte{'0', '0'}
+	if sc.IsSampled() {
+		st.flags[1] = '1'
+	}
+}
+
+// beginAttempt registers an upstream attempt of st on ep; with tracing, it
+// is a child span of the request named name, whose span id is the
+// attempt's id (the parent id of its traceparent).
+func (s *Server) beginAttempt(st *reqState, client net.Conn, name string, ep *discovery.Endpoint) *attempt {
+	if st.span == nil {
+		return s.attempts.begin(client, 0)
+	}
+	_, span := s.opt.Tracer.Start(st.tctx, name, trace.WithSpanKind(trace.SpanKindClient),
+		trace.WithAttributes(attribute.String("server.address", ep.Addr), attribute.String("kvroute.endpoint", ep.URL),
+			attribute.String("kvroute.role", ep.Role.String())))
+	sid := span.SpanContext().SpanID()
+	a := s.attempts.begin(client, beUint64(sid[:]))
+	a.span = span
+	return a
+}
+
+func beUint64(b []byte) uint64 {
+	var v uint64
+	for _, c := range b[:8] {
+		v = v<<8 | uint64(c)
+	}
+	return v
+}
+
+// answered records an attempt's HTTP status on its span.
+func (a *attempt) answered(code int) {
+	if a.span != nil {
+		a.span.SetAttributes(attribute.Int("http.response.status_code", code))
+		if code >= 500 {
+			a.span.SetStatus(codes.Error, "")
+		}
+	}
+}
+
+// endSpan ends an attempt's span; failed marks it as an error.
+func (a *attempt) endSpan(failed bool) {
+	if a.span == nil {
+		return
+	}
+	if failed {
+		a.span.SetStatus(codes.Error, "")
+	}
+	a.span.End()
+	a.span = nil
+}
+
+// pickSpan starts a span for one routing decision (nil without tracing);
+// endPick ends it with the decision.
+func (s *Server) pickSpan(st *reqState) trace.Span {
+	if st.span == nil {
+		return nil
+	}
+	_, span := s.opt.Tracer.Start(st.tctx, "kvroute.pick")
+	return span
+}
+
+func endPick(span trace.Span, d routing.Decision, prefill bool) {
+	if span == nil {
+		return
+	}
+	attrs := []attribute.KeyValue{attribute.String("kvroute.reason", d.Reason), attribute.Bool("kvroute.prefill_pool", prefill)}
+	if d.Endpoint != nil {
+		attrs = append(attrs, attribute.String("kvroute.endpoint", d.Endpoint.URL),
+			attribute.Int("kvroute.matched_blocks", d.MatchedBlocks), attribute.Bool("kvroute.home", d.Home))
+	}
+	span.SetAttributes(attrs...)
+	span.End()
+}
+
+// endRequestSpan ends the request's span with its outcome.
+func endRequestSpan(r *record, at time.Time) {
+	span := r.span
+	r.span = nil
+	attrs := []attribute.KeyValue{attribute.Int("http.response.status_code", r.status), attribute.Int("kvroute.attempts", r.attempts)}
+	if r.ep != nil {
+		attrs = append(attrs, attribute.String("kvroute.endpoint", r.ep.URL), attribute.String("kvroute.reason", r.decision.Reason))
+	}
+	if r.pdDecision != "" {
+		attrs = append(attrs, attribute.String("kvroute.pd", r.pdDecision))
+	}
+	if len(r.model) > 0 {
+		attrs = append(attrs, attribute.String("gen_ai.request.model", string(r.model)))
+	}
+	span.SetAttributes(attrs...)
+	if r.status >= 500 {
+		span.SetStatus(codes.Error, "")
+	}
+	span.End(trace.WithTimestamp(at))
+}
+
+// attemptSpanName names an attempt's span by the endpoint's pool.
+func attemptSpanName(ep *discovery.Endpoint) string {
+	if ep.Role == discovery.RoleDecode {
+		return "kvroute.decode"
+	}
+	return "kvroute.upstream"
+}

@@ -1,12 +1,19 @@
 package proxy
 
 import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
 	"testing"
 	"time"
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/kvroute/kvroute/bench/sim"
 )
 
 // Every access line is written, queued or not, stamped with the request's
@@ -36,5 +43,52 @@ func TestAccessLogWritesEveryLine(t *testing.T) {
 	}
 	if got[len(got)-1].ContextMap()["request_id"] != "after-close" {
 		t.Error("a line after close was lost")
+	}
+}
+
+// A request's access line carries what an operator needs to follow it:
+// ids, model, endpoint, decision, uncached tokens, time to first byte and
+// duration. With --access-log-sample 0, only failed requests are logged.
+func TestAccessLogFieldsAndSampling(t *testing.T) {
+	fleet := startSimFleet(t, 1, sim.Config{TimeScale: 100, Model: "m"})
+	for _, tc := range []struct {
+		name string
+		skip float64
+		want []int // the statuses logged, in order
+	}{{"every request", 0, []int{200, 404}}, {"errors only", 1, []int{404}}} {
+		t.Run(tc.name, func(t *testing.T) {
+			core, logs := observer.New(zapcore.InfoLevel)
+			h := startProxy(t, nil, Options{Logger: zap.New(core), AccessLog: true, AccessLogSkip: tc.skip}, fleet.URL(0))
+			const tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+			for _, model := range []string{"m", "unknown"} {
+				req, _ := http.NewRequest("POST", h.url+"/v1/completions", strings.NewReader(`{"model":"`+model+`","prompt":"hello","max_tokens":2}`))
+				req.Header.Set("traceparent", tp)
+				resp, err := http.DefaultClient.Do(req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			_ = h.srv.Shutdown(ctx) // writes the queued lines
+			var got []int
+			for _, e := range logs.FilterMessage("request").All() {
+				f := e.ContextMap()
+				got = append(got, int(f["status"].(int64)))
+				if f["trace_id"] != "4bf92f3577b34da6a3ce929d0e0e4736" || f["endpoint"] != fleet.URL(0) || f["request_id"] == "" {
+					t.Errorf("line %v", f)
+				}
+				for _, k := range []string{"model", "reason", "uncached_tokens", "ttfb", "duration", "bytes", "attempts"} {
+					if _, ok := f[k]; !ok {
+						t.Errorf("line without %s: %v", k, f)
+					}
+				}
+			}
+			if fmt.Sprint(got) != fmt.Sprint(tc.want) {
+				t.Errorf("logged statuses %v, want %v", got, tc.want)
+			}
+		})
 	}
 }

@@ -160,9 +160,6 @@ func (s *Server) prefillStage(ctx *fasthttp.RequestCtx, st *reqState, set *disco
 		req := s.legRequest(ctx, st, pe, a.id, body)
 		resp, took, err := s.sendPrefill(req, pe, a)
 		fasthttp.ReleaseRequest(req)
-		if resp != nil {
-			a.answered(resp.StatusCode())
-		}
 		switch code := statusOrZero(resp); {
 		case err != nil && a.clientGone():
 			lease.Release()
@@ -348,6 +345,7 @@ func (s *Server) sendPrefill(req *fasthttp.Request, pe *discovery.Endpoint, a *a
 	resp.StreamBody = true
 	err := s.client(pe).Do(req, resp)
 	if err == nil {
+		a.answered(resp.StatusCode())
 		err = readWhole(resp, maxPrefillAnswer)
 	}
 	s.attempts.end(a)

@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -76,8 +77,8 @@ func exported(t *testing.T, text string) map[string]goldenMetric {
 	return out
 }
 
-// TestMetricsGolden runs kvroute over a mixed pool and a prefill and a
-// decode pool, sends traffic of every kind (disaggregated, streamed,
+// TestMetricsGolden runs kvroute over a mixed pool (found through DNS) and
+// a prefill and a decode pool, sends traffic of every kind (disaggregated, streamed,
 // refused), and checks that /metrics exports exactly the families of
 // testdata/metrics.golden, with their types and label names; then that a
 // real Prometheus's promtool accepts the exposition.
@@ -89,8 +90,12 @@ func TestMetricsGolden(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = fleet.Close() })
-	addrs, stop := startKvroute(t, "--backends", fleet.URL(0), "--prefill-backends", fleet.URL(1),
-		"--decode-backends", fleet.URL(2), "--scrape-interval", "100ms")
+	// The mixed pool through DNS (a headless Service's name on a DNS
+	// server on loopback), the others static.
+	_, port, _ := net.SplitHostPort(strings.TrimPrefix(fleet.URL(0), "http://"))
+	_, dnsAddr := startZone(t, "vllm.llm.svc.cluster.local", "127.0.0.1")
+	addrs, stop := startKvroute(t, "--service", "vllm.llm.svc.cluster.local:"+port, "--dns-server", dnsAddr,
+		"--prefill-backends", fleet.URL(1), "--decode-backends", fleet.URL(2), "--scrape-interval", "100ms")
 	defer stop()
 
 	api := "http://" + addrs.API

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strings"
 
 	"github.com/spf13/pflag"
 )
@@ -61,4 +62,31 @@ func (f *Flags) WriteUsage(w io.Writer) {
 	for i, g := range f.groups {
 		fmt.Fprintf(w, "\n%s:\n%s", f.titles[i], g.FlagUsages())
 	}
+}
+
+// Markdown returns the flags as Markdown tables, one per group: name (with
+// its value type), default and meaning, from the flag definitions (the
+// README's flag reference is this, kept current by a test).
+func (f *Flags) Markdown() string {
+	var b strings.Builder
+	for i, g := range f.groups {
+		fmt.Fprintf(&b, "**%s**\n\n| flag | default | meaning |\n|---|---|---|\n", f.titles[i])
+		g.VisitAll(func(fl *pflag.Flag) {
+			typ, usage := pflag.UnquoteUsage(fl)
+			name := "`--" + fl.Name
+			if typ != "" && fl.Value.Type() != "bool" {
+				name += " " + typ
+			}
+			def := fl.DefValue
+			switch {
+			case def == "" || def == "[]":
+				def = "—"
+			case fl.Value.Type() == "string":
+				def = "`" + def + "`"
+			}
+			fmt.Fprintf(&b, "| %s` | %s | %s |\n", name, def, strings.ReplaceAll(usage, "|", `\|`))
+		})
+		b.WriteString("\n")
+	}
+	return b.String()
 }

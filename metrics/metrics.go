@@ -445,6 +445,8 @@ var (
 		"Learned mean time from a stream's first byte to its end on the endpoint.", []string{"endpoint", "role"}, nil)
 	descBatchLimit = prometheus.NewDesc(Namespace+"_endpoint_batch_limit",
 		"Learned batch limit of the endpoint: the most requests its engine ran while others waited.", []string{"endpoint", "role"}, nil)
+	descKVUsage = prometheus.NewDesc(Namespace+"_endpoint_kv_cache_usage_ratio",
+		"KV-cache usage of the endpoint's engine, 0-1, from its last fresh scrape (every role; llm_decode_kv_cache_usage_percent is the decode pool's, in percent).", []string{"endpoint", "role"}, nil)
 	descDecodeKVUsage = prometheus.NewDesc("llm_decode_kv_cache_usage_percent",
 		"KV-cache usage of a decode endpoint's engine, 0-100, from its last fresh scrape.", []string{"endpoint"}, nil)
 	descCalibrationSamples = prometheus.NewDesc(Namespace+"_endpoint_calibration_samples",
@@ -456,6 +458,7 @@ func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descEndpointPending
 	ch <- descEndpointRequests
 	ch <- descEndpointFailures
+	ch <- descKVUsage
 	ch <- descDecodeKVUsage
 	for _, d := range []*prometheus.Desc{descPrefillRate, descFixed, descDecodeStep, descDecode, descBatchLimit, descCalibrationSamples} {
 		ch <- d
@@ -468,8 +471,11 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descEndpointPending, prometheus.GaugeValue, float64(s.PendingPrefill), s.URL, s.Role)
 		ch <- prometheus.MustNewConstMetric(descEndpointRequests, prometheus.CounterValue, float64(s.Requests), s.URL, s.Role)
 		ch <- prometheus.MustNewConstMetric(descEndpointFailures, prometheus.CounterValue, float64(s.Failures), s.URL, s.Role)
-		if s.Role == "decode" && s.KVUsage >= 0 {
-			ch <- prometheus.MustNewConstMetric(descDecodeKVUsage, prometheus.GaugeValue, 100*s.KVUsage, s.URL)
+		if s.KVUsage >= 0 {
+			ch <- prometheus.MustNewConstMetric(descKVUsage, prometheus.GaugeValue, s.KVUsage, s.URL, s.Role)
+			if s.Role == "decode" {
+				ch <- prometheus.MustNewConstMetric(descDecodeKVUsage, prometheus.GaugeValue, 100*s.KVUsage, s.URL)
+			}
 		}
 		if c := s.Costs; c != nil {
 			gauge := func(d *prometheus.Desc, v float64, labels ...string) {

@@ -120,6 +120,12 @@ func startHeaderRecorder(t *testing.T, target string) (*headerRecorder, string) 
 // pick spans and a span per leg; each leg's traceparent names its own span
 // as the parent; the spans reach an OTLP/HTTP receiver, decoded there.
 func TestTracingOTLP(t *testing.T) {
+	for _, protocol := range []string{"vllm", "sglang"} {
+		t.Run(protocol, func(t *testing.T) { testTracingOTLP(t, protocol) })
+	}
+}
+
+func testTracingOTLP(t *testing.T, protocol string) {
 	fleet, err := sim.StartFleetOf(sim.Config{TimeScale: 100, Role: sim.RolePrefill, Model: "m"},
 		sim.Config{TimeScale: 100, Role: sim.RoleDecode, Model: "m", Seed: 1})
 	if err != nil {
@@ -128,9 +134,13 @@ func TestTracingOTLP(t *testing.T) {
 	t.Cleanup(func() { _ = fleet.Close() })
 	prefillRec, prefillURL := startHeaderRecorder(t, fleet.URL(0))
 	decodeRec, decodeURL := startHeaderRecorder(t, fleet.URL(1))
+	if protocol == "sglang" { // the decode pod pulls from the prefill pod's bootstrap server
+		a := fleet.Pod(0).SideChannelAddr()
+		prefillURL += "#bootstrap=" + a[strings.LastIndexByte(a, ':')+1:]
+	}
 	recv := startOTLPReceiver(t)
 	addrs, stop := startKvroute(t, "--prefill-backends", prefillURL, "--decode-backends", decodeURL,
-		"--otlp-endpoint", recv.url)
+		"--otlp-endpoint", recv.url, "--pd-protocol", protocol)
 
 	const clientTrace, clientSpan = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 	req, _ := http.NewRequest("POST", "http://"+addrs.API+"/v1/completions", strings.NewReader(

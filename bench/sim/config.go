@@ -68,6 +68,12 @@ type Config struct {
 	// Model is the served model name (the "model" field clients must send
 	// and the model_name metric label).
 	Model string
+	// LoRAs are the names of LoRA adapters the pod has loaded on Model, as
+	// vLLM's --lora-modules: requests may name one as their model, and
+	// /v1/models lists them with Model as their parent. An adapter's
+	// prefixes are cached apart from the base model's (vLLM keys its
+	// prefix cache by LoRA).
+	LoRAs []string
 	// Role selects the prefill/decode behaviour; default RoleMixed.
 	Role Role
 	// Seed makes ids, synthetic text, EOS draws and fault draws deterministic.

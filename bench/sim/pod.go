@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -316,7 +317,7 @@ func (p *Pod) infer(ctx *fasthttp.RequestCtx, chat bool) {
 		// and it learns at once if this request fails.
 		rooms, aerr = p.openRooms(ar.boot.rooms)
 	}
-	if aerr == nil && ar.model != "" && ar.model != p.cfg.Model {
+	if aerr == nil && ar.model != "" && ar.model != p.cfg.Model && !slices.Contains(p.cfg.LoRAs, ar.model) {
 		aerr = &apiError{404, "NotFoundError", fmt.Sprintf("The model `%s` does not exist.", ar.model)}
 	}
 	var maxTokens []int
@@ -412,6 +413,9 @@ func (p *Pod) newInferRequest(ctx *fasthttp.RequestCtx, ar *apiRequest, chat boo
 	}
 	seed := splitmix(p.cfg.Seed ^ xxh3.HashString(r.id))
 	root := rootHash(ar.salt)
+	if ar.model != "" && ar.model != p.cfg.Model { // a LoRA adapter: its own cache entries
+		root = rootHash(ar.salt + "\x00lora\x00" + ar.model)
+	}
 	refs := p.remoteRefs(ar)
 	for i, prompt := range ar.prompts {
 		for j := range ar.n {
@@ -489,7 +493,17 @@ func (p *Pod) models(ctx *fasthttp.RequestCtx) {
 	b = strconv.AppendInt(b, int64(p.cfg.MaxModelLen), 10)
 	b = append(b, `,"permission":[{"id":"modelperm-`...)
 	b = append(b, p.engineID...)
-	b = append(b, `","object":"model_permission","created":`+created+`,"allow_create_engine":false,"allow_sampling":true,"allow_logprobs":true,"allow_search_indices":false,"allow_view":true,"allow_fine_tuning":false,"organization":"*","group":null,"is_blocking":false}]}]}`...)
+	b = append(b, `","object":"model_permission","created":`+created+`,"allow_create_engine":false,"allow_sampling":true,"allow_logprobs":true,"allow_search_indices":false,"allow_view":true,"allow_fine_tuning":false,"organization":"*","group":null,"is_blocking":false}]}`...)
+	for _, l := range p.cfg.LoRAs { // as vLLM lists --lora-modules
+		b = append(b, `,{"id":`...)
+		b = appendJSONString(b, l)
+		b = append(b, `,"object":"model","created":`+created+`,"owned_by":"vllm","root":`...)
+		b = appendJSONString(b, "/adapters/"+l)
+		b = append(b, `,"parent":`...)
+		b = appendJSONString(b, p.cfg.Model)
+		b = append(b, `,"max_model_len":null,"permission":[]}`...)
+	}
+	b = append(b, `]}`...)
 	ctx.SetContentType("application/json")
 	ctx.SetBody(b)
 }

@@ -96,6 +96,7 @@ func newFlags(c *config) *proxy.Flags {
 	health.DurationVar(&c.EjectMaxCooldown, "eject-max-cooldown", c.EjectMaxCooldown, "longest ejection")
 	health.DurationVar(&c.ScrapeInterval, "scrape-interval", c.ScrapeInterval, "scrape every endpoint's /metrics this often for queue and KV usage (0: never)")
 	health.DurationVar(&c.ScrapeTimeout, "scrape-timeout", c.ScrapeTimeout, "timeout of one scrape")
+	health.DurationVar(&c.ModelsInterval, "models-interval", c.ModelsInterval, "read every endpoint's GET /v1/models this often, to send a request only to endpoints serving its model or LoRA adapter and to answer /v1/models with their union (0: never; every endpoint is presumed to serve every model)")
 	health.DurationVar(&c.EndpointDrainLimit, "endpoint-drain-limit", c.EndpointDrainLimit, "an endpoint that left DNS is dropped once idle, or after this long")
 
 	pfx.IntVar(&c.PrefixBlockBytes, "prefix-block-bytes", c.PrefixBlockBytes, "bytes of the canonical prompt rendering per hashed block (1 KiB ≈ 256 tokens)")

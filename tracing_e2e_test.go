@@ -103,7 +103,7 @@ func startHeaderRecorder(t *testing.T, target string) (*headerRecorder, string) 
 		t.Fatal(err)
 	}
 	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if strings.HasPrefix(r.URL.Path, "/v1/") {
+		if r.Method == http.MethodPost && strings.HasPrefix(r.URL.Path, "/v1/") {
 			h.mu.Lock()
 			h.tps = append(h.tps, r.Header.Get("traceparent"))
 			h.mu.Unlock()

@@ -108,9 +108,13 @@ type Endpoint struct {
 	// latest successful scrape for introspection. scr is owned by the one
 	// scraper worker holding scraping.
 	scraping atomic.Bool
-	fresh    atomic.Pointer[EngineStats]
-	last     atomic.Pointer[EngineStats]
-	scr      scrapeMemory
+	// models is the endpoint's model list (nil: not known); listing is
+	// held by the models worker reading it.
+	models  atomic.Pointer[Models]
+	listing atomic.Bool
+	fresh   atomic.Pointer[EngineStats]
+	last    atomic.Pointer[EngineStats]
+	scr     scrapeMemory
 }
 
 // Reasons an endpoint is not routable, bits of Endpoint.flags.

@@ -37,6 +37,8 @@ type Options struct {
 	Passive PassiveConfig
 	// Scrape configures the engines' /metrics scraping.
 	Scrape ScrapeConfig
+	// Models configures the reading of the endpoints' /v1/models.
+	Models ModelsConfig
 	// Calibration configures the learning of every endpoint's Costs.
 	Calibration CalibrationConfig
 	// DrainLimit is the longest an endpoint that left the Set keeps
@@ -129,11 +131,12 @@ func New(o Options) (*Fleet, error) {
 	o.Health = o.Health.withDefaults()
 	o.Passive = o.Passive.withDefaults()
 	o.Scrape = o.Scrape.withDefaults()
+	o.Models = o.Models.withDefaults()
 	o.Calibration = o.Calibration.withDefaults()
 	if o.DrainLimit == 0 {
 		o.DrainLimit = DefaultDrainLimit
 	}
-	if err := errors.Join(o.Health.validate(), o.Passive.validate(), o.Scrape.validate()); err != nil {
+	if err := errors.Join(o.Health.validate(), o.Passive.validate(), o.Scrape.validate(), o.Models.validate()); err != nil {
 		return nil, err
 	}
 	if o.DrainLimit < 0 {
@@ -273,6 +276,9 @@ func (f *Fleet) Run(ctx context.Context) error {
 	}
 	if !f.o.Scrape.Disabled {
 		wg.Go(func() { f.runLoop(ctx, f.scraperLoop()) })
+	}
+	if !f.o.Models.Disabled {
+		wg.Go(func() { f.runLoop(ctx, f.modelsLoop()) })
 	}
 	wg.Go(func() {
 		t := time.NewTicker(f.reapEvery)

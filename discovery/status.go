@@ -9,9 +9,13 @@ import (
 // EndpointStatus is one endpoint as introspection shows it (GET
 // /debug/endpoints). Durations are in seconds.
 type EndpointStatus struct {
-	URL   string `json:"url"`
-	Role  string `json:"role"`
-	State State  `json:"state"`
+	// Models are the endpoint's served models and adapters, as its
+	// /v1/models last listed them (absent: not known, every model
+	// presumed served).
+	Models []string `json:"models,omitempty"`
+	URL    string   `json:"url"`
+	Role   string   `json:"role"`
+	State  State    `json:"state"`
 	// Routable is what policies see: false when down, ejected or draining.
 	Routable        bool   `json:"routable"`
 	InFlight        int64  `json:"in_flight"`
@@ -82,6 +86,11 @@ func (f *Fleet) status(e *Endpoint, now time.Time) EndpointStatus {
 	f.ejectMu.Unlock()
 	if st := e.last.Load(); st != nil {
 		s.Engine = &EngineStatus{EngineStats: *st, AgeSec: st.Age(now).Seconds(), Fresh: e.fresh.Load() == st}
+	}
+	if m := e.Models(); m != nil {
+		for _, x := range m.List {
+			s.Models = append(s.Models, x.ID)
+		}
 	}
 	return s
 }

@@ -251,6 +251,10 @@ func TestClientErrorsNeverEject(t *testing.T) {
 		// Answers 500, 404, 500, 404, ...
 		var n atomic.Int64
 		alternating := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Method != http.MethodPost { // discovery's GET /v1/models
+				http.NotFound(w, r)
+				return
+			}
 			_, _ = io.Copy(io.Discard, r.Body)
 			w.Header().Set("Content-Type", "application/json")
 			w.Header().Set("X-Backend", "alternating")

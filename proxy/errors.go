@@ -48,13 +48,25 @@ type badRequestError struct {
 
 func (e *badRequestError) Error() string { return e.msg }
 
+// unknownModelError: no endpoint serves the request's model (404, in
+// vLLM's wording), decided from the endpoints' model lists without
+// sending the request anywhere.
+type unknownModelError struct{ model string }
+
+func (e *unknownModelError) Error() string {
+	return fmt.Sprintf("The model `%s` does not exist.", e.model)
+}
+
 // statusOf maps a failure to the HTTP status kvroute answers with, the
 // OpenAI error type and a short code. It is the one place that decides.
 func statusOf(err error) (status int, typ, code string) {
 	var bad *badRequestError
+	var unknown *unknownModelError
 	switch {
 	case errors.As(err, &bad):
 		return fasthttp.StatusBadRequest, "BadRequestError", "invalid_request"
+	case errors.As(err, &unknown):
+		return fasthttp.StatusNotFound, "NotFoundError", "model_not_found"
 	case errors.Is(err, ErrBodyTooLarge):
 		return fasthttp.StatusRequestEntityTooLarge, "BadRequestError", "request_too_large"
 	case errors.Is(err, ErrHeaderTooLarge):

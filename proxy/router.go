@@ -50,6 +50,7 @@ type Config struct {
 	EjectMaxCooldown    time.Duration
 	ScrapeInterval      time.Duration
 	ScrapeTimeout       time.Duration
+	ModelsInterval      time.Duration
 	EndpointDrainLimit  time.Duration
 
 	Limits
@@ -115,6 +116,7 @@ func DefaultConfig() Config {
 		EjectCooldown:       d.Passive.Cooldown,
 		EjectMaxCooldown:    d.Passive.MaxCooldown,
 		ScrapeInterval:      d.Scrape.Interval,
+		ModelsInterval:      5 * time.Second,
 		ScrapeTimeout:       d.Scrape.Timeout,
 		EndpointDrainLimit:  d.DrainLimit,
 
@@ -257,7 +259,7 @@ func (c *Config) Validate() error {
 		{"--health-interval", c.HealthInterval}, {"--health-timeout", c.HealthTimeout},
 		{"--eject-cooldown", c.EjectCooldown}, {"--eject-max-cooldown", c.EjectMaxCooldown},
 		{"--scrape-interval", c.ScrapeInterval}, {"--scrape-timeout", c.ScrapeTimeout},
-		{"--endpoint-drain-limit", c.EndpointDrainLimit}, {"--prefix-ttl", c.PrefixTTL},
+		{"--endpoint-drain-limit", c.EndpointDrainLimit}, {"--prefix-ttl", c.PrefixTTL}, {"--models-interval", c.ModelsInterval},
 		{"--shutdown-delay", c.ShutdownDelay},
 	} {
 		if d.v < 0 {
@@ -387,6 +389,7 @@ func newFleet(cfg *Config, logger *zap.Logger, pfx *routing.Prefix) (*discovery.
 		Passive: discovery.PassiveConfig{Disabled: cfg.EjectFailures == 0, Failures: cfg.EjectFailures,
 			Cooldown: cfg.EjectCooldown, MaxCooldown: cfg.EjectMaxCooldown},
 		Scrape:     discovery.ScrapeConfig{Disabled: cfg.ScrapeInterval == 0, Interval: cfg.ScrapeInterval, Timeout: cfg.ScrapeTimeout},
+		Models:     discovery.ModelsConfig{Disabled: cfg.ModelsInterval == 0, Interval: cfg.ModelsInterval, Timeout: cfg.HealthTimeout},
 		DrainLimit: cfg.EndpointDrainLimit,
 		// The prefix policy's prefill rate is the calibration's prior.
 		Calibration: discovery.CalibrationConfig{PrefillTokensPerSec: cfg.Prefix.PrefillTokensPerSec},

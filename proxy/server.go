@@ -8,6 +8,7 @@ package proxy
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -15,6 +16,7 @@ import (
 	"net"
 	"net/netip"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -328,6 +330,9 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 			return
 		}
 	}
+	if kind == routing.KindOther && ctx.IsGet() && string(ctx.Path()) == "/v1/models" && s.answerModels(ctx, st, start) {
+		return
+	}
 	st.uri = append(st.uri[:0], ctx.Request.RequestURI()...)
 	resp, d, err := s.forward(ctx, st)
 	if err != nil {
@@ -352,6 +357,9 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 	set := s.opt.Pool.Load()
 	if v := set.Version; s.pruned.Load() != v {
 		s.prune(set)
+	}
+	if m := st.req.Model; m != "" && !set.Serves(m) {
+		return nil, routing.Decision{}, &unknownModelError{strings.Clone(m)}
 	}
 	st.req.MaxInFlight = int64(s.opt.MaxInFlightPerEndpoint)
 	s.budget.request()
@@ -530,7 +538,7 @@ func (s *Server) allowRetry() bool {
 // the request may wait for one, rather than because all failed it.
 func saturated(set *discovery.Set, r *routing.Request, busy []*discovery.Endpoint) bool {
 	for _, e := range set.Serving {
-		if e.Routable() && (!slices.Contains(r.Tried, e) || slices.Contains(busy, e)) {
+		if e.Routable() && e.Serves(r.Model) && (!slices.Contains(r.Tried, e) || slices.Contains(busy, e)) {
 			return true
 		}
 	}
@@ -1165,4 +1173,36 @@ func (s *Server) dial(addr string) (net.Conn, error) {
 		return nil, err
 	}
 	return &timedConn{Conn: c, as: &s.attempts, header: s.opt.ResponseHeaderTimeout, idle: s.opt.StreamIdleTimeout}, nil
+}
+
+// answerModels answers GET /v1/models with the union of the model lists
+// of the routable serving endpoints (clients call it before anything
+// else, and any one endpoint lists only its own); false when no endpoint's
+// list is known yet, and the request goes to an endpoint as any other.
+func (s *Server) answerModels(ctx *fasthttp.RequestCtx, st *reqState, start time.Time) bool {
+	list, ok := s.opt.Pool.Load().Models()
+	if !ok {
+		return false
+	}
+	if list == nil {
+		list = []discovery.Model{}
+	}
+	b, err := json.Marshal(struct {
+		Object string            `json:"object"`
+		Data   []discovery.Model `json:"data"`
+	}{"list", list})
+	if err != nil {
+		return false
+	}
+	ctx.SetStatusCode(fasthttp.StatusOK)
+	ctx.SetContentType("application/json")
+	ctx.SetBody(b)
+	rec := record{class: int(st.req.Kind), status: fasthttp.StatusOK, start: start,
+		reqID: ctx.Request.Header.PeekBytes(headerRequestID), method: ctx.Method(), path: ctx.Path(), traceID: st.traceID}
+	if len(rec.reqID) > 0 {
+		ctx.Response.Header.SetBytesKV(headerRequestID, rec.reqID)
+	}
+	rec.span, st.span = st.span, nil
+	s.end(&rec, nil)
+	return true
 }

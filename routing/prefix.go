@@ -375,8 +375,11 @@ func (c candidate) term() Term {
 
 func skippedTerm(r *Request, e *discovery.Endpoint) Term {
 	why := "already tried"
-	if !e.Routable() {
+	switch {
+	case !e.Routable():
 		why = e.State().String()
+	case !e.Serves(r.Model):
+		why = "does not serve the model"
 	}
 	return Term{Endpoint: e.URL, Skipped: why}
 }

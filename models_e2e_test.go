@@ -1,0 +1,129 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvroute/kvroute/bench/sim"
+)
+
+// TestModelRouting: pods behind one kvroute serve different models and
+// LoRA adapters (a pool mid-upgrade, adapters loaded per pod). Every
+// request is answered by a pod that serves its model, under every policy;
+// an unknown model gets kvroute's own 404 without reaching a pod; GET
+// /v1/models is the union of the pods' lists.
+func TestModelRouting(t *testing.T) {
+	fleet, err := sim.StartFleetOf(
+		sim.Config{TimeScale: 1000, Model: "llama-a", LoRAs: []string{"sql-lora"}},
+		sim.Config{TimeScale: 1000, Model: "llama-a", Seed: 1},
+		sim.Config{TimeScale: 1000, Model: "llama-b", Seed: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = fleet.Close() })
+	serves := map[string][]int{"llama-a": {0, 1}, "sql-lora": {0}, "llama-b": {2}}
+
+	for _, policy := range []string{"prefix", "round-robin", "least-request", "random"} {
+		t.Run(policy, func(t *testing.T) {
+			addrs, stop := startKvroute(t, "--backends", strings.Join(fleet.URLs(), ","), "--policy", policy,
+				"--models-interval", "100ms")
+			defer stop()
+			api := "http://" + addrs.API
+
+			var ids []string
+			for deadline := time.Now().Add(10 * time.Second); ; {
+				ids = modelIDs(t, api)
+				if len(ids) == 3 || time.Now().After(deadline) {
+					break
+				}
+				time.Sleep(50 * time.Millisecond)
+			}
+			if want := []string{"llama-a", "llama-b", "sql-lora"}; fmt.Sprint(ids) != fmt.Sprint(want) {
+				t.Fatalf("GET /v1/models lists %v, want the union %v", ids, want)
+			}
+
+			for _, model := range []string{"llama-a", "sql-lora", "llama-b"} {
+				before := make([]float64, fleet.Len())
+				for i := range before {
+					before[i] = podRequests(t, fleet.Pod(i))
+				}
+				for i := range 12 {
+					code, body := postCompletion(t, api, model, fmt.Sprintf("request %d for %s: %s", i, model, strings.Repeat("context ", 200)))
+					if code != 200 {
+						t.Fatalf("%s: %d %s", model, code, body)
+					}
+				}
+				var got []int
+				for i := range before {
+					if podRequests(t, fleet.Pod(i)) > before[i] {
+						got = append(got, i)
+					}
+				}
+				if len(got) == 0 || !isSubset(got, serves[model]) {
+					t.Errorf("%s was served by pods %v; only %v serve it", model, got, serves[model])
+				}
+			}
+
+			before := podRequests(t, fleet.Pod(0)) + podRequests(t, fleet.Pod(1)) + podRequests(t, fleet.Pod(2))
+			code, body := postCompletion(t, api, "no-such-model", "hello")
+			if code != 404 || !strings.Contains(body, "The model `no-such-model` does not exist.") || !strings.Contains(body, `"code":"model_not_found"`) {
+				t.Errorf("unknown model: %d %s, want kvroute's 404", code, body)
+			}
+			if after := podRequests(t, fleet.Pod(0)) + podRequests(t, fleet.Pod(1)) + podRequests(t, fleet.Pod(2)); after != before {
+				t.Errorf("the unknown model reached a pod")
+			}
+		})
+	}
+}
+
+func isSubset(a, b []int) bool {
+	for _, x := range a {
+		if !slices.Contains(b, x) {
+			return false
+		}
+	}
+	return true
+}
+
+func modelIDs(t *testing.T, api string) []string {
+	t.Helper()
+	resp, err := http.Get(api + "/v1/models")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var list struct {
+		Object string `json:"object"`
+		Data   []struct {
+			ID     string  `json:"id"`
+			Parent *string `json:"parent"`
+		} `json:"data"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&list); err != nil || list.Object != "list" {
+		return nil
+	}
+	var ids []string
+	for _, m := range list.Data {
+		ids = append(ids, m.ID)
+	}
+	slices.Sort(ids)
+	return ids
+}
+
+func postCompletion(t *testing.T, api, model, prompt string) (int, string) {
+	t.Helper()
+	b, _ := json.Marshal(map[string]any{"model": model, "prompt": prompt, "max_tokens": 2})
+	resp, err := http.Post(api+"/v1/completions", "application/json", strings.NewReader(string(b)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(body)
+}

@@ -73,10 +73,11 @@ type Metrics struct {
 	estUnder      prometheus.Counter
 	estExact      prometheus.Counter
 
-	reqCache sync.Map // reqKey → prometheus.Counter
-	modelsMu sync.RWMutex
-	models   map[string]string // model names an endpoint accepted → their label value
-	chunkGap prometheus.Observer
+	reqCache   sync.Map // reqKey → prometheus.Counter
+	modelsMu   sync.RWMutex
+	models     map[string]string // model names an endpoint accepted → their label value
+	chunkGap   prometheus.Observer
+	nearMisses *prometheus.CounterVec
 
 	e2e          prometheus.Observer
 	pdDecisions  *prometheus.CounterVec
@@ -176,6 +177,12 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 	for _, k := range []string{"connect", "timeout", "status", "busy", "cancelled", "body", "prefill"} {
 		m.upstreamErrs.WithLabelValues(k)
 	}
+	m.nearMisses = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: Namespace, Name: "prompt_near_misses_total",
+		Help: "Prompts whose first blocks were seen before with the same text up to whitespace, line endings or a byte-order mark, but other bytes: the engine recomputes them. By model.",
+	}, []string{"model"})
+	m.nearMisses.WithLabelValues("none") // the family is exported before the first near miss
+	reg.MustRegister(m.nearMisses)
 	m.registerPD(reg)
 	est := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: Namespace, Name: "prefix_estimates_total",
@@ -244,6 +251,12 @@ func (m *Metrics) modelLabel(model []byte, code int) string {
 	l = string(model)
 	m.models[l] = l
 	return l
+}
+
+// NearMiss counts a prompt whose normalised prefix was seen before with
+// other bytes (see prefix.Normalizer), by model.
+func (m *Metrics) NearMiss(model []byte) {
+	m.nearMisses.WithLabelValues(m.modelLabel(model, 404)).Inc() // only names already admitted
 }
 
 // ChunkGap records the time between two chunks of a streamed answer as

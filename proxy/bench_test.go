@@ -138,17 +138,22 @@ func pct(x []time.Duration, q float64) float64 {
 // typed struct with encoding/json, which extracts less.
 func BenchmarkParse(b *testing.B) {
 	body := chatBody(128 << 10)
-	b.Run("kvroute-128KiB-chat", func(b *testing.B) {
-		var st reqState
-		b.SetBytes(int64(len(body)))
-		b.ReportAllocs()
-		for i := 0; i < b.N; i++ {
-			st.req.Reset()
-			if err := st.parse(routing.KindChat, body, 256, 1024); err != nil {
-				b.Fatal(err)
+	for _, near := range []int{0, 2, 4} {
+		// near > 0: with the near-identical prompt detector normalising
+		// the first blocks (of 1 KiB) beside (default 2).
+		b.Run(fmt.Sprintf("kvroute-128KiB-chat/near-miss-blocks=%d", near), func(b *testing.B) {
+			var st reqState
+			st.nearBlocks = near
+			b.SetBytes(int64(len(body)))
+			b.ReportAllocs()
+			for i := 0; i < b.N; i++ {
+				st.req.Reset()
+				if err := st.parse(routing.KindChat, body, 1024, 256); err != nil {
+					b.Fatal(err)
+				}
 			}
-		}
-	})
+		})
+	}
 	b.Run("encoding-json-128KiB-chat", func(b *testing.B) {
 		type message struct {
 			Role    string          `json:"role"`

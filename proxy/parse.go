@@ -62,17 +62,42 @@ type renderer interface {
 	io.StringWriter
 }
 
+// tee renders to the block hasher and the normaliser at once.
+type tee struct {
+	h *prefix.Hasher
+	n *prefix.Normalizer
+}
+
+func (t *tee) Write(p []byte) (int, error) {
+	if !t.n.Done() {
+		_, _ = t.n.Write(p)
+	}
+	return t.h.Write(p)
+}
+
+func (t *tee) WriteString(p string) (int, error) {
+	if !t.n.Done() {
+		_, _ = t.n.WriteString(p)
+	}
+	return t.h.WriteString(p)
+}
+
 // reqState is one request's parse state, pooled: the routing.Request, the
 // hasher its Hashes live in, and the JSON parser whose memory its strings
 // point into. Nothing in it may be retained after release.
 type reqState struct {
-	req     routing.Request
-	hasher  prefix.Hasher
-	parser  fastjson.Parser
-	scratch []byte
-	lease   discovery.Lease // the endpoint being tried; handed to the response body
-	att     *attempt        // the answering attempt; handed to the response body
-	uri     []byte          // the client's request URI, kept across retries
+	req    routing.Request
+	hasher prefix.Hasher
+	// With nearBlocks > 0, norm hashes the normal form of the rendering's
+	// first nearBlocks blocks too (the near-identical prompt detector).
+	nearBlocks int
+	norm       prefix.Normalizer
+	tee        tee
+	parser     fastjson.Parser
+	scratch    []byte
+	lease      discovery.Lease // the endpoint being tried; handed to the response body
+	att        *attempt        // the answering attempt; handed to the response body
+	uri        []byte          // the client's request URI, kept across retries
 	// The W3C trace context of the upstream requests: the client's trace
 	// id and flags, or new ones (traceparent).
 	traceID [32]byte
@@ -216,8 +241,15 @@ func (s *reqState) parse(kind routing.Kind, body []byte, blockSize, maxBlocks in
 	if r.CacheSalt, err = optString(v, "cache_salt"); err != nil {
 		return err
 	}
-	s.hasher.Reset(blockSize, maxBlocks, prefix.Seed(r.Model, r.CacheSalt))
-	if err := s.render(&s.hasher, kind, v); err != nil {
+	seed := prefix.Seed(r.Model, r.CacheSalt)
+	s.hasher.Reset(blockSize, maxBlocks, seed)
+	var w renderer = &s.hasher
+	if s.nearBlocks > 0 {
+		s.norm.Reset(blockSize, s.nearBlocks, seed)
+		s.tee = tee{&s.hasher, &s.norm}
+		w = &s.tee
+	}
+	if err := s.render(w, kind, v); err != nil {
 		return err
 	}
 	r.PromptBytes = s.hasher.Len()

@@ -28,6 +28,7 @@ import (
 
 	"github.com/kvroute/kvroute/discovery"
 	"github.com/kvroute/kvroute/metrics"
+	"github.com/kvroute/kvroute/prefix"
 	"github.com/kvroute/kvroute/routing"
 )
 
@@ -116,6 +117,9 @@ type Options struct {
 	Logger  *zap.Logger
 	// Tracer, when set, makes a span of every request (see tracing.go).
 	Tracer trace.Tracer
+	// NearMissBlocks is how many leading blocks of every prompt the
+	// near-identical prompt detector normalises (0: off).
+	NearMissBlocks int
 	// AccessLog writes one Info line per request to Logger, but for the
 	// share AccessLogSkip of successful ones (status < 400), at random.
 	AccessLog     bool
@@ -144,9 +148,11 @@ type Server struct {
 	idPrefix [8]byte
 	idSeq    atomic.Uint64
 	draining atomic.Bool
-	attempts attempts    // upstream attempts in flight, and the client watcher
-	budget   retryBudget // retries allowed
-	queue    waitQueue   // requests waiting for a saturated fleet
+	attempts attempts           // upstream attempts in flight, and the client watcher
+	near     *prefix.NearMisses // the near-identical prompt detector; nil when off
+	nearLog  atomic.Int64       // when a near miss was last logged (Unix ns)
+	budget   retryBudget        // retries allowed
+	queue    waitQueue          // requests waiting for a saturated fleet
 	hijacked sync.WaitGroup
 	legs     sync.WaitGroup // concurrent prefill legs (SGLang)
 	access   accessLog
@@ -173,6 +179,9 @@ func New(opt Options) *Server {
 		opt.UpstreamIdleTimeout = d.UpstreamIdleTimeout
 	}
 	s := &Server{opt: opt}
+	if opt.NearMissBlocks > 0 {
+		s.near = prefix.NewNearMisses(nearMissMemory)
+	}
 	s.access.log = opt.Logger
 	s.budget.init(opt.RetryBudget, opt.MinRetries)
 	s.queue.init(opt.MaxQueue)
@@ -321,9 +330,13 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	}
 	st.maxTokens = s.opt.MaxPromptTokens
 	if kind != routing.KindOther && len(ctx.Request.Header.ContentEncoding()) == 0 {
+		st.nearBlocks = s.opt.NearMissBlocks
 		if err := st.parse(kind, ctx.PostBody(), s.opt.BlockSize, s.opt.MaxBlocks); err != nil {
 			s.answer(ctx, st, err, start)
 			return
+		}
+		if s.near != nil {
+			s.checkNearMiss(st, reqID)
 		}
 		if st.clientKV && !s.opt.PD.TrustClientKV {
 			s.answer(ctx, st, errClientKV, start)
@@ -1205,4 +1218,31 @@ func (s *Server) answerModels(ctx *fasthttp.RequestCtx, st *reqState, start time
 	rec.span, st.span = st.span, nil
 	s.end(&rec, nil)
 	return true
+}
+
+// nearMissMemory is how many normalised blocks the detector remembers
+// (16 bytes each in the LRU, plus its list: ≈ 5 MB).
+const nearMissMemory = 1 << 16
+
+// nearMissLogEvery bounds the near-miss log lines to one per interval.
+const nearMissLogEvery = 10 * time.Second
+
+// checkNearMiss runs the near-identical prompt detector on st's parsed
+// prompt: a normalised prefix seen before with other bytes is counted, by
+// model, and a sample logged with where the bytes first differ (never the
+// text).
+func (s *Server) checkNearMiss(st *reqState, reqID []byte) {
+	n := &st.norm
+	depth, exact, offset := s.near.Observe(n.Hashes(), n.Raw, n.Offsets)
+	if exact >= depth {
+		return
+	}
+	s.opt.Metrics.NearMiss([]byte(st.req.Model))
+	now := time.Now().UnixNano()
+	if last := s.nearLog.Load(); now-last >= int64(nearMissLogEvery) && s.nearLog.CompareAndSwap(last, now) {
+		s.opt.Logger.Info("near-identical prompt prefix: the same text up to whitespace, line endings or a byte-order mark, other bytes",
+			zap.ByteString("request_id", reqID), zap.String("model", st.req.Model),
+			zap.Int("normalised_blocks_matched", depth), zap.Int("exact_blocks_matched", exact),
+			zap.Int("first_difference_block_offset", offset))
+	}
 }

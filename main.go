@@ -101,6 +101,7 @@ func newFlags(c *config) *proxy.Flags {
 
 	pfx.IntVar(&c.PrefixBlockBytes, "prefix-block-bytes", c.PrefixBlockBytes, "bytes of the canonical prompt rendering per hashed block (1 KiB ≈ 256 tokens)")
 	pfx.IntVar(&c.NearMissBlocks, "near-miss-blocks", c.NearMissBlocks, "leading blocks of every prompt checked for near-identical prefixes (the same text up to whitespace, line endings or a byte-order mark, but other bytes: counted in kvroute_prompt_near_misses_total, sampled in the log; 0: off)")
+	pfx.BoolVar(&c.NormalizePrompts, "normalize-prompts", c.NormalizePrompts, "rewrite prompt and message text to one normal form before routing and forwarding: outside fenced code blocks, byte-order marks removed and each line's trailing carriage return, spaces and tabs removed (CRLF becomes LF); nothing else changes, and a body already in normal form is forwarded byte for byte")
 	pfx.IntVar(&c.PrefixMaxBlocks, "prefix-max-blocks", c.PrefixMaxBlocks, "blocks hashed per request; 256 × 1 KiB covers 256 KiB ≈ 64k tokens")
 	pfx.IntVar(&c.PrefixCapacityBlocks, "prefix-capacity-blocks", c.PrefixCapacityBlocks, "index blocks remembered per endpoint: the engine's KV capacity in blocks (450k tokens / 256 for an 8B model on an H100)")
 	pfx.IntVar(&c.PrefixMaxEntries, "prefix-max-entries", c.PrefixMaxEntries, "cap on (block, endpoint) entries of all endpoints together (≈ 56 bytes each)")

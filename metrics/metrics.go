@@ -78,6 +78,7 @@ type Metrics struct {
 	models     map[string]string // model names an endpoint accepted → their label value
 	chunkGap   prometheus.Observer
 	nearMisses *prometheus.CounterVec
+	rewrites   prometheus.Counter
 
 	e2e          prometheus.Observer
 	pdDecisions  *prometheus.CounterVec
@@ -182,7 +183,11 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 		Help: "Prompts whose first blocks were seen before with the same text up to whitespace, line endings or a byte-order mark, but other bytes: the engine recomputes them. By model.",
 	}, []string{"model"})
 	m.nearMisses.WithLabelValues("none") // the family is exported before the first near miss
-	reg.MustRegister(m.nearMisses)
+	m.rewrites = prometheus.NewCounter(prometheus.CounterOpts{
+		Namespace: Namespace, Name: "prompt_normalizations_total",
+		Help: "Requests whose prompts --normalize-prompts rewrote (line endings, trailing blanks, byte-order marks outside code blocks).",
+	})
+	reg.MustRegister(m.nearMisses, m.rewrites)
 	m.registerPD(reg)
 	est := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: Namespace, Name: "prefix_estimates_total",
@@ -258,6 +263,10 @@ func (m *Metrics) modelLabel(model []byte, code int) string {
 func (m *Metrics) NearMiss(model []byte) {
 	m.nearMisses.WithLabelValues(m.modelLabel(model, 404)).Inc() // only names already admitted
 }
+
+// PromptRewrite counts a request whose prompts --normalize-prompts
+// rewrote.
+func (m *Metrics) PromptRewrite() { m.rewrites.Inc() }
 
 // ChunkGap records the time between two chunks of a streamed answer as
 // the router received them: the engine's inter-token gaps, batched by its

@@ -93,11 +93,14 @@ type reqState struct {
 	nearBlocks int
 	norm       prefix.Normalizer
 	tee        tee
-	parser     fastjson.Parser
-	scratch    []byte
-	lease      discovery.Lease // the endpoint being tried; handed to the response body
-	att        *attempt        // the answering attempt; handed to the response body
-	uri        []byte          // the client's request URI, kept across retries
+	// --normalize-prompts: the new strings' arena and a scratch buffer.
+	normArena fastjson.Arena
+	normBuf   []byte
+	parser    fastjson.Parser
+	scratch   []byte
+	lease     discovery.Lease // the endpoint being tried; handed to the response body
+	att       *attempt        // the answering attempt; handed to the response body
+	uri       []byte          // the client's request URI, kept across retries
 	// The W3C trace context of the upstream requests: the client's trace
 	// id and flags, or new ones (traceparent).
 	traceID [32]byte

@@ -82,6 +82,9 @@ type Config struct {
 	// NearMissBlocks is how many leading blocks of every prompt the
 	// near-identical prompt detector normalises (0: off).
 	NearMissBlocks int
+	// NormalizePrompts rewrites prompts' line endings, trailing blanks and
+	// byte-order marks to one normal form (outside code blocks).
+	NormalizePrompts bool
 
 	PrefixBlockBytes     int
 	PrefixMaxBlocks      int
@@ -384,7 +387,7 @@ func NewRouter(cfg Config, logger *zap.Logger) (*Router, error) {
 		opt.Tracer = r.tracing.Tracer("github.com/kvroute/kvroute/proxy")
 	}
 	opt.AccessLogSkip = 1 - cfg.AccessLogSample
-	opt.NearMissBlocks = cfg.NearMissBlocks
+	opt.NearMissBlocks, opt.NormalizePrompts = cfg.NearMissBlocks, cfg.NormalizePrompts
 	metrics.RegisterBuildInfo(r.Registry, cfg.Version, cfg.Revision, runtime.Version())
 	r.Server = New(opt)
 	return r, nil

@@ -120,6 +120,8 @@ type Options struct {
 	// NearMissBlocks is how many leading blocks of every prompt the
 	// near-identical prompt detector normalises (0: off).
 	NearMissBlocks int
+	// NormalizePrompts rewrites prompts to normal form (normalize.go).
+	NormalizePrompts bool
 	// AccessLog writes one Info line per request to Logger, but for the
 	// share AccessLogSkip of successful ones (status < 400), at random.
 	AccessLog     bool
@@ -334,6 +336,16 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		if err := st.parse(kind, ctx.PostBody(), s.opt.BlockSize, s.opt.MaxBlocks); err != nil {
 			s.answer(ctx, st, err, start)
 			return
+		}
+		if s.opt.NormalizePrompts && st.root != nil {
+			if body := s.normalizePrompts(st); body != nil {
+				ctx.Request.SetBody(body)
+				if err := st.parse(kind, ctx.PostBody(), s.opt.BlockSize, s.opt.MaxBlocks); err != nil {
+					s.answer(ctx, st, err, start)
+					return
+				}
+				s.opt.Metrics.PromptRewrite()
+			}
 		}
 		if s.near != nil {
 			s.checkNearMiss(st, reqID)

@@ -65,12 +65,14 @@ type Model struct {
 type Models struct {
 	List []Model
 	At   time.Time
+	ids  map[string]struct{} // List's ids: every pick asks (pods may list hundreds of adapters)
 }
 
 // Serves reports whether the list names model (a served name or an
 // adapter).
 func (m *Models) Serves(model string) bool {
-	return slices.ContainsFunc(m.List, func(x Model) bool { return x.ID == model })
+	_, ok := m.ids[model]
+	return ok
 }
 
 // Models returns e's model list as last read; nil when not known.
@@ -88,7 +90,11 @@ func (e *Endpoint) Serves(model string) bool {
 
 // SetModels records e's model list (tests and other discovery sources).
 func (e *Endpoint) SetModels(list []Model) {
-	e.models.Store(&Models{List: list, At: time.Now()})
+	m := &Models{List: list, At: time.Now(), ids: make(map[string]struct{}, len(list))}
+	for _, x := range list {
+		m.ids[x.ID] = struct{}{}
+	}
+	e.models.Store(m)
 }
 
 // maxModelsBytes caps one /v1/models answer: a pod with hundreds of

@@ -220,7 +220,7 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 // Request records one answered request of class index class for model
 // (the body's "model", empty when none).
 func (m *Metrics) Request(class, code int, model []byte, seconds float64) {
-	k := reqKey{class, code, m.modelLabel(model, code)}
+	k := reqKey{class, code, m.modelLabel(model, code < 400)}
 	c, ok := m.reqCache.Load(k)
 	if !ok {
 		c, _ = m.reqCache.LoadOrStore(k, m.requests.WithLabelValues(m.classes[class], strconv.Itoa(code), k.model))
@@ -229,9 +229,10 @@ func (m *Metrics) Request(class, code int, model []byte, seconds float64) {
 	m.durationByCls[class].Observe(seconds)
 }
 
-// modelLabel returns the model label of a request for model answered with
-// code (see MaxModels).
-func (m *Metrics) modelLabel(model []byte, code int) string {
+// modelLabel returns the model label of a request for model (see
+// MaxModels); admit lets a name not labelled yet in, while there is room
+// (an endpoint served the request).
+func (m *Metrics) modelLabel(model []byte, admit bool) string {
 	if len(model) == 0 {
 		return "none"
 	}
@@ -242,7 +243,7 @@ func (m *Metrics) modelLabel(model []byte, code int) string {
 	switch {
 	case ok:
 		return l
-	case code >= 400 || n >= MaxModels:
+	case !admit || n >= MaxModels:
 		return "other"
 	}
 	m.modelsMu.Lock()
@@ -261,7 +262,7 @@ func (m *Metrics) modelLabel(model []byte, code int) string {
 // NearMiss counts a prompt whose normalised prefix was seen before with
 // other bytes (see prefix.Normalizer), by model.
 func (m *Metrics) NearMiss(model []byte) {
-	m.nearMisses.WithLabelValues(m.modelLabel(model, 404)).Inc() // only names already admitted
+	m.nearMisses.WithLabelValues(m.modelLabel(model, false)).Inc()
 }
 
 // PromptRewrite counts a request whose prompts --normalize-prompts

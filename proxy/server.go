@@ -639,21 +639,29 @@ func retryable(code int) bool {
 // answer answers the request with kvroute's own error for err and records
 // its end.
 func (s *Server) answer(ctx *fasthttp.RequestCtx, st *reqState, err error, start time.Time) {
-	rec := record{class: int(st.req.Kind), status: writeError(ctx, err), attempts: len(st.req.Tried), start: start,
-		reqID: ctx.Request.Header.PeekBytes(headerRequestID), method: ctx.Method(), path: ctx.Path(), model: []byte(st.req.Model)}
-	if len(rec.reqID) > 0 {
-		ctx.Response.Header.SetBytesKV(headerRequestID, rec.reqID)
-	}
+	status := writeError(ctx, err)
 	switch {
 	case errors.Is(err, ErrOverloaded):
 		ctx.Response.Header.Set("Retry-After", "1")
 	case errors.Is(err, ErrClientGone):
 		ctx.SetConnectionClose()
 	}
+	s.answered(ctx, st, status, err, start)
+}
+
+// answered records the end of a request kvroute answered itself with
+// status (err: why it failed, nil if it did not); the answer is written.
+func (s *Server) answered(ctx *fasthttp.RequestCtx, st *reqState, status int, err error, start time.Time) {
+	rec := record{class: int(st.req.Kind), status: status, attempts: len(st.req.Tried), start: start,
+		reqID: ctx.Request.Header.PeekBytes(headerRequestID), method: ctx.Method(), path: ctx.Path(),
+		model: []byte(st.req.Model), traceID: st.traceID}
+	if len(rec.reqID) > 0 {
+		ctx.Response.Header.SetBytesKV(headerRequestID, rec.reqID)
+	}
 	if s.draining.Load() {
 		ctx.SetConnectionClose()
 	}
-	rec.span, st.span, rec.traceID = st.span, nil, st.traceID
+	rec.span, st.span = st.span, nil
 	s.end(&rec, err)
 }
 
@@ -1222,13 +1230,7 @@ func (s *Server) answerModels(ctx *fasthttp.RequestCtx, st *reqState, start time
 	ctx.SetStatusCode(fasthttp.StatusOK)
 	ctx.SetContentType("application/json")
 	ctx.SetBody(b)
-	rec := record{class: int(st.req.Kind), status: fasthttp.StatusOK, start: start,
-		reqID: ctx.Request.Header.PeekBytes(headerRequestID), method: ctx.Method(), path: ctx.Path(), traceID: st.traceID}
-	if len(rec.reqID) > 0 {
-		ctx.Response.Header.SetBytesKV(headerRequestID, rec.reqID)
-	}
-	rec.span, st.span = st.span, nil
-	s.end(&rec, nil)
+	s.answered(ctx, st, fasthttp.StatusOK, nil, start)
 	return true
 }
 

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"context"
+	"encoding/binary"
 	"encoding/hex"
 	"fmt"
 	"net"
@@ -109,17 +110,9 @@ func (s *Server) beginAttempt(st *reqState, client net.Conn, name string, ep *di
 		trace.WithAttributes(attribute.String("server.address", ep.Addr), attribute.String("kvroute.endpoint", ep.URL),
 			attribute.String("kvroute.role", ep.Role.String())))
 	sid := span.SpanContext().SpanID()
-	a := s.attempts.begin(client, beUint64(sid[:]))
+	a := s.attempts.begin(client, binary.BigEndian.Uint64(sid[:]))
 	a.span = span
 	return a
-}
-
-func beUint64(b []byte) uint64 {
-	var v uint64
-	for _, c := range b[:8] {
-		v = v<<8 | uint64(c)
-	}
-	return v
 }
 
 // answered records an attempt's HTTP status on its span.

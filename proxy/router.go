@@ -357,7 +357,8 @@ func NewRouter(cfg Config, logger *zap.Logger) (*Router, error) {
 		}
 	})
 	opt := Options{Limits: cfg.Limits, Picker: pick, Pool: r.Pool, Metrics: m, Logger: logger,
-		AccessLog: cfg.AccessLog, AdminToken: cfg.AdminToken, BlockSize: cfg.PrefixBlockBytes, MaxBlocks: cfg.PrefixMaxBlocks,
+		AccessLog: cfg.AccessLog, AccessLogSkip: 1 - cfg.AccessLogSample, NearMissBlocks: cfg.NearMissBlocks,
+		NormalizePrompts: cfg.NormalizePrompts, AdminToken: cfg.AdminToken, BlockSize: cfg.PrefixBlockBytes, MaxBlocks: cfg.PrefixMaxBlocks,
 		PD: PDOptions{Protocol: cfg.PDProtocol, PrefillTimeout: cfg.PrefillTimeout, BootstrapPort: cfg.PDBootstrapPort,
 			TrustClientKV: cfg.TrustClientKVParams,
 			Decider: routing.PDDecider{MinUncachedTokens: cfg.PDMinUncachedTokens, Params: func() routing.PrefixParams {
@@ -386,8 +387,6 @@ func NewRouter(cfg Config, logger *zap.Logger) (*Router, error) {
 		}
 		opt.Tracer = r.tracing.Tracer("github.com/kvroute/kvroute/proxy")
 	}
-	opt.AccessLogSkip = 1 - cfg.AccessLogSample
-	opt.NearMissBlocks, opt.NormalizePrompts = cfg.NearMissBlocks, cfg.NormalizePrompts
 	metrics.RegisterBuildInfo(r.Registry, cfg.Version, cfg.Revision, runtime.Version())
 	r.Server = New(opt)
 	return r, nil

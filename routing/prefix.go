@@ -176,11 +176,22 @@ func (p *Prefix) learnBytesPerToken(promptBytes, promptTokens int) {
 	}
 }
 
-// Pick implements the policy and records the pick in the index.
+// Pick implements the policy and records the pick in the index. A prompt
+// warm nowhere records only its first MinMatchBlocks at once (enough to
+// make the endpoint warm for the prompts that follow it, which then record
+// their whole chain there) and the rest when the endpoint's answer begins
+// (Started), off the decision's path: a new 128 KiB prompt's 128 blocks
+// cost most of a pick to record, and they are not cached anywhere until
+// the engine has computed them. A prefill leg's pick records the whole
+// chain (the proxy reports no start for it).
 func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
-	d := p.decide(r, set, nil)
+	d, deepest := p.decide(r, set, nil)
 	if d.Endpoint != nil {
-		p.index.Record(d.Endpoint.ID, r.Hashes)
+		head := len(r.Hashes)
+		if mm := p.params.Load().MinMatchBlocks; !r.Prefill && deepest < mm && head > mm {
+			head, d.Deferred = mm, true
+		}
+		p.index.Record(d.Endpoint.ID, r.Hashes[:head])
 	}
 	if d.Reason == ReasonCold && !d.Home && d.PrefixKey != 0 {
 		p.homes.stray(d.PrefixKey)
@@ -188,11 +199,20 @@ func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 	return d
 }
 
+// Started records the whole of the request's chain (hashes) on d's
+// endpoint when Pick deferred its tail: the endpoint began answering.
+// A refresh of the head recorded at the pick costs only lookups.
+func (p *Prefix) Started(d Decision, hashes []uint64) {
+	if d.Deferred && d.Endpoint != nil {
+		p.index.Record(d.Endpoint.ID, hashes)
+	}
+}
+
 // Explain returns the decision Pick would make and its terms, without
 // recording anything.
 func (p *Prefix) Explain(r *Request, set *discovery.Set) (Decision, []Term) {
 	var terms []Term
-	d := p.decide(r, set, &terms)
+	d, _ := p.decide(r, set, &terms)
 	return d, terms
 }
 
@@ -248,14 +268,19 @@ type Term struct {
 	Skipped             string           `json:"skipped,omitempty"`
 }
 
-// decide returns the decision; terms, when not nil, receives each
+// decide returns the decision and the deepest match of the request's
+// chain on any endpoint; terms, when not nil, receives each
 // endpoint's side of it, and then nothing is counted as seen. It reads
 // every endpoint's load once, so the terms and the decision agree.
-func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision {
+func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (Decision, int) {
 	prm := p.params.Load()
 	sp := p.scratch.Get().(*[]prefix.Match)
 	matches := p.index.Match(r.Hashes, *sp)
 	defer func() { *sp = matches[:0]; p.scratch.Put(sp) }()
+	deepest := 0
+	for _, m := range matches {
+		deepest = max(deepest, m.Blocks)
+	}
 
 	key := rendezvousKey(r.Hashes, prm.MinMatchBlocks)
 	if r.Prefill {
@@ -294,7 +319,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		ch.add(c, hasHome && e.ID == homeID, prm.TieSec)
 	}
 	if ch.top.e == nil {
-		return Decision{Reason: ReasonCold}
+		return Decision{Reason: ReasonCold}, deepest
 	}
 	if ch.home.e == nil {
 		ch.home = ch.top // the home is not usable now, or every endpoint is at the bound
@@ -311,7 +336,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	if keyed {
 		d.PrefixKey = key
 	}
-	return d
+	return d, deepest
 }
 
 // matchedBlocks returns the blocks matches credit endpoint id with.

@@ -46,6 +46,48 @@ func system(id, n int) string {
 	return s[:n]
 }
 
+// answered picks for r as the proxy does for a request whose answer then
+// begins: Pick, then Started.
+func answered(p *Prefix, r *Request, set *discovery.Set) Decision {
+	d := p.Pick(r, set)
+	p.Started(d, r.Hashes)
+	return d
+}
+
+// A prompt warm nowhere records its first MinMatchBlocks at the pick, which
+// is enough for the same prefix to follow it there, and the rest once its
+// answer begins; a prompt warm somewhere records its whole chain at once.
+func TestNewPromptRecordsItsTailOnceAnswered(t *testing.T) {
+	set := testSet(t, 8)
+	p := newTestPrefix(DefaultPrefixParams())
+	long := request(system(7, 16*testBlock))
+	d := p.Pick(long, set)
+	if !d.Deferred {
+		t.Fatalf("a new 16-block prompt recorded whole at the pick: %+v", d)
+	}
+	follower := request(system(7, 16*testBlock) + "b")
+	f := p.Pick(follower, set)
+	if f.Endpoint != d.Endpoint || f.Reason != ReasonWarm || f.MatchedBlocks != 2 || f.Deferred {
+		t.Fatalf("the same prefix picked while the first is unanswered: %+v, want warm (2 blocks) on %s, recorded whole", f, d.Endpoint)
+	}
+	if m := p.Index().Match(long.Hashes, nil); len(m) != 1 || m[0].Blocks != 16 {
+		t.Fatalf("after the warm follower's pick the index holds %+v, want its 16 blocks", m)
+	}
+	p.Started(d, long.Hashes) // the first answer begins
+	if m := p.Index().Match(long.Hashes, nil); len(m) != 1 || m[0].Blocks != 16 {
+		t.Fatalf("after Started: %+v", m)
+	}
+	// Unanswered, a deferred pick leaves only the head: a prompt that
+	// failed everywhere is not claimed cached.
+	other := request(system(8, 16*testBlock))
+	if d := p.Pick(other, set); !d.Deferred {
+		t.Fatalf("%+v", d)
+	}
+	if m := p.Index().Match(other.Hashes, nil); len(m) != 1 || m[0].Blocks != 2 {
+		t.Fatalf("unanswered new prompt: index holds %+v, want its first 2 blocks", m)
+	}
+}
+
 // dispatch picks for r and leases the endpoint as the proxy does; the
 // caller releases the lease.
 func dispatch(p *Prefix, r *Request, set *discovery.Set) (Decision, discovery.Lease) {
@@ -79,12 +121,12 @@ func TestSameprefixGoesWhereItIsCached(t *testing.T) {
 	set := testSet(t, 8)
 	p := newTestPrefix(DefaultPrefixParams())
 	sys := system(1, 8192)
-	first := p.Pick(request(sys+"question one"), set)
+	first := answered(p, request(sys+"question one"), set)
 	if first.Reason != ReasonCold {
 		t.Fatalf("first request: %+v", first)
 	}
 	for i := 0; i < 20; i++ {
-		d := p.Pick(request(sys+fmt.Sprintf("question %d", i)), set)
+		d := answered(p, request(sys+fmt.Sprintf("question %d", i)), set)
 		if d.Endpoint != first.Endpoint || d.Reason != ReasonWarm || d.MatchedBlocks != 8192/testBlock {
 			t.Fatalf("request %d: %+v, want warm on %s", i, d, first.Endpoint)
 		}
@@ -129,7 +171,7 @@ func TestShortSharedPrefixDoesNotPin(t *testing.T) {
 	shared := system(3, testBlock) // one block, below the minimum match
 	counts := map[*discovery.Endpoint]int{}
 	for i := 0; i < 400; i++ {
-		d := p.Pick(request(shared+system(1000+i, 4096)), set)
+		d := answered(p, request(shared+system(1000+i, 4096)), set)
 		if d.Reason == ReasonWarm {
 			t.Fatalf("a one-block match counted as warm: %+v", d)
 		}
@@ -152,8 +194,8 @@ func TestLoadOnOnePodDoesNotCollapseAffinity(t *testing.T) {
 	set := testSet(t, 4)
 	p := newTestPrefix(DefaultPrefixParams())
 	a, b := system(10, 8192), system(11, 8192)
-	da := p.Pick(request(a+"x"), set)
-	db := p.Pick(request(b+"x"), set)
+	da := answered(p, request(a+"x"), set)
+	db := answered(p, request(b+"x"), set)
 	if da.Endpoint == db.Endpoint {
 		// Force distinct homes for the test by recording b elsewhere.
 		for _, e := range set.Endpoints {
@@ -166,10 +208,10 @@ func TestLoadOnOnePodDoesNotCollapseAffinity(t *testing.T) {
 		}
 	}
 	defer occupy(da.Endpoint, 200, 100_000)() // a's home is saturated
-	if d := p.Pick(request(a+"y"), set); d.Reason != ReasonSpill || d.Endpoint == da.Endpoint {
+	if d := answered(p, request(a+"y"), set); d.Reason != ReasonSpill || d.Endpoint == da.Endpoint {
 		t.Fatalf("saturated prefix did not spill: %+v", d)
 	}
-	if d := p.Pick(request(b+"y"), set); d.Reason != ReasonWarm || d.Endpoint != db.Endpoint {
+	if d := answered(p, request(b+"y"), set); d.Reason != ReasonWarm || d.Endpoint != db.Endpoint {
 		t.Fatalf("an unrelated prefix lost its affinity: %+v", d)
 	}
 }
@@ -182,7 +224,7 @@ func TestColdPicksAgreeAcrossReplicas(t *testing.T) {
 	used := map[*discovery.Endpoint]bool{}
 	for i := 0; i < 200; i++ {
 		req := request(system(100+i, 4096))
-		d1, d2 := r1.Pick(req, set), r2.Pick(req, set)
+		d1, d2 := answered(r1, req, set), answered(r2, req, set)
 		if d1.Endpoint != d2.Endpoint {
 			t.Fatalf("replicas disagree on a cold prefix: %s vs %s", d1.Endpoint, d2.Endpoint)
 		}
@@ -207,7 +249,7 @@ func TestExplainMatchesPickWithoutRecording(t *testing.T) {
 	if !terms[indexOf(set, d.Endpoint)].Home {
 		t.Fatalf("the cold pick is not marked as the prefix's home: %+v", terms)
 	}
-	if got := p.Pick(r, set); got.Endpoint != d.Endpoint {
+	if got := answered(p, r, set); got.Endpoint != d.Endpoint {
 		t.Fatalf("pick %s, explain said %s", got.Endpoint, d.Endpoint)
 	}
 	if _, terms := p.Explain(r, set); terms[indexOf(set, d.Endpoint)].MatchedBlocks != 4096/testBlock {
@@ -238,26 +280,23 @@ func TestSetParamsValidates(t *testing.T) {
 	}
 }
 
-// BenchmarkPick measures a whole routing decision for a 128 KiB prompt:
-// hashing the rendering, matching, costing every endpoint, recording.
 // BenchmarkPick: a whole decision for a 128 KiB prompt, hashing included,
 // with the index at its default capacity (1,760 blocks an endpoint);
 // "new-prefix" makes every prompt's first block distinct, so each pick
-// also assigns a home and inserts 128 blocks into the index.
+// also assigns a home and records the chain's head; "+started" adds what
+// the proxy does once the endpoint's answer began (Started: the chain's
+// other 126 blocks inserted, as many evicted), the whole bookkeeping of a
+// new prompt.
 func BenchmarkPick(b *testing.B) {
 	text := system(1, 128<<10)
 	for _, n := range []int{8, 64, 1000} {
-		for _, fresh := range []bool{false, true} {
-			name := fmt.Sprintf("endpoints-%d", n)
-			if fresh {
-				name += "/new-prefix"
-			}
-			b.Run(name, func(b *testing.B) { benchmarkPick(b, n, fresh, text) })
-		}
+		b.Run(fmt.Sprintf("endpoints-%d", n), func(b *testing.B) { benchmarkPick(b, n, false, false, text) })
+		b.Run(fmt.Sprintf("endpoints-%d/new-prefix", n), func(b *testing.B) { benchmarkPick(b, n, true, false, text) })
+		b.Run(fmt.Sprintf("endpoints-%d/new-prefix+started", n), func(b *testing.B) { benchmarkPick(b, n, true, true, text) })
 	}
 }
 
-func benchmarkPick(b *testing.B, n int, fresh bool, text string) {
+func benchmarkPick(b *testing.B, n int, fresh, started bool, text string) {
 	set := testSet(b, n)
 	p := NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1760, MaxEntries: 4_000_000}), testBlock, DefaultPrefixParams())
 	var h prefix.Hasher
@@ -273,8 +312,12 @@ func benchmarkPick(b *testing.B, n int, fresh bool, text string) {
 		}
 		_, _ = h.WriteString(text)
 		r.Hashes, r.PromptBytes, r.PromptTokens = h.Hashes, h.Len(), h.Len()/4
-		if d := p.Pick(r, set); d.Endpoint == nil {
+		d := p.Pick(r, set)
+		if d.Endpoint == nil {
 			b.Fatal("no pick")
+		}
+		if started {
+			p.Started(d, r.Hashes)
 		}
 	}
 }
@@ -311,12 +354,12 @@ func TestForgottenPrefixReturnsHome(t *testing.T) {
 	set := testSet(t, 4)
 	p := newTestPrefix(DefaultPrefixParams())
 	sys := system(20, 8192)
-	home := p.Pick(request(sys+"a"), set).Endpoint
+	home := answered(p, request(sys+"a"), set).Endpoint
 	p.Index().Forget(home.ID)
 	// Busier than the others, not saturated: 0.1 s of prefill queued, which
 	// with the recompute would send a truly cold prefix to an idle endpoint.
 	defer occupy(home, 3, 2000)()
-	if d := p.Pick(request(sys+"b"), set); d.Endpoint != home || d.Reason != ReasonCold {
+	if d := answered(p, request(sys+"b"), set); d.Endpoint != home || d.Reason != ReasonCold {
 		t.Fatalf("forgotten prefix went to %s (%s), want its home %s", d.Endpoint, d.Reason, home)
 	}
 	p.Forget(home.ID) // the endpoint left, or its engine restarted
@@ -331,7 +374,7 @@ func TestSpillNeedsKVRoom(t *testing.T) {
 	set := testSet(t, 3)
 	p := newTestPrefix(DefaultPrefixParams())
 	sys := system(30, 16384)
-	warm := p.Pick(request(sys+"a"), set).Endpoint
+	warm := answered(p, request(sys+"a"), set).Endpoint
 	defer occupy(warm, 50, 40_000)() // two seconds of prefill queued
 	var others []*discovery.Endpoint
 	for _, e := range set.Endpoints {
@@ -340,11 +383,11 @@ func TestSpillNeedsKVRoom(t *testing.T) {
 			e.SetEngine(&discovery.EngineStats{Engine: "vllm", KVUsage: 0.95, At: time.Now()})
 		}
 	}
-	if d := p.Pick(request(sys+"b"), set); d.Endpoint != warm || d.Reason != ReasonWarm {
+	if d := answered(p, request(sys+"b"), set); d.Endpoint != warm || d.Reason != ReasonWarm {
 		t.Fatalf("spilled into a full cache: %+v", d)
 	}
 	others[1].SetEngine(&discovery.EngineStats{Engine: "vllm", KVUsage: 0.3, At: time.Now()})
-	if d := p.Pick(request(sys+"c"), set); d.Endpoint != others[1] || d.Reason != ReasonSpill {
+	if d := answered(p, request(sys+"c"), set); d.Endpoint != others[1] || d.Reason != ReasonSpill {
 		t.Fatalf("did not spill to the endpoint with room: %+v", d)
 	}
 }
@@ -381,13 +424,13 @@ func TestReplicasAgree(t *testing.T) {
 	rng := rand.New(rand.NewPCG(5, 6))
 	for i := range 64 * 30 {
 		g := rng.IntN(64)
-		replicas[rng.IntN(len(replicas))].Pick(request(system(1000+g, 8192)+fmt.Sprint(i)), set)
+		answered(replicas[rng.IntN(len(replicas))], request(system(1000+g, 8192)+fmt.Sprint(i)), set)
 	}
 	load := map[*discovery.Endpoint]int{}
 	for g := range 64 {
 		var first *discovery.Endpoint
 		for i, p := range replicas {
-			d := p.Pick(request(system(1000+g, 8192)+"final"), set)
+			d := answered(p, request(system(1000+g, 8192)+"final"), set)
 			if i == 0 {
 				first = d.Endpoint
 				load[first]++
@@ -409,7 +452,7 @@ func TestEngineCacheMakesAKeyRecur(t *testing.T) {
 	set := testSet(t, 4)
 	p := newTestPrefix(DefaultPrefixParams())
 	r := request(system(50, 8192) + "q")
-	d := p.Pick(r, set)
+	d := answered(p, r, set)
 	p.Learn(d, r.PromptBytes, r.PromptTokens, 16) // a block's worth of a shared preamble
 	if p.Homes() != 0 {
 		t.Fatalf("%d recurring keys after a report of 16 cached tokens", p.Homes())
@@ -428,7 +471,7 @@ func TestSpillWeighsTheStallItCauses(t *testing.T) {
 	set := testSet(t, 3)
 	p := newTestPrefix(DefaultPrefixParams())
 	sys := system(40, 16384) // 4k tokens: 0.2 s to recompute
-	warm := p.Pick(request(sys+"a"), set).Endpoint
+	warm := answered(p, request(sys+"a"), set).Endpoint
 	defer occupy(warm, 1, 10_000)() // 0.5 s of prefill queued
 	var releases []func()
 	for _, e := range set.Endpoints {
@@ -436,12 +479,12 @@ func TestSpillWeighsTheStallItCauses(t *testing.T) {
 			releases = append(releases, occupy(e, 5, 0)) // 5 running: a spill stalls them 1 s
 		}
 	}
-	if d := p.Pick(request(sys+"b"), set); d.Endpoint != warm || d.Reason != ReasonWarm {
+	if d := answered(p, request(sys+"b"), set); d.Endpoint != warm || d.Reason != ReasonWarm {
 		t.Fatalf("spilled onto running batches: %+v", d)
 	}
 	releases[0]()
 	defer releases[1]()
-	if d := p.Pick(request(sys+"c"), set); d.Endpoint == warm || d.Reason != ReasonSpill {
+	if d := answered(p, request(sys+"c"), set); d.Endpoint == warm || d.Reason != ReasonSpill {
 		t.Fatalf("did not spill to the endpoint with nothing running: %+v", d)
 	}
 }
@@ -461,12 +504,12 @@ func TestPrefixStaysWhereItsFirstRequestWent(t *testing.T) {
 		}
 	}
 	release := occupy(busy, 2, 40_000) // 2 s of prefill queued
-	first := p.Pick(request(sys+"a"), set)
+	first := answered(p, request(sys+"a"), set)
 	release()
 	if first.Endpoint == busy || first.Reason != ReasonCold {
 		t.Fatalf("a new prefix queued behind its busy home: %+v", first)
 	}
-	if d := p.Pick(request(sys+"b"), set); d.Endpoint != first.Endpoint || d.Reason != ReasonWarm {
+	if d := answered(p, request(sys+"b"), set); d.Endpoint != first.Endpoint || d.Reason != ReasonWarm {
 		t.Fatalf("the second request went to %s (%s), not where the prefix is cached (%s)", d.Endpoint, d.Reason, first.Endpoint)
 	}
 }

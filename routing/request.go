@@ -122,4 +122,9 @@ type Decision struct {
 	// prompts of this router's at pick time: the engine's cached-token
 	// report for this request may then reflect that race, not evictions.
 	Contended bool
+	// Deferred is true when Pick recorded only the head of the request's
+	// chain in the index (the prefix policy, for a prompt longer than what
+	// makes the endpoint its deepest match); the proxy records the rest
+	// with Started once the endpoint's answer began.
+	Deferred bool
 }

@@ -71,7 +71,24 @@ type homeKey struct {
 	// (the home was busy), so its cache holds the key elsewhere and the home
 	// is cold as far as this router knows.
 	strayed bool
+	// The key's family (the requests sharing it, see family): the deepest
+	// match in the index of its last familyRing requests, and the least
+	// deepest match of its last two windows of familyWindow requests.
+	depths       [familyRing]uint16
+	filled, next uint8
+	low          [2]uint16 // the least deepest match of the last window and of this one
+	window       uint8     // requests in this window
+	chained      bool
 }
+
+// familyRing is how many of a key's recent requests tell whether its family
+// is chained; familyWindow is how many requests a new branch is expected
+// within (the shared depth is the least match of the last one to two
+// windows, so a depth that was low by accident is forgotten after two).
+const (
+	familyRing   = 16
+	familyWindow = 64
+)
 
 // maxHomes bounds the table: 65,536 keys ≈ 7.6 MB (115 bytes a key,
 // measured), plus the assignment's maps for the recurring ones. A fleet serving more live distinct prefixes than that in one
@@ -98,8 +115,12 @@ func newHomes(ttl time.Duration, now func() time.Time) *homes {
 // not: replicas agree on the set, not on every endpoint's health) and
 // what is known of the key (homeKey). When see is set the request counts: it refreshes
 // the key, makes a key seen before recurring, and records a new one;
-// /debug/route leaves it unset. ok is false for an empty eps.
-func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, see bool) (home uint64, k homeKey, ok bool) {
+// /debug/route leaves it unset. ok is false for an empty eps. A branch's
+// key (a conversation's, see family) is homed on its plain rendezvous
+// winner and never joins the balanced assignment: conversations begin and
+// end all the time, and every change of the recurring set may move homes,
+// each move a conversation's full recompute.
+func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, see, branch bool) (home uint64, k homeKey, ok bool) {
 	if len(eps) == 0 {
 		return 0, homeKey{}, false
 	}
@@ -110,7 +131,7 @@ func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, se
 	v, seen := h.lru.Peek(key)
 	if see {
 		changed := !seen || v.seen != now.Unix()
-		if seen && !v.recurring {
+		if seen && !v.recurring && !branch {
 			v.recurring, changed = true, true
 			h.recurring[key] = struct{}{}
 			h.dirty = true
@@ -127,11 +148,84 @@ func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, se
 			h.assign(eps, factor, now)
 		}
 	}
+	first, _, _ := choice(key, eps, 0, false)
+	if branch {
+		return first, v, true
+	}
 	if a, ok := h.assigned[key]; ok && v.recurring {
 		return a, v, true
 	}
-	first, _, _ := choice(key, eps, 0, false)
 	return h.place(key, first, eps, factor), v, true
+}
+
+// family takes the deepest match (in blocks) the index found anywhere for a
+// request with prefix key, when it reaches the key (at least minMatch), and
+// returns what the key's requests say of it: shared, the depth they have in
+// common (the least deepest match in the last one to two windows of
+// familyWindow requests: a request that begins a new branch matches exactly
+// the shared part), and chained, true when most of its last familyRing
+// requests (at least half, of at least four) matched deeper than that, at
+// three depths or more, i.e. extended an earlier request of their own
+// branch. That is a
+// conversation resending its history under a system prompt common to many
+// conversations; the requests of a shared-prefix group (questions,
+// documents) each branch off at the shared depth and are never extended,
+// so their family is not chained. With see unset (/debug/route) nothing
+// is recorded; the answer is as if it were.
+func (h *homes) family(key uint64, deepest, minMatch int, see bool) (shared int, chained bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	v, ok := h.lru.Peek(key)
+	if !ok { // lookup records a key's first request
+		return 0, false
+	}
+	if deepest >= minMatch {
+		d := uint16(min(deepest, math.MaxUint16))
+		v.seen = h.now().Unix()
+		v.depths[v.next] = d
+		v.next = (v.next + 1) % familyRing
+		v.filled = min(v.filled+1, familyRing)
+		if v.window == 0 || v.window == familyWindow {
+			v.low[0], v.low[1], v.window = v.low[1], d, 0
+		}
+		v.low[1] = min(v.low[1], d)
+		v.window++
+	}
+	if v.filled == 0 {
+		return 0, false
+	}
+	shared = int(v.low[1])
+	if v.low[0] > 0 {
+		shared = min(shared, int(v.low[0]))
+	}
+	// deeper: the recent requests that matched deeper than the shared
+	// part; at several depths (a conversation's turn matches its own last
+	// turn), not all at one (the shared part of another group that begins
+	// alike, or of this one when some request matched short of it).
+	var deeper, depths int
+	var at [familyRing]uint16
+	for _, d := range v.depths[:v.filled] {
+		if int(d) > shared {
+			deeper++
+			if !slices.Contains(at[:depths], d) {
+				at[depths] = d
+				depths++
+			}
+		}
+	}
+	// Hysteresis: a family turns chained when half its recent requests
+	// extend their branch and stays so until fewer than a quarter do, so
+	// that keys do not flip (each flip moves branches).
+	switch n := int(v.filled); {
+	case n >= 4 && 2*deeper >= n && depths >= 3:
+		v.chained = true
+	case 4*deeper < n:
+		v.chained = false
+	}
+	if see {
+		h.lru.Add(key, v)
+	}
+	return shared, v.chained
 }
 
 // stray records that key's first request went elsewhere than its home.

@@ -22,12 +22,12 @@ func TestHomesAreBalancedAndOrderFree(t *testing.T) {
 		h := newHomes(time.Hour, time.Now)
 		for range 2 {
 			for _, i := range order {
-				h.lookup(keys[i], eps, 1.1, true)
+				h.lookup(keys[i], eps, 1.1, true, false)
 			}
 		}
 		at, load := map[uint64]uint64{}, map[uint64]int{}
 		for _, k := range keys {
-			e, hk, ok := h.lookup(k, eps, 1.1, false)
+			e, hk, ok := h.lookup(k, eps, 1.1, false, false)
 			recurring := hk.recurring
 			if !ok || !recurring {
 				t.Fatalf("key %x: ok %v recurring %v", k, ok, recurring)
@@ -47,7 +47,7 @@ func TestHomesAreBalancedAndOrderFree(t *testing.T) {
 	}
 	plain := map[uint64]int{}
 	for _, k := range keys {
-		e, _, _ := newHomes(0, time.Now).lookup(k, eps, 1.1, false)
+		e, _, _ := newHomes(0, time.Now).lookup(k, eps, 1.1, false, false)
 		plain[e]++
 	}
 	most := func(m map[uint64]int) (n int) {
@@ -72,19 +72,19 @@ func TestNewKeyKeepsItsHome(t *testing.T) {
 	h := newHomes(time.Hour, time.Now)
 	for range 63 {
 		k := rng.Uint64()
-		h.lookup(k, eps, 1.1, true)
-		h.lookup(k, eps, 1.1, true)
+		h.lookup(k, eps, 1.1, true, false)
+		h.lookup(k, eps, 1.1, true, false)
 	}
 	moved := 0
 	for range 200 {
 		k := rng.Uint64()
-		first, hk, _ := h.lookup(k, eps, 1.1, false)
+		first, hk, _ := h.lookup(k, eps, 1.1, false, false)
 		recurring := hk.recurring
 		if recurring {
 			t.Fatal("an unseen key recurs")
 		}
-		h.lookup(k, eps, 1.1, true)
-		if home, _, _ := h.lookup(k, eps, 1.1, true); home != first {
+		h.lookup(k, eps, 1.1, true, false)
+		if home, _, _ := h.lookup(k, eps, 1.1, true, false); home != first {
 			moved++
 		}
 		h.lru.Remove(k) // the next key sees the same 63 recurring keys
@@ -101,7 +101,7 @@ func TestHomesExpireAndForget(t *testing.T) {
 	h := newHomes(time.Minute, func() time.Time { return now })
 	eps := testSet(t, 3).Mixed
 	see := func(k uint64) (uint64, bool) {
-		e, hk, _ := h.lookup(k, eps, 1.1, true)
+		e, hk, _ := h.lookup(k, eps, 1.1, true, false)
 		recurring := hk.recurring
 		return e, recurring
 	}
@@ -116,12 +116,12 @@ func TestHomesExpireAndForget(t *testing.T) {
 	now = now.Add(50 * time.Second)
 	see(2) // refreshes 2 only
 	now = now.Add(20 * time.Second)
-	if _, hk, _ := h.lookup(1, eps, 1.1, false); hk.recurring || h.len() != 1 {
+	if _, hk, _ := h.lookup(1, eps, 1.1, false, false); hk.recurring || h.len() != 1 {
 		t.Fatalf("key 1 outlived its TTL (recurring %v, %d recurring)", hk.recurring, h.len())
 	}
 	home, _ := see(2)
 	h.forget(home)
-	if _, hk, _ := h.lookup(2, eps, 1.1, false); hk.recurring || h.len() != 0 {
+	if _, hk, _ := h.lookup(2, eps, 1.1, false, false); hk.recurring || h.len() != 0 {
 		t.Fatalf("a forgotten endpoint kept its keys (recurring %v, %d)", hk.recurring, h.len())
 	}
 	// Without its old primary the key proposes to the next one.
@@ -132,7 +132,7 @@ func TestHomesExpireAndForget(t *testing.T) {
 		}
 	}
 	see(2)
-	if e, hk, _ := h.lookup(2, rest, 1.1, true); !hk.recurring || e == home {
+	if e, hk, _ := h.lookup(2, rest, 1.1, true, false); !hk.recurring || e == home {
 		t.Fatalf("after the endpoint left: home %x (recurring %v)", e, hk.recurring)
 	}
 }

@@ -63,8 +63,18 @@ const (
 // batch in the router's view and, when scraped, the engine's, with KV usage
 // below SpillMaxKVUsage.
 // Ties go to the rendezvous-hash winner. The pick is recorded in the index
-// at once, so a burst of same-prefix requests follows the first. Safe for
-// concurrent use.
+// at once, so a burst of same-prefix requests follows the first.
+//
+// Conversations under a system prompt that many share all have that
+// prompt's key, so their homes cannot place them, and a router replica
+// knows only the turns it routed. When the engines show that other
+// routers share them (Foreign at least sharedFleet) and most of a key's
+// recent requests extend an earlier one (homes.family: the key is
+// chained), a request is keyed by its first block past the family's
+// shared part instead — its conversation's own key, the same in every
+// replica — homed on that key's plain rendezvous winner, and that home is
+// presumed to hold the conversation (and the shared part) until this
+// router places it elsewhere. Safe for concurrent use.
 type Prefix struct {
 	index      *prefix.Index
 	homes      *homes
@@ -74,6 +84,10 @@ type Prefix struct {
 	// bpt is the rendering's bytes per engine token (math.Float64bits),
 	// learned from the engines' prompt_tokens; 4 until then.
 	bpt atomic.Uint64
+	// foreign is the share of the engines' requests that are not this
+	// router's (math.Float64bits; a moving average over decisions with
+	// fresh scrapes): other router replicas, or other clients.
+	foreign atomic.Uint64
 
 	capMu     sync.Mutex
 	capTokens map[uint64]int // scraped KV capacity per endpoint, in tokens
@@ -176,6 +190,31 @@ func (p *Prefix) learnBytesPerToken(promptBytes, promptTokens int) {
 	}
 }
 
+// sharedFleet is the share of the engines' requests from elsewhere above
+// which this router is taken to be one of several routing the same fleet:
+// then it keys conversations by their own first block, which every
+// replica computes alike, instead of placing them by its own view of load,
+// which the others do not see. A router alone (the others' share near 0)
+// places them by load, which balances them better.
+const sharedFleet = 0.25
+
+// Foreign returns the learned share of the engines' requests that are not
+// this router's.
+func (p *Prefix) Foreign() float64 { return math.Float64frombits(p.foreign.Load()) }
+
+// learnForeign folds one decision's view of the engines into Foreign, a
+// moving average over about a hundred decisions.
+func (p *Prefix) learnForeign(sample float64) {
+	for {
+		old := p.foreign.Load()
+		v := math.Float64frombits(old)
+		v += 0.01 * (sample - v)
+		if p.foreign.CompareAndSwap(old, math.Float64bits(v)) {
+			return
+		}
+	}
+}
+
 // Pick implements the policy and records the pick in the index. A prompt
 // warm nowhere records only its first MinMatchBlocks at once (enough to
 // make the endpoint warm for the prompts that follow it, which then record
@@ -193,7 +232,7 @@ func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 		}
 		p.index.Record(d.Endpoint.ID, r.Hashes[:head])
 	}
-	if d.Reason == ReasonCold && !d.Home && d.PrefixKey != 0 {
+	if (d.Reason == ReasonCold || d.branch) && !d.Home && d.PrefixKey != 0 {
 		p.homes.stray(d.PrefixKey)
 	}
 	return d
@@ -230,7 +269,7 @@ func (p *Prefix) Explain(r *Request, set *discovery.Set) (Decision, []Term) {
 func (p *Prefix) Learn(d Decision, promptBytes, enginePrompt, engineCached int) (estimated int) {
 	p.learnBytesPerToken(promptBytes, enginePrompt)
 	tokensPerBlock := int(float64(p.blockBytes) / p.BytesPerToken())
-	if d.PrefixKey != 0 && engineCached >= p.params.Load().MinMatchBlocks*tokensPerBlock {
+	if d.PrefixKey != 0 && !d.branch && engineCached >= p.params.Load().MinMatchBlocks*tokensPerBlock {
 		p.homes.recur(d.PrefixKey)
 	}
 	estimated = min(d.MatchedBlocks*tokensPerBlock, max(enginePrompt, d.PromptTokens))
@@ -283,18 +322,27 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (Decision
 	}
 
 	key := rendezvousKey(r.Hashes, prm.MinMatchBlocks)
+	keyed := len(r.Hashes) >= prm.MinMatchBlocks
+	branch := 0 // a branch's shared part, presumed held at the branch's home
+	if keyed {
+		// A family of conversations under one shared prefix: each
+		// branch (conversation) is keyed by its own first block.
+		shared, chained := p.homes.family(key, deepest, prm.MinMatchBlocks, terms == nil)
+		if chained && shared < len(r.Hashes) && p.Foreign() >= sharedFleet {
+			key, branch = r.Hashes[shared], shared
+		}
+	}
 	if r.Prefill {
 		// The prefill pool homes a prefix apart from the serving one.
 		key = prefix.Mix64(key ^ prefillPoolSalt)
 	}
 	group := r.group(set)
-	keyed := len(r.Hashes) >= prm.MinMatchBlocks
 	// The key's home; established when the key recurs.
 	var homeID uint64
 	var hk homeKey
 	var hasHome bool
 	if keyed {
-		homeID, hk, hasHome = p.homes.lookup(key, group, prm.HomeLoadFactor, terms == nil)
+		homeID, hk, hasHome = p.homes.lookup(key, group, prm.HomeLoadFactor, terms == nil, branch > 0)
 	}
 	bpt := p.BytesPerToken()
 	promptTokens := r.PromptTokens
@@ -305,6 +353,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (Decision
 		tokensPerBlock: float64(p.blockBytes) / bpt}
 
 	var ch picks
+	var engines, foreign int64 // the fresh scrapes' requests, and those not this router's
 	for _, e := range group {
 		if !Usable(r, e) {
 			if terms != nil {
@@ -312,11 +361,24 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (Decision
 			}
 			continue
 		}
-		c := k.candidate(e, matchedBlocks(matches, e.ID))
+		matched := matchedBlocks(matches, e.ID)
+		if hasHome && e.ID == homeID {
+			// Every replica sends the family's branches to their homes,
+			// which so hold the shared part too (or compute it once).
+			matched = max(matched, branch)
+		}
+		c := k.candidate(e, matched)
+		if eng := c.load.eng; eng != nil {
+			engines += eng.Running + eng.Waiting
+			foreign += max(0, eng.Running+eng.Waiting-eng.Routed)
+		}
 		if terms != nil {
 			*terms = append(*terms, c.term())
 		}
 		ch.add(c, hasHome && e.ID == homeID, prm.TieSec)
+	}
+	if terms == nil && engines > 0 {
+		p.learnForeign(float64(foreign) / float64(engines))
 	}
 	if ch.top.e == nil {
 		return Decision{Reason: ReasonCold}, deepest
@@ -330,11 +392,14 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (Decision
 		}
 	}
 	established := hk.recurring && ch.home.e.ID == homeID
-	target, reason := ch.target(established, established && !hk.strayed, prm)
+	ch.shared = branch
+	// A branch's home is presumed from its first sight here: the
+	// conversation's earlier turns went there through the other replicas.
+	target, reason := ch.target(established, (established || branch > 0) && !hk.strayed, prm)
 	d := target.decision(reason, promptTokens)
 	d.Home = target.e == ch.home.e
 	if keyed {
-		d.PrefixKey = key
+		d.PrefixKey, d.branch = key, branch > 0
 	}
 	return d, deepest
 }
@@ -416,6 +481,9 @@ type picks struct {
 	best candidate // the endpoint with the shortest wait
 	home candidate // the candidate of the key's home
 	top  candidate // the plain rendezvous winner
+	// shared is the family's shared part (blocks) when the key is a
+	// branch's own (see homes.family), 0 otherwise.
+	shared int
 }
 
 // add considers c; home tells whether c is the key's home.
@@ -452,10 +520,12 @@ func (ch *picks) add(c candidate, home bool, tie float64) {
 // because the home was busy: the copy is then where the key lives. A home
 // shown warm to a shallower depth than a copy holds a shorter shared
 // prefix — a system prompt common to many conversations — and the copy the
-// conversation.)
+// conversation; but when the key is a conversation's own (a branch of a
+// chained family), its home shown holding no more than the family's shared
+// part is presumed to hold the conversation.)
 func (ch *picks) preferHome(presume bool, prm *PrefixParams) candidate {
 	warm, h := ch.warm, ch.home
-	if warm.e == nil || h.e == warm.e || !(h.blocks == warm.blocks || presume && h.blocks == 0) {
+	if warm.e == nil || h.e == warm.e || !(h.blocks == warm.blocks || presume && h.blocks <= ch.shared) {
 		return warm
 	}
 	if h.blocks < warm.blocks {

@@ -127,4 +127,7 @@ type Decision struct {
 	// makes the endpoint its deepest match); the proxy records the rest
 	// with Started once the endpoint's answer began.
 	Deferred bool
+	// branch is true when PrefixKey is a conversation's own key (a branch
+	// of a chained family, see homes.family).
+	branch bool
 }

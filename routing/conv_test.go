@@ -1,0 +1,111 @@
+package routing
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvroute/kvroute/discovery"
+)
+
+// conversations runs convs conversations under one shared system prompt,
+// 15 turns each on average, each turn resending the history, every turn
+// through a random one of replicas; it returns how many turns went to
+// another endpoint than their conversation's previous turn, and the most
+// turns one endpoint served.
+func conversations(t *testing.T, set *discovery.Set, replicas []*Prefix, convs int) (moved, most int) {
+	t.Helper()
+	rng := rand.New(rand.NewPCG(7, 8))
+	sys := system(9, 2500)
+	history := make([]string, convs)
+	last := make([]*discovery.Endpoint, convs)
+	served := map[*discovery.Endpoint]int{}
+	for range convs * 15 {
+		c := rng.IntN(convs)
+		history[c] += fmt.Sprintf("user %d: %s\n", c, strings.Repeat(fmt.Sprint(rng.IntN(1e9)), 60))
+		d := answered(replicas[rng.IntN(len(replicas))], request(sys+history[c]), set)
+		history[c] += fmt.Sprintf("assistant: %s\n", strings.Repeat(fmt.Sprint(rng.IntN(1e9)), 40))
+		if last[c] != nil && d.Endpoint != last[c] {
+			moved++
+		}
+		last[c] = d.Endpoint
+		served[d.Endpoint]++
+		most = max(most, served[d.Endpoint])
+	}
+	return moved, most
+}
+
+// Independent replicas, each routing a random share of the turns of
+// conversations under one shared system prompt, send each conversation's
+// turns where its earlier turns went: once the engines show other
+// routers' requests and the family's requests are seen to extend earlier
+// ones, each conversation is keyed by its own first block. A conversation
+// moves once, when its history first fills a block of its own (its first
+// turn is keyed by the shared prompt).
+func TestReplicasAgreeOnConversations(t *testing.T) {
+	set := testSet(t, 8)
+	for _, e := range set.Endpoints {
+		// Other routers' requests: 3 running there, none of this router's.
+		e.SetEngine(&discovery.EngineStats{Engine: "vllm", Running: 3, At: time.Now().Add(time.Hour)})
+	}
+	replicas := []*Prefix{newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams())}
+	const convs = 48
+	moved, most := conversations(t, set, replicas, convs)
+	if moved > convs {
+		t.Fatalf("%d turns of %d moved to another endpoint than their conversation's last turn, want at most one a conversation", moved, convs*14)
+	}
+	// Not all on the shared prompt's home: the conversations spread.
+	if most > convs*15*2/5 {
+		t.Fatalf("one endpoint served %d of %d turns", most, convs*15)
+	}
+	if f := replicas[0].Foreign(); f < 0.9 {
+		t.Fatalf("learned foreign share %.2f, want ≈ 1", f)
+	}
+}
+
+// A router alone (the engines run only its requests) keeps placing a
+// family's conversations by its own view of load: its keys stay the
+// shared prompt's.
+func TestRouterAloneKeysTheSharedPrompt(t *testing.T) {
+	set := testSet(t, 8)
+	p := newTestPrefix(DefaultPrefixParams())
+	_, _ = conversations(t, set, []*Prefix{p}, 16)
+	if shared, chained := p.homes.family(rendezvousKey(request(system(9, 2500)).Hashes, 2), 2, 2, false); !chained || shared != 2 {
+		t.Fatalf("family: shared %d chained %v, want 2 blocks, chained", shared, chained)
+	}
+	d := answered(p, request(system(9, 2500)+"user 99: a new conversation "+strings.Repeat("x", 2000)), set)
+	if want := rendezvousKey(request(system(9, 2500)).Hashes, 2); d.PrefixKey != want || d.branch {
+		t.Fatalf("a lone router keyed a new conversation %x (branch %v), want the shared prompt's %x", d.PrefixKey, d.branch, want)
+	}
+}
+
+// A family is chained when its requests extend their own branches (matches
+// at many depths past the shared part), not when they all match one
+// shared part, even after one request matched short of it.
+func TestFamilyChained(t *testing.T) {
+	h := newHomes(0, time.Now)
+	eps := testSet(t, 2).Endpoints
+	for _, tc := range []struct {
+		name    string
+		depths  []int
+		shared  int
+		chained bool
+	}{
+		{"group", []int{8, 8, 8, 8, 8, 8, 8, 8}, 8, false},
+		{"group after a short match", []int{2, 8, 8, 8, 8, 8, 8, 8, 8}, 2, false},
+		{"conversations", []int{2, 3, 2, 4, 5, 2, 6, 7, 3, 8}, 2, true},
+	} {
+		key := uint64(len(tc.name))<<32 | uint64(tc.shared)
+		h.lookup(key, eps, 1.1, true, false) // the key's first request
+		var shared int
+		var chained bool
+		for _, d := range tc.depths {
+			shared, chained = h.family(key, d, 2, true)
+		}
+		if shared != tc.shared || chained != tc.chained {
+			t.Errorf("%s: shared %d chained %v, want %d %v", tc.name, shared, chained, tc.shared, tc.chained)
+		}
+	}
+}

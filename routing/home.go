@@ -166,11 +166,10 @@ func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, se
 // the shared part), and chained, true when most of its last familyRing
 // requests (at least half, of at least four) matched deeper than that, at
 // three depths or more, i.e. extended an earlier request of their own
-// branch. That is a
-// conversation resending its history under a system prompt common to many
-// conversations; the requests of a shared-prefix group (questions,
-// documents) each branch off at the shared depth and are never extended,
-// so their family is not chained. With see unset (/debug/route) nothing
+// branch. That is a conversation resending its history under a system
+// prompt common to many conversations; the requests of a shared-prefix
+// group (questions, documents) each branch off at the shared depth and are
+// never extended, so their family is not chained. With see unset (/debug/route) nothing
 // is recorded; the answer is as if it were.
 func (h *homes) family(key uint64, deepest, minMatch int, see bool) (shared int, chained bool) {
 	h.mu.Lock()

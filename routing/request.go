@@ -123,9 +123,9 @@ type Decision struct {
 	// report for this request may then reflect that race, not evictions.
 	Contended bool
 	// Deferred is true when Pick recorded only the head of the request's
-	// chain in the index (the prefix policy, for a prompt longer than what
-	// makes the endpoint its deepest match); the proxy records the rest
-	// with Started once the endpoint's answer began.
+	// chain in the index (the prefix policy, for a prompt warm nowhere);
+	// the proxy has the rest recorded with Starter.Started once the
+	// endpoint's answer began.
 	Deferred bool
 	// branch is true when PrefixKey is a conversation's own key (a branch
 	// of a chained family, see homes.family).

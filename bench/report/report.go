@@ -150,10 +150,29 @@ func Markdown(rep *scenario.Report) string {
 	if cpu := cpuLine(rep.Runs); cpu != "" {
 		fmt.Fprintf(&b, "\n%s\n", cpu)
 	}
+	if nm := nearMissLine(rep); nm != "" {
+		fmt.Fprintf(&b, "\n%s\n", nm)
+	}
 	if st := StageTable(rep.Runs); st != "" {
 		fmt.Fprintf(&b, "\nBy stage (offered rate in requests/s):\n\n%s", st)
 	}
 	return b.String()
+}
+
+// nearMissLine compares, per policy, kvroute's near-identical prompt count
+// with the workload's truth ("" when no run has either).
+func nearMissLine(rep *scenario.Report) string {
+	var parts []string
+	for _, r := range rep.Runs {
+		if nm, ok := rep.NearMisses[r.Label]; ok {
+			parts = append(parts, fmt.Sprintf("%s %s (sent %s)", r.Label, thousands(nm.Counted), thousands(nm.Truth)))
+		}
+	}
+	if parts == nil {
+		return ""
+	}
+	return "Near-identical prompts counted by kvroute (`kvroute_prompt_near_misses_total`) against those sent " +
+		"(requests whose system prompt, as forwarded, is rendered otherwise than their group's first): " + strings.Join(parts, ", ") + "."
 }
 
 // costModel names the pods' cost model: the model's for the default
@@ -312,6 +331,9 @@ func describeWorkload(c workload.Config, api workload.API) string {
 	case workload.KindSharedPrefix:
 		s = fmt.Sprintf("shared-prefix, %d groups × %d prompts, system %d + question %d tokens, output %d",
 			c.Groups, c.PromptsPerGroup, c.SystemTokens, c.QuestionTokens, c.OutputTokens)
+	case workload.KindNearIdentical:
+		s = fmt.Sprintf("near-identical, %d groups × %d prompts, system %d (in lines) + question %d tokens, output %d, %.0f%% of system prompts rendered near-identically",
+			c.Groups, c.PromptsPerGroup, c.SystemTokens, c.QuestionTokens, c.OutputTokens, 100*c.VariantShare)
 	case workload.KindHotPrefix:
 		s = fmt.Sprintf("hot-prefix, %d requests sharing one %d-token system prompt, question %d, output %d",
 			c.Requests, c.SystemTokens, c.QuestionTokens, c.OutputTokens)

@@ -86,7 +86,7 @@ func PodCapacity(cfg sim.Config, prompt, output, kvTokens int) float64 {
 func meanRequest(c workload.Config) (prompt, output int) {
 	c = c.Defaults()
 	switch c.Kind {
-	case workload.KindSharedPrefix, workload.KindHotPrefix:
+	case workload.KindSharedPrefix, workload.KindHotPrefix, workload.KindNearIdentical:
 		return c.SystemTokens + c.QuestionTokens, c.OutputTokens
 	case workload.KindRandom:
 		return c.InputTokens, c.OutputTokens

@@ -73,6 +73,18 @@ func Policies() []Policy {
 	}
 }
 
+// PrefixNormalized is the prefix policy with --normalize-prompts, which
+// the near-identical scenario compares with the prefix policy.
+const PrefixNormalized = "prefix-normalize-prompts"
+
+// optInPolicies are the policies that run only where a scenario or the
+// caller names them, beside Policies() and PDLayouts().
+func optInPolicies() []Policy {
+	return []Policy{{Name: PrefixNormalized, Router: "prefix",
+		About:     "kvroute's prefix policy with --normalize-prompts",
+		Configure: func(c *proxy.Config) { c.NormalizePrompts = true }}}
+}
+
 // gieMetricsInterval is GIE's engine metrics refresh
 // (--refresh-metrics-interval, default 50 ms, in
 // kubernetes-sigs/gateway-api-inference-extension pkg/epp/server/options.go):
@@ -160,10 +172,7 @@ func SelectPolicies(names []string) ([]Policy, error) {
 	if len(names) == 0 {
 		return all, nil
 	}
-	all = append(all, PDLayouts()...)
-	if len(names) == 0 {
-		return all, nil
-	}
+	all = append(append(all, PDLayouts()...), optInPolicies()...)
 	want := make(map[string]bool, len(names))
 	for _, n := range names {
 		want[n] = true
@@ -271,6 +280,24 @@ func describeLearned(ls []Learned) string {
 	return fmt.Sprintf("on %d pods: prefill %.0f–%.0f tokens/s, fixed %.0f–%.0f ms, decode step %.1f–%.1f ms, batch limit %d–%d",
 		len(ls), lo.PrefillTokensPerSec, hi.PrefillTokensPerSec, 1000*lo.FixedSec, 1000*hi.FixedSec,
 		1000*lo.DecodeStepSec, 1000*hi.DecodeStepSec, lo.BatchLimit, hi.BatchLimit)
+}
+
+// NearMisses returns the router's kvroute_prompt_near_misses_total (all
+// models).
+func (r *Router) NearMisses() int {
+	mfs, err := r.rt.Registry.Gather()
+	if err != nil {
+		return 0
+	}
+	n := 0.0
+	for _, mf := range mfs {
+		if mf.GetName() == "kvroute_prompt_near_misses_total" {
+			for _, m := range mf.GetMetric() {
+				n += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return int(n)
 }
 
 // Close drains the router (in-flight streams get 10 s) and waits for it.

@@ -151,6 +151,9 @@ type Report struct {
 	// Learned is, per policy, what the router had learned of each pod at
 	// the end of its run (one router; none for replicated policies).
 	Learned map[string][]Learned `json:"learned,omitempty"`
+	// NearMisses is, per policy, kvroute's near-identical prompt count and
+	// the workload's truth (only where either is not zero).
+	NearMisses map[string]NearMisses `json:"near_misses,omitempty"`
 }
 
 // RunOptions tune Run.
@@ -190,18 +193,19 @@ func Run(ctx context.Context, sc Scenario, opt RunOptions) (*Report, error) {
 		if opt.Log != nil {
 			fmt.Fprintf(opt.Log, "%s: %s on %d simulated pods%s behind kvroute\n", sc.Name, p.Name, sc.Pods, sc.profileNote())
 		}
-		res, learned, err := runPolicy(ctx, sc, wl, p, opt.Progress)
+		res, seen, err := runPolicy(ctx, sc, wl, p, opt.Progress)
 		if res != nil {
 			rep.Runs = append(rep.Runs, res)
 			rep.IdealHitRate = res.IdealHitRate
+			rep.addNearMisses(p, wl, len(res.Requests), seen.nearMisses)
 		}
-		if len(learned) > 0 {
+		if len(seen.learned) > 0 {
 			if rep.Learned == nil {
 				rep.Learned = map[string][]Learned{}
 			}
-			rep.Learned[p.Name] = learned
+			rep.Learned[p.Name] = seen.learned
 			if opt.Log != nil {
-				fmt.Fprintf(opt.Log, "%s: %s learned %s\n", sc.Name, p.Name, describeLearned(learned))
+				fmt.Fprintf(opt.Log, "%s: %s learned %s\n", sc.Name, p.Name, describeLearned(seen.learned))
 			}
 		}
 		if err != nil {
@@ -211,46 +215,85 @@ func Run(ctx context.Context, sc Scenario, opt RunOptions) (*Report, error) {
 	return rep, nil
 }
 
+// NearMisses compares kvroute's near-identical prompt detector with the
+// workload's truth for one policy's run.
+type NearMisses struct {
+	// Counted is kvroute_prompt_near_misses_total at the end of the run
+	// (summed over replicas).
+	Counted int `json:"counted"`
+	// Truth is what the workload sent (workload.NearIdentical for the
+	// requests sent, as the policy's router forwarded them).
+	Truth int `json:"truth"`
+}
+
+// addNearMisses records p's near-miss count beside the truth for the n
+// requests sent of wl, when either is not zero.
+func (rep *Report) addNearMisses(p Policy, wl *workload.Workload, n int, counted int) {
+	truth := wl.NearIdentical(n, routerConfig(p, nil, nil).NormalizePrompts)
+	if truth == 0 && counted == 0 {
+		return
+	}
+	if rep.NearMisses == nil {
+		rep.NearMisses = map[string]NearMisses{}
+	}
+	rep.NearMisses[p.Name] = NearMisses{Counted: counted, Truth: truth}
+}
+
+// routerState is what runPolicy read from the policy's routers at the end
+// of its run.
+type routerState struct {
+	// learned is what the router learned of each pod (one router only).
+	learned []Learned
+	// nearMisses is the routers' near-identical prompt count.
+	nearMisses int
+}
+
 // runPolicy runs one policy of sc on a fresh fleet and router.
-func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy, progress io.Writer) (res *load.Result, learned []Learned, err error) {
+func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy, progress io.Writer) (res *load.Result, seen routerState, err error) {
 	cfgs, err := sc.PodConfigs()
 	if err != nil {
-		return nil, nil, err
+		return nil, seen, err
 	}
 	p.layOut(cfgs)
 	fleet, err := sim.StartFleetOf(cfgs...)
 	if err != nil {
-		return nil, nil, err
+		return nil, seen, err
 	}
 	defer func() { err = errors.Join(err, fleet.Close()) }()
 	front, backends := p, fleet.URLs()
+	var replicas []*Router // the policy's routers when it has several
 	if p.Replicas > 1 {
 		// Independent replicas, each its own router and state over the
 		// fleet; in front of them a random-policy kvroute hands each a
 		// random share of the traffic, as a Service in front of several
 		// router pods would.
-		var replicas []string
+		backends = nil
 		for i := 0; i < p.Replicas; i++ {
 			inner, err := StartRouter(p, fleet.URLs(), cfgs)
 			if err != nil {
-				return nil, nil, err
+				return nil, seen, err
 			}
 			defer func() { err = errors.Join(err, inner.Close()) }()
-			replicas = append(replicas, inner.URL)
+			replicas, backends = append(replicas, inner), append(backends, inner.URL)
 		}
-		backends = replicas
 		if front, err = policyNamed("random"); err != nil {
-			return nil, nil, err
+			return nil, seen, err
 		}
 	}
 	rt, err := StartRouter(front, backends, cfgs)
 	if err != nil {
-		return nil, nil, err
+		return nil, seen, err
 	}
 	defer func() { err = errors.Join(err, rt.Close()) }()
-	if p.Replicas <= 1 {
-		defer func() { learned = rt.Learned() }()
+	if replicas == nil {
+		replicas = []*Router{rt}
+		defer func() { seen.learned = rt.Learned() }()
 	}
+	defer func() {
+		for _, r := range replicas {
+			seen.nearMisses += r.NearMisses()
+		}
+	}()
 	res, err = load.Run(ctx, load.Config{
 		BaseURL:   rt.URL,
 		PodURLs:   fleet.URLs(),
@@ -265,7 +308,7 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 		Label:     p.Name,
 		Progress:  progress,
 	})
-	return res, nil, err
+	return res, seen, err
 }
 
 // policyNamed returns the entry of Policies() called name.

@@ -42,12 +42,13 @@ const kvShare = 0.7
 
 // Scenario names.
 const (
-	SharedPrefix = "shared-prefix"
-	MultiTurn    = "multi-turn"
-	Random       = "random"
-	HotPrefix    = "hot-prefix"
-	Trace        = "trace"
-	Overhead     = "overhead"
+	SharedPrefix  = "shared-prefix"
+	MultiTurn     = "multi-turn"
+	Random        = "random"
+	HotPrefix     = "hot-prefix"
+	NearIdentical = "near-identical"
+	Trace         = "trace"
+	Overhead      = "overhead"
 	// Demo is a short shared-prefix comparison of four policies (see
 	// Lookup); it is not part of Names.
 	Demo = "demo"
@@ -56,7 +57,7 @@ const (
 // Names lists every scenario of a full benchmark run in run order (overhead
 // last); the demo is not among them.
 func Names() []string {
-	return []string{SharedPrefix, MultiTurn, Random, HotPrefix, Trace, Overhead}
+	return []string{SharedPrefix, MultiTurn, Random, HotPrefix, NearIdentical, Trace, Overhead}
 }
 
 // Lookup returns the policy comparison called name for p: one of Builtin(p),
@@ -84,7 +85,7 @@ func Lookup(p Preset, name string) (Scenario, bool) {
 // h100-8b the loads are fitted to it (see SizeFor); the workloads' shapes
 // and the KV sizing stay.
 func Builtin(p Preset) []Scenario {
-	out := []Scenario{sharedPrefix(p), multiTurn(p), random(p), hotPrefix(p)}
+	out := []Scenario{sharedPrefix(p), multiTurn(p), random(p), hotPrefix(p), nearIdentical(p)}
 	if p.TracePath != "" {
 		out = append(out, trace(p))
 	}
@@ -242,6 +243,29 @@ func hotPrefix(p Preset) Scenario {
 		Description: "One system prompt for every request: the saturation case, where affinity must give way to load.",
 		Pods:        pods, Sim: simConfig(p, pods, sharedPrefixWorkingSet(sharedPrefixWorkload(p)), scale),
 		Workload: hp, Load: load.Load{Rate: rate}, Seed: p.Seed, SLO: load.SLO{TTFT: 2000, TPOT: 100},
+	}
+}
+
+// nearIdentical is shared-prefix at its defaults with half of the
+// requests' system prompts rendered near-identically (workload.Variants),
+// on the shared-prefix fleet (KV sized for the prompts as written), at
+// three rates up to the prefix policy's knee there. It compares the prefix
+// policy with and without --normalize-prompts, round-robin the anchor,
+// and reports kvroute's near-miss count beside the truth. Preset.Full does
+// not apply: no published benchmark has this shape.
+func nearIdentical(p Preset) Scenario {
+	pods := p.pods()
+	ni := workload.Config{Kind: workload.KindNearIdentical, Seed: p.Seed}.Defaults()
+	ws := sharedPrefixWorkingSet(ni)
+	return Scenario{
+		Name: NearIdentical,
+		Description: "Shared-prefix whose system prompts half of the requests render near-identically " +
+			"(CRLF line endings, a blank before line ends, a byte-order mark, doubled spaces): the engine caches each rendering apart. " +
+			"kvroute counts them; --normalize-prompts rewrites all but the doubled spaces.",
+		Pods: pods, Sim: simConfig(p, pods, ws, 1), WorkingSet: ws,
+		Workload: ni, Seed: p.Seed, SLO: load.SLO{TTFT: 2000, TPOT: 100},
+		Load:     load.Load{Stages: []load.Stage{{Rate: 16, Requests: 128}, {Rate: 32, Requests: 256}, {Rate: 48, Requests: 384}}},
+		Policies: []string{Baseline, "prefix", PrefixNormalized},
 	}
 }
 

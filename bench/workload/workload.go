@@ -1,6 +1,6 @@
 // Package workload generates the seeded request streams kvbench sends: SGLang's
 // generated shared prefix, vLLM's multi-turn conversations, random prompts, a
-// hot prefix and Mooncake trace replay. It owns how a session's turns render
+// hot prefix, near-identical system prompts and Mooncake trace replay. It owns how a session's turns render
 // as OpenAI request bodies and the ideal (infinite-cache) prefix hit rate a
 // workload allows; it knows nothing of how or where requests are sent.
 package workload
@@ -30,11 +30,14 @@ const (
 	KindRandom       = "random"
 	KindHotPrefix    = "hot-prefix"
 	KindTrace        = "trace"
+	// KindNearIdentical is shared-prefix whose system prompts some clients
+	// render near-identically (nearidentical.go).
+	KindNearIdentical = "near-identical"
 )
 
 // Kinds returns the workload kinds in documentation order.
 func Kinds() []string {
-	return []string{KindSharedPrefix, KindMultiTurn, KindRandom, KindHotPrefix, KindTrace}
+	return []string{KindSharedPrefix, KindMultiTurn, KindRandom, KindHotPrefix, KindNearIdentical, KindTrace}
 }
 
 // Workload is a generated, immutable list of sessions. It is deterministic
@@ -62,8 +65,12 @@ type Session struct {
 	// At is when the session's first request is due, relative to the start
 	// of the run, in modelled time (trace replay only; 0 otherwise).
 	At time.Duration
-	// Group is the prefix group (shared-prefix, hot-prefix), else -1.
+	// Group is the prefix group (shared-prefix, hot-prefix,
+	// near-identical), else -1.
 	Group int
+	// Variant is how System is rendered: 0, as written; else an index of
+	// Variants (near-identical only).
+	Variant int
 }
 
 // Turn is one request of a session.
@@ -123,14 +130,19 @@ type Config struct {
 	// Seed makes the workload reproducible.
 	Seed uint64 `json:"seed"`
 
-	// shared-prefix (SGLang generated-shared-prefix) and hot-prefix.
+	// shared-prefix (SGLang generated-shared-prefix), hot-prefix and
+	// near-identical.
 	Groups          int `json:"groups,omitempty"`
 	PromptsPerGroup int `json:"prompts_per_group,omitempty"`
 	SystemTokens    int `json:"system_tokens,omitempty"`
 	QuestionTokens  int `json:"question_tokens,omitempty"`
 	// OutputTokens is max_tokens of every request (shared-prefix,
-	// hot-prefix, random).
+	// hot-prefix, near-identical, random).
 	OutputTokens int `json:"output_tokens,omitempty"`
+	// VariantShare is the share of near-identical's requests whose system
+	// prompt is rendered as one of the near-identical Variants (evenly
+	// over them); the others send it as written.
+	VariantShare float64 `json:"variant_share,omitempty"`
 
 	// random and hot-prefix.
 	Requests    int `json:"requests,omitempty"`
@@ -168,7 +180,8 @@ type Config struct {
 // 500-token common prefix, 12–18 turns, user 120–160, answers 80–120
 // (benchmarks/multi_turn/generate_multi_turn.json); vLLM's random dataset
 // 1,024 in / 128 out (`vllm bench serve --dataset-name random`). Hot-prefix
-// takes shared-prefix's lengths.
+// and near-identical take shared-prefix's lengths; near-identical renders
+// half of its requests' system prompts near-identically.
 func (c Config) Defaults() Config {
 	set := func(p *int, v int) {
 		if *p == 0 {
@@ -176,12 +189,15 @@ func (c Config) Defaults() Config {
 		}
 	}
 	switch c.Kind {
-	case KindSharedPrefix, KindHotPrefix:
-		if c.Kind == KindSharedPrefix {
+	case KindSharedPrefix, KindHotPrefix, KindNearIdentical:
+		if c.Kind == KindHotPrefix {
+			set(&c.Requests, 1024)
+		} else {
 			set(&c.Groups, 64)
 			set(&c.PromptsPerGroup, 16)
-		} else {
-			set(&c.Requests, 1024)
+		}
+		if c.Kind == KindNearIdentical && c.VariantShare == 0 {
+			c.VariantShare = 0.5
 		}
 		set(&c.SystemTokens, 2048)
 		set(&c.QuestionTokens, 128)
@@ -226,11 +242,14 @@ func (c Config) Validate() error {
 	}
 	var errs []error
 	switch c.Kind {
-	case KindSharedPrefix, KindHotPrefix:
-		if c.Kind == KindSharedPrefix {
-			errs = append(errs, pos("groups", c.Groups), pos("prompts per group", c.PromptsPerGroup))
-		} else {
+	case KindSharedPrefix, KindHotPrefix, KindNearIdentical:
+		if c.Kind == KindHotPrefix {
 			errs = append(errs, pos("requests", c.Requests))
+		} else {
+			errs = append(errs, pos("groups", c.Groups), pos("prompts per group", c.PromptsPerGroup))
+		}
+		if !(c.VariantShare >= 0 && c.VariantShare <= 1) {
+			errs = append(errs, bad("variant share %v must be between 0 and 1", c.VariantShare))
 		}
 		errs = append(errs, pos("system tokens", c.SystemTokens), pos("question tokens", c.QuestionTokens),
 			pos("output tokens", c.OutputTokens))
@@ -275,6 +294,8 @@ func (c Config) Build() (*Workload, error) {
 		w.Sessions = sharedPrefix(c.Seed, c.Groups, c.PromptsPerGroup, c.SystemTokens, c.QuestionTokens, c.OutputTokens)
 	case KindHotPrefix:
 		w.Sessions = sharedPrefix(c.Seed, 1, c.Requests, c.SystemTokens, c.QuestionTokens, c.OutputTokens)
+	case KindNearIdentical:
+		w.Sessions = nearIdentical(c)
 	case KindRandom:
 		w.Sessions = random(c)
 	case KindMultiTurn:
@@ -298,6 +319,7 @@ const (
 	domTraceBlock
 	domShuffle
 	domLengths
+	domVariant
 )
 
 // mix hashes a seed and a few integers into a well-spread 64-bit value

@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvroute/kvroute/bench/leakcheck"
 	"github.com/kvroute/kvroute/bench/sim"
+	"github.com/kvroute/kvroute/prefix"
 )
 
 func TestMain(m *testing.M) { leakcheck.VerifyTestMain(m) }
@@ -33,6 +34,7 @@ func TestWorkloadDeterministic(t *testing.T) {
 		{name: "multi-turn", cfg: Config{Kind: KindMultiTurn, Conversations: 3}},
 		{name: "random", cfg: Config{Kind: KindRandom, Requests: 5, InputTokens: 32}},
 		{name: "hot-prefix", cfg: Config{Kind: KindHotPrefix, Requests: 5, SystemTokens: 64}},
+		{name: "near-identical", cfg: Config{Kind: KindNearIdentical, Groups: 3, PromptsPerGroup: 8, SystemTokens: 64, QuestionTokens: 8, OutputTokens: 4}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			a, b := tc.cfg, tc.cfg
@@ -289,4 +291,82 @@ func TestTrace(t *testing.T) {
 	if recs, err := ReadTrace(bytes.NewReader([]byte(jsonl)), 2); err != nil || len(recs) != 2 {
 		t.Fatalf("limit: %d records, %v", len(recs), err)
 	}
+}
+
+// Near-identical renderings tokenize differently (the engine caches them
+// apart) but have the detector's normal form, and differ from the prompt
+// as written in the first block; about VariantShare of the requests use
+// one, every variant is used, and the truth counts what a detector that
+// remembers each group's first rendering would.
+func TestNearIdenticalShape(t *testing.T) {
+	c := Config{Kind: KindNearIdentical, Seed: 3, Groups: 16, PromptsPerGroup: 32, SystemTokens: 600, QuestionTokens: 16, OutputTokens: 4}
+	w := build(t, c)
+	if w.Config.VariantShare != 0.5 {
+		t.Fatalf("default variant share %v, want 0.5", w.Config.VariantShare)
+	}
+	const block = 1024
+	var asWritten []uint64
+	var rawFirst uint64
+	used := map[int]int{}
+	for i := range w.Sessions {
+		s := &w.Sessions[i]
+		used[s.Variant]++
+		if s.Group != 0 {
+			continue
+		}
+		var n prefix.Normalizer
+		n.Reset(block, 2, 1)
+		n.WriteString(s.System)
+		if len(n.Hashes()) != 2 {
+			t.Fatalf("system prompt of %d bytes gave %d normalised blocks", len(s.System), len(n.Hashes()))
+		}
+		toks := sim.CountTokens(s.System)
+		if s.Variant == 0 {
+			if asWritten == nil {
+				asWritten, rawFirst = slices.Clone(n.Hashes()), n.Raw[0]
+				if toks != s.SystemTokens || toks > c.SystemTokens || toks < c.SystemTokens-1 {
+					t.Fatalf("system prompt: %d tokens, session says %d, config %d", toks, s.SystemTokens, c.SystemTokens)
+				}
+			}
+			continue
+		}
+		if asWritten != nil {
+			if !slices.Equal(n.Hashes(), asWritten) {
+				t.Errorf("variant %q: normal form differs from the prompt as written", Variants[s.Variant].Name)
+			}
+			if n.Raw[0] == rawFirst {
+				t.Errorf("variant %q: same bytes as written in the first block", Variants[s.Variant].Name)
+			}
+		}
+	}
+	if len(used) != len(Variants) {
+		t.Fatalf("variants used %v, want all %d", used, len(Variants))
+	}
+	if share := 1 - float64(used[0])/float64(len(w.Sessions)); math.Abs(share-0.5) > 0.06 {
+		t.Errorf("share of near-identical renderings %.3f, want ≈ 0.5", share)
+	}
+	for v := 1; v < len(Variants); v++ {
+		lines := systemLines(2*lineWords, 1)
+		if Variants[v].join(lines) == Variants[0].join(lines) || sim.CountTokens(Variants[v].join(lines)) == sim.CountTokens(Variants[0].join(lines)) {
+			t.Errorf("variant %q: same tokens as written", Variants[v].Name)
+		}
+	}
+
+	// The truth: per group, every request rendered otherwise than the
+	// group's first.
+	t.Run("truth", func(t *testing.T) {
+		ws := &Workload{Sessions: []Session{
+			{Group: 0, Variant: 1}, {Group: 0, Variant: 0}, {Group: 1, Variant: 0}, {Group: 0, Variant: 1},
+			{Group: 1, Variant: 4}, {Group: 0, Variant: 2}, {Group: -1},
+		}}
+		if got := ws.NearIdentical(0, false); got != 3 {
+			t.Errorf("as sent: %d, want 3", got)
+		}
+		if got := ws.NearIdentical(0, true); got != 1 { // only the doubled spaces stay
+			t.Errorf("normalised: %d, want 1", got)
+		}
+		if got := ws.NearIdentical(14, false); got != 3+3 { // the second pass counts the same
+			t.Errorf("two passes: %d, want 6", got)
+		}
+	})
 }

@@ -124,11 +124,12 @@ func newFlags(o *options) *proxy.Flags {
 
 	w := &o.workload
 	wl.StringVar(&w.Kind, "workload", workload.KindSharedPrefix, "workload: "+strings.Join(workload.Kinds(), ", "))
-	wl.IntVar(&w.Groups, "groups", 0, "shared-prefix: prefix groups (default 64)")
-	wl.IntVar(&w.PromptsPerGroup, "prompts-per-group", 0, "shared-prefix: prompts per group (default 16)")
-	wl.IntVar(&w.SystemTokens, "system-len", 0, "shared-prefix, hot-prefix: system prompt length (default 2048)")
-	wl.IntVar(&w.QuestionTokens, "question-len", 0, "shared-prefix, hot-prefix: question length (default 128)")
-	wl.IntVar(&w.OutputTokens, "output-len", 0, "shared-prefix, hot-prefix, random: output length (default 256; random 128)")
+	wl.IntVar(&w.Groups, "groups", 0, "shared-prefix, near-identical: prefix groups (default 64)")
+	wl.IntVar(&w.PromptsPerGroup, "prompts-per-group", 0, "shared-prefix, near-identical: prompts per group (default 16)")
+	wl.IntVar(&w.SystemTokens, "system-len", 0, "shared-prefix, hot-prefix, near-identical: system prompt length (default 2048)")
+	wl.IntVar(&w.QuestionTokens, "question-len", 0, "shared-prefix, hot-prefix, near-identical: question length (default 128)")
+	wl.IntVar(&w.OutputTokens, "output-len", 0, "shared-prefix, hot-prefix, near-identical, random: output length (default 256; random 128)")
+	wl.Float64Var(&w.VariantShare, "variant-share", 0, "near-identical: share of requests whose system prompt is rendered near-identically (CRLF, trailing blanks, a BOM, doubled spaces; default 0.5)")
 	wl.IntVar(&w.InputTokens, "input-len", 0, "random: prompt length (default 1024)")
 	wl.IntVar(&w.Requests, "num-prompts", 0, "random, hot-prefix: distinct prompts (default 1024)")
 	wl.IntVar(&w.Conversations, "conversations", 0, "multi-turn: conversations (default 64)")

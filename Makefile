@@ -66,9 +66,8 @@ demo: build
 	./$(BIN)/kvbench --scenario demo
 
 # Every benchmark scenario (shared-prefix, multi-turn, random, hot-prefix,
-# near-identical,
-# the Mooncake trace replay when TRACE exists, overhead) on h100-8b, results
-# under bench/results/<scenario>/; then the policy matrix: shared-prefix,
+# near-identical, the Mooncake trace replay when TRACE exists, overhead) on
+# h100-8b, results under bench/results/<scenario>/; then the policy matrix: shared-prefix,
 # hot-prefix and random on the h100-8b, slow-large, fast-small and mixed
 # engine profiles (h100-8b's cells reused from the runs before), results
 # under bench/results/<profile>/<scenario>/ and bench/results/matrix.md.

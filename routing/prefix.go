@@ -49,7 +49,8 @@ const (
 // router replica), kept apart from the index, so that the index forgetting
 // blocks never moves a prefix. The target is the warm endpoint (deepest
 // useful match; the home while its wait is within the spill rule, among
-// equal matches and, for a recurring key, where the index shows the home
+// equal matches and, for a recurring key when other routers share the
+// engines (Foreign at least sharedFleet), where the index shows the home
 // cold, unless this router placed the key's first request elsewhere; then
 // the lowest wait), or for a prefix warm nowhere its home (for a key that
 // does not recur, only while the home would start it about as soon as the
@@ -323,12 +324,13 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (Decision
 
 	key := rendezvousKey(r.Hashes, prm.MinMatchBlocks)
 	keyed := len(r.Hashes) >= prm.MinMatchBlocks
+	replicated := p.Foreign() >= sharedFleet
 	branch := 0 // a branch's shared part, presumed held at the branch's home
 	if keyed {
 		// A family of conversations under one shared prefix: each
 		// branch (conversation) is keyed by its own first block.
 		shared, chained := p.homes.family(key, deepest, prm.MinMatchBlocks, terms == nil)
-		if chained && shared < len(r.Hashes) && p.Foreign() >= sharedFleet {
+		if chained && shared < len(r.Hashes) && replicated {
 			key, branch = r.Hashes[shared], shared
 		}
 	}
@@ -393,9 +395,14 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (Decision
 	}
 	established := hk.recurring && ch.home.e.ID == homeID
 	ch.shared = branch
-	// A branch's home is presumed from its first sight here: the
-	// conversation's earlier turns went there through the other replicas.
-	target, reason := ch.target(established, (established || branch > 0) && !hk.strayed, prm)
+	// A home is presumed to hold its keys only where other routers share
+	// the engines: they route the keys home too (a branch's from its first
+	// sight here: the conversation's earlier turns went there through the
+	// other replicas). A router alone knows where it sent each key; when
+	// the recurring set changes the key's home, the key stays where it is
+	// cached until the index forgets it there.
+	presume := replicated && (established || branch > 0) && !hk.strayed
+	target, reason := ch.target(established, presume, prm)
 	d := target.decision(reason, promptTokens)
 	d.Home = target.e == ch.home.e
 	if keyed {

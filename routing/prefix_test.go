@@ -417,9 +417,13 @@ func TestFollowFleetEvents(t *testing.T) {
 // agree on where every recurring prefix goes, and spread the prefixes
 // evenly: homes depend on the recurring keys, not on which replica saw
 // what first, and a replica follows the home even where its own index
-// holds the prefix elsewhere.
+// holds the prefix elsewhere (the engines show the other replicas'
+// requests).
 func TestReplicasAgree(t *testing.T) {
 	set := testSet(t, 8)
+	for _, e := range set.Endpoints {
+		e.SetEngine(&discovery.EngineStats{Engine: "vllm", Running: 3, At: time.Now().Add(time.Hour)})
+	}
 	replicas := []*Prefix{newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams())}
 	rng := rand.New(rand.NewPCG(5, 6))
 	for i := range 64 * 30 {
@@ -511,5 +515,27 @@ func TestPrefixStaysWhereItsFirstRequestWent(t *testing.T) {
 	}
 	if d := answered(p, request(sys+"b"), set); d.Endpoint != first.Endpoint || d.Reason != ReasonWarm {
 		t.Fatalf("the second request went to %s (%s), not where the prefix is cached (%s)", d.Endpoint, d.Reason, first.Endpoint)
+	}
+}
+
+// A router alone knows where it sent each prefix: as the recurring keys
+// grow and the balanced assignment moves homes, a prefix stays where this
+// router cached it instead of being recomputed at its new home.
+func TestRouterAloneKeepsPrefixesWhereCached(t *testing.T) {
+	set := testSet(t, 8)
+	p := newTestPrefix(DefaultPrefixParams())
+	rng := rand.New(rand.NewPCG(9, 10))
+	where := map[int]*discovery.Endpoint{}
+	moved := 0
+	for i := range 64 * 8 {
+		g := rng.IntN(64)
+		d := answered(p, request(system(2000+g, 8192)+fmt.Sprint(i)), set)
+		if w, ok := where[g]; ok && w != d.Endpoint {
+			moved++
+		}
+		where[g] = d.Endpoint
+	}
+	if moved > 0 {
+		t.Fatalf("%d requests left the endpoint their prefix was cached on (%d homes recur)", moved, p.Homes())
 	}
 }

@@ -165,8 +165,9 @@ func seededIntn(seed uint64) func(int) int {
 	}
 }
 
-// SelectPolicies returns the policies of Policies() named in names, in
-// table order; no names means all.
+// SelectPolicies returns the policies named in names, from Policies(),
+// PDLayouts() and the opt-in ones (PrefixNormalized), in that order; no
+// names means every policy of Policies().
 func SelectPolicies(names []string) ([]Policy, error) {
 	all := Policies()
 	if len(names) == 0 {

@@ -65,7 +65,7 @@ type Model struct {
 type Models struct {
 	List []Model
 	At   time.Time
-	ids  map[string]struct{} // List's ids: every pick asks (pods may list hundreds of adapters)
+	ids  map[string]bool // List's ids, true for adapters: every pick asks (pods may list hundreds)
 }
 
 // Serves reports whether the list names model (a served name or an
@@ -74,6 +74,10 @@ func (m *Models) Serves(model string) bool {
 	_, ok := m.ids[model]
 	return ok
 }
+
+// Adapter reports whether the list names model as a LoRA adapter (an entry
+// with a parent).
+func (m *Models) Adapter(model string) bool { return m.ids[model] }
 
 // Models returns e's model list as last read; nil when not known.
 func (e *Endpoint) Models() *Models { return e.models.Load() }
@@ -90,9 +94,9 @@ func (e *Endpoint) Serves(model string) bool {
 
 // SetModels records e's model list (tests and other discovery sources).
 func (e *Endpoint) SetModels(list []Model) {
-	m := &Models{List: list, At: time.Now(), ids: make(map[string]struct{}, len(list))}
+	m := &Models{List: list, At: time.Now(), ids: make(map[string]bool, len(list))}
 	for _, x := range list {
-		m.ids[x.ID] = struct{}{}
+		m.ids[x.ID] = x.Parent != nil
 	}
 	e.models.Store(m)
 }

@@ -8,7 +8,9 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"slices"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -132,6 +134,9 @@ type EngineStats struct {
 	ITLCount float64 `json:"inter_token_latency_seconds_count,omitempty"`
 	// StartTime is process_start_time_seconds (Unix seconds); 0 when absent.
 	StartTime float64 `json:"process_start_time_seconds,omitempty"`
+	// LoRA is vLLM's LoRA adapter slots (vllm:lora_requests_info); nil when
+	// the engine does not serve adapters.
+	LoRA *LoRAStats `json:"lora,omitempty"`
 	// At is when the scrape completed.
 	At time.Time `json:"scraped_at"`
 	// Routed is this router's requests in flight at the endpoint when the
@@ -140,6 +145,26 @@ type EngineStats struct {
 	// replicas, clients bypassing kvroute), which the router's own
 	// counters cannot see. 0 when the stats did not come from the scraper.
 	Routed int64 `json:"routed"`
+}
+
+// LoRAStats is an engine's LoRA adapter slots, from the latest series of
+// vllm:lora_requests_info (its value is the time it was set; vLLM keeps
+// the earlier label sets as stale series): at most MaxLoRAs adapters run
+// in one batch (vLLM's --max-loras), and a request for another adapter
+// waits, even with room in the batch, until one of them has no running
+// request left.
+type LoRAStats struct {
+	MaxLoRAs int `json:"max_lora"`
+	// Running and Waiting name the adapters of the running and the
+	// waiting requests.
+	Running []string `json:"running_lora_adapters"`
+	Waiting []string `json:"waiting_lora_adapters,omitempty"`
+}
+
+// SlotFor reports whether a request for adapter may run at once: the
+// adapter runs already, or fewer than MaxLoRAs do.
+func (l *LoRAStats) SlotFor(adapter string) bool {
+	return len(l.Running) < l.MaxLoRAs || slices.Contains(l.Running, adapter)
 }
 
 // Age returns how old s is at now.
@@ -173,6 +198,7 @@ const (
 	mSGLPrompt       = "sglang:prompt_tokens_total"
 	mSGLCached       = "sglang:cached_tokens_total"
 	mStartTime       = "process_start_time_seconds"
+	mVLLMLoRA        = "vllm:lora_requests_info"
 	// Inter-token latency histograms, newest name first; their _sum and
 	// _count samples are read.
 	mVLLMITL    = "vllm:inter_token_latency_seconds"
@@ -191,7 +217,7 @@ var itlNames = map[string][]string{"vllm": {mVLLMITL, mVLLMTPOT}, "sglang": {mSG
 func wanted(name []byte) bool {
 	switch string(name) {
 	case mVLLMRunning, mVLLMWaiting, mVLLMKVUsage, mVLLMGPUKVUsage, mVLLMCacheConfig,
-		mVLLMPrompt, mVLLMQueries, mVLLMHits,
+		mVLLMPrompt, mVLLMQueries, mVLLMHits, mVLLMLoRA,
 		mSGLRunning, mSGLWaiting, mSGLUsage, mSGLPrompt, mSGLCached, mStartTime,
 		mVLLMITL + sumSuffix, mVLLMITL + countSuffix, mVLLMTPOT + sumSuffix, mVLLMTPOT + countSuffix,
 		mSGLITL + sumSuffix, mSGLITL + countSuffix, mSGLTPOT + sumSuffix, mSGLTPOT + countSuffix:
@@ -287,6 +313,7 @@ func parseEngine(text, scratch []byte) (EngineStats, []byte, error) {
 		s.PrefixQueries, _ = sum(mVLLMQueries)
 		s.PrefixHits, _ = sum(mVLLMHits)
 		s.KVCapacityTokens = cacheCapacity(fams[mVLLMCacheConfig])
+		s.LoRA = loraSlots(fams[mVLLMLoRA])
 	case ns+nq+nt > 0:
 		s.Engine = "sglang"
 		s.Running, s.Waiting = count(mSGLRunning), count(mSGLWaiting)
@@ -344,6 +371,49 @@ func cacheCapacity(f *dto.MetricFamily) int64 {
 		}
 	}
 	return total
+}
+
+// maxAdapters bounds the adapters read from one label (a pod may load
+// hundreds; more than this many running at once is beyond any engine).
+const maxAdapters = 1024
+
+// loraSlots reads the latest series of vllm:lora_requests_info (the
+// highest value: the time it was set); nil without one with max_lora > 0.
+func loraSlots(f *dto.MetricFamily) *LoRAStats {
+	var latest *dto.Metric
+	for _, m := range f.GetMetric() {
+		if v := value(m); !math.IsNaN(v) && (latest == nil || v > value(latest)) {
+			latest = m
+		}
+	}
+	if latest == nil {
+		return nil
+	}
+	l := &LoRAStats{}
+	names := func(v string) []string {
+		var out []string
+		for _, n := range strings.Split(v, ",") {
+			if n = strings.TrimSpace(n); n != "" && len(out) < maxAdapters {
+				out = append(out, n)
+			}
+		}
+		return out
+	}
+	for _, lp := range latest.GetLabel() {
+		switch lp.GetName() {
+		case "max_lora":
+			n, _ := strconv.Atoi(lp.GetValue())
+			l.MaxLoRAs = min(max(n, 0), maxAdapters)
+		case "running_lora_adapters":
+			l.Running = names(lp.GetValue())
+		case "waiting_lora_adapters":
+			l.Waiting = names(lp.GetValue())
+		}
+	}
+	if l.MaxLoRAs == 0 {
+		return nil
+	}
+	return l
 }
 
 // scraperLoop is the engine-metrics loop.

@@ -3,6 +3,7 @@ package routing
 import (
 	"math"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -303,9 +304,12 @@ type Term struct {
 	SlotCostSec         float64          `json:"slot_cost_sec"`
 	BatchLimit          int64            `json:"batch_limit"`
 	Learned             *discovery.Costs `json:"learned,omitempty"`
-	WaitSec             float64          `json:"wait_sec"`
-	Rendezvous          uint64           `json:"rendezvous"`
-	Skipped             string           `json:"skipped,omitempty"`
+	// LoRASlotWaitSec is the wait for a LoRA adapter slot included in
+	// WaitSec: the engine runs as many other adapters as it may at once.
+	LoRASlotWaitSec float64 `json:"lora_slot_wait_sec,omitempty"`
+	WaitSec         float64 `json:"wait_sec"`
+	Rendezvous      uint64  `json:"rendezvous"`
+	Skipped         string  `json:"skipped,omitempty"`
 }
 
 // decide returns the decision and the deepest match of the request's
@@ -351,7 +355,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (Decision
 	if r.PromptBytes > 0 {
 		promptTokens = int(float64(r.PromptBytes) / bpt)
 	}
-	k := costing{prm: prm, pinned: prm.pins(), key: key, promptTokens: promptTokens,
+	k := costing{prm: prm, pinned: prm.pins(), key: key, model: r.Model, promptTokens: promptTokens,
 		tokensPerBlock: float64(p.blockBytes) / bpt}
 
 	var ch picks
@@ -432,7 +436,8 @@ type candidate struct {
 	warm     bool    // matches at least MinMatchBlocks
 	score    uint64  // rendezvous score for the request's key
 	uncached int
-	blocks   int // matched blocks that count (0 below MinMatchBlocks)
+	blocks   int     // matched blocks that count (0 below MinMatchBlocks)
+	loraWait float64 // the wait for a LoRA adapter slot, included in wait
 }
 
 // costing is what every candidate of one decision is costed with.
@@ -440,6 +445,7 @@ type costing struct {
 	prm            *PrefixParams
 	pinned         pins
 	key            uint64 // the request's prefix key
+	model          string // the request's model or adapter
 	promptTokens   int
 	tokensPerBlock float64
 }
@@ -454,14 +460,37 @@ func (k *costing) candidate(e *discovery.Endpoint, matched int) candidate {
 	c.uncached = max(0, k.promptTokens-int(float64(c.blocks)*k.tokensPerBlock))
 	c.rates = k.prm.ratesOf(c.load.costs, k.pinned)
 	c.wait, c.own, c.idle = k.prm.wait(c.load, c.rates, c.uncached)
+	if k.waitsForLoRASlot(e, c.load.eng) {
+		// The request waits, however free the batch, until one of the
+		// running adapters has no request left: about the time a request
+		// holds its place there. Not a spill target meanwhile.
+		c.loraWait = c.rates.turnover
+		c.wait += c.loraWait
+		c.idle = false
+	}
 	return c
+}
+
+// waitsForLoRASlot reports whether the request names a LoRA adapter that
+// e's engine, freshly scraped, cannot run at once: it runs as many other
+// adapters as it may (vLLM's --max-loras). The request's model is an
+// adapter when e's model list says so or, with the list unknown, when the
+// engine shows requests for it waiting.
+func (k *costing) waitsForLoRASlot(e *discovery.Endpoint, eng *discovery.EngineStats) bool {
+	if k.model == "" || eng == nil || eng.LoRA == nil || eng.LoRA.SlotFor(k.model) {
+		return false
+	}
+	if m := e.Models(); m != nil {
+		return m.Adapter(k.model)
+	}
+	return slices.Contains(eng.LoRA.Waiting, k.model)
 }
 
 // term is c's side of the decision, for /debug/route.
 func (c candidate) term() Term {
 	t := Term{Endpoint: c.e.URL, MatchedBlocks: c.blocks, Warm: c.warm, Idle: c.idle,
 		UncachedTokens: c.uncached, InFlightPrefill: c.load.pending, InFlightRequests: c.load.inFlight,
-		WaitSec: c.wait, Rendezvous: c.score, Learned: c.load.costs,
+		WaitSec: c.wait, LoRASlotWaitSec: c.loraWait, Rendezvous: c.score, Learned: c.load.costs,
 		PrefillTokensPerSec: c.rates.prefill, PendingTokensPerSec: c.rates.pending, DecodeCostSec: c.rates.decode,
 		QueueCostSec: c.rates.queue, SlotCostSec: c.rates.slot, BatchLimit: c.rates.limit}
 	if eng := c.load.eng; eng != nil {

@@ -26,15 +26,21 @@ type rates struct {
 	queue   float64 // seconds per request waiting in the engine
 	slot    float64 // seconds per request beyond the batch limit
 	limit   int64   // requests the engine runs at once; 0: unknown
+	// turnover is how long a request holds its place in the batch: the
+	// measured decode time, the queue cost until measured.
+	turnover float64
 }
 
 // ratesOf returns the constants for an endpoint whose learned costs are c
 // (nil: none yet), with pinned (p.pins()) kept at p's values.
 func (p *PrefixParams) ratesOf(c *discovery.Costs, pinned pins) rates {
 	r := rates{prefill: p.PrefillTokensPerSec, pending: p.PrefillTokensPerSec, decode: p.DecodeCostSec,
-		queue: p.QueueCostSec, limit: int64(p.BatchLimit)}
+		queue: p.QueueCostSec, limit: int64(p.BatchLimit), turnover: p.QueueCostSec}
 	if c == nil {
 		return r
+	}
+	if c.DecodeSec > 0 {
+		r.turnover = c.DecodeSec
 	}
 	if pinned&pinPrefill == 0 {
 		r.prefill, r.pending = c.PrefillTokensPerSec, c.PendingTokensPerSec

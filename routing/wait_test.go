@@ -16,7 +16,7 @@ var slowEngine = discovery.Costs{PrefillTokensPerSec: 1000, PendingTokensPerSec:
 func TestLearnedRatesReplacePriors(t *testing.T) {
 	p := DefaultPrefixParams()
 	r := p.ratesOf(&slowEngine, p.pins())
-	want := rates{prefill: 1000, pending: 1500, decode: 0.03, queue: 1.5, slot: 0.75, limit: 4}
+	want := rates{prefill: 1000, pending: 1500, decode: 0.03, queue: 1.5, slot: 0.75, limit: 4, turnover: 3}
 	if r != want {
 		t.Errorf("learned: %+v, want %+v", r, want)
 	}

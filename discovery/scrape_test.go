@@ -7,6 +7,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"sync"
 	"testing"
@@ -367,4 +368,31 @@ func BenchmarkParseEngine(b *testing.B) {
 			}
 		}
 	})
+}
+
+// vllm:lora_requests_info: the latest series (the highest value, the time
+// it was set) gives the adapter slots; vLLM keeps earlier label sets as
+// stale series, and max_lora 0 (LoRA off) gives none.
+func TestParseLoRASlots(t *testing.T) {
+	text := []byte(`# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql-lora",waiting_lora_adapters=""} 1.7640001e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql-lora,chat-lora",waiting_lora_adapters="math-lora"} 1.7640003e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7640002e+09
+vllm:num_requests_running{engine="0",model_name="m"} 3
+`)
+	got, _, err := parseEngine(text, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := LoRAStats{MaxLoRAs: 2, Running: []string{"sql-lora", "chat-lora"}, Waiting: []string{"math-lora"}}
+	if got.LoRA == nil || !reflect.DeepEqual(*got.LoRA, want) {
+		t.Fatalf("LoRA slots %+v, want %+v", got.LoRA, want)
+	}
+	if got.LoRA.SlotFor("math-lora") || !got.LoRA.SlotFor("chat-lora") {
+		t.Error("SlotFor: a third adapter must wait, a running one not")
+	}
+	off := []byte("vllm:lora_requests_info{max_lora=\"0\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"} 1.7e+09\nvllm:num_requests_running 1\n")
+	if got, _, err := parseEngine(off, nil); err != nil || got.LoRA != nil {
+		t.Fatalf("LoRA off: %+v, %v", got.LoRA, err)
+	}
 }

@@ -74,6 +74,11 @@ type Config struct {
 	// prefixes are cached apart from the base model's (vLLM keys its
 	// prefix cache by LoRA).
 	LoRAs []string
+	// MaxLoRAs is vLLM's --max-loras: at most this many adapters have
+	// requests in one batch; a request for another waits, skipped by the
+	// scheduler, until one of them has none left running. Default 1 (vLLM's)
+	// when LoRAs are loaded.
+	MaxLoRAs int
 	// Role selects the prefill/decode behaviour; default RoleMixed.
 	Role Role
 	// Seed makes ids, synthetic text, EOS draws and fault draws deterministic.
@@ -229,6 +234,9 @@ func (c *Config) fill() {
 	setInt(&c.MaxModelLen, 32768)
 	setInt(&c.MaxNumBatchedTokens, 8192)
 	setInt(&c.MaxNumSeqs, 256)
+	if len(c.LoRAs) > 0 {
+		setInt(&c.MaxLoRAs, 1)
+	}
 	setInt(&c.VocabSize, 128256)
 	setInt(&c.DefaultMaxTokens, 16)
 	setInt(&c.DefaultChatMaxTokens, 256)
@@ -273,6 +281,8 @@ func (c *Config) Validate() error {
 		return bad("max num batched tokens %d < 1", c.MaxNumBatchedTokens)
 	case c.MaxNumSeqs < 1:
 		return bad("max num seqs %d < 1", c.MaxNumSeqs)
+	case c.MaxLoRAs < 0:
+		return bad("max loras %d < 0", c.MaxLoRAs)
 	case c.VocabSize < 2:
 		return bad("vocab size %d < 2", c.VocabSize)
 	case c.DefaultMaxTokens < 1 || c.DefaultChatMaxTokens < 1:

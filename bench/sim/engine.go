@@ -2,7 +2,9 @@ package sim
 
 import (
 	"context"
+	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -74,6 +76,7 @@ type seq struct {
 	ignoreEOS bool
 	seed      uint64 // output text and EOS draws
 	root      uint64 // parent hash of block 0 (cache_salt)
+	lora      string // the LoRA adapter named as the model; "" for the base model
 	remote    *kvRef // where to pull the prompt's KV from (decode role), or nil
 	room      *room  // the bootstrap room to hold the KV for (prefill role), or nil
 
@@ -177,6 +180,7 @@ type engine struct {
 
 	// Published for gauges and Stats.
 	nRunning, nWaiting, nUsed, nHeld atomic.Int64
+	loras                            atomic.Pointer[loraInfo] // nil until a LoRA pod's first step
 	steps                            atomic.Uint64
 	modelClock                       atomic.Int64
 }
@@ -444,8 +448,18 @@ func (e *engine) schedule() (prefill, ctxTokens int) {
 		budget -= n
 		i++
 	}
-	for !preempted && len(e.waiting) > 0 && budget > 0 && len(e.running) < e.cfg.MaxNumSeqs {
-		s := e.waiting[0]
+	// vLLM's scheduler admits requests for at most MaxLoRAs adapters into a
+	// batch: a request for another is skipped, keeping its place.
+	active := e.runningLoRAs()
+	for i := 0; !preempted && i < len(e.waiting) && budget > 0 && len(e.running) < e.cfg.MaxNumSeqs; {
+		s := e.waiting[i]
+		if s.lora != "" && e.cfg.MaxLoRAs > 0 && !slices.Contains(active, s.lora) {
+			if len(active) >= e.cfg.MaxLoRAs {
+				i++
+				continue
+			}
+			active = append(active, s.lora) // admitted below, or the loop ends
+		}
 		fresh := s.blocks == nil
 		if fresh {
 			e.match(s)
@@ -459,7 +473,7 @@ func (e *engine) schedule() (prefill, ctxTokens int) {
 			e.grow(s, need)
 			e.admitStats(s)
 			e.m.extQueries.Add(float64(len(s.prompt) - 1 - s.numComputed))
-			e.popWaiting()
+			e.removeWaiting(i)
 			s.state = stLoading
 			e.loading++
 			cost := e.cfg.TransferCost(len(s.prompt) - 1 - s.numComputed)
@@ -474,7 +488,7 @@ func (e *engine) schedule() (prefill, ctxTokens int) {
 		}
 		e.grow(s, need)
 		e.admitStats(s)
-		e.popWaiting()
+		e.removeWaiting(i)
 		s.state = stRunning
 		e.running = append(e.running, s)
 		e.batch = append(e.batch, scheduled{s, n, n > 1})
@@ -489,9 +503,30 @@ func (e *engine) schedule() (prefill, ctxTokens int) {
 	return prefill, ctxTokens
 }
 
-func (e *engine) popWaiting() {
-	e.waiting[0] = nil
-	e.waiting = e.waiting[1:]
+// removeWaiting takes waiting sequence i out of the queue, keeping the
+// others' order.
+func (e *engine) removeWaiting(i int) {
+	if i == 0 {
+		e.waiting[0] = nil
+		e.waiting = e.waiting[1:]
+		return
+	}
+	e.waiting = slices.Delete(e.waiting, i, i+1)
+}
+
+// runningLoRAs returns the adapters of the running sequences (nil when the
+// pod serves none).
+func (e *engine) runningLoRAs() []string {
+	if len(e.cfg.LoRAs) == 0 {
+		return nil
+	}
+	var active []string
+	for _, s := range e.running {
+		if s.lora != "" && !slices.Contains(active, s.lora) {
+			active = append(active, s.lora)
+		}
+	}
+	return active
 }
 
 // grow allocates need more blocks to s (need may be ≤ 0).
@@ -734,4 +769,25 @@ func (e *engine) publishGauges() {
 	e.nRunning.Store(int64(len(e.running)))
 	e.nWaiting.Store(int64(len(e.waiting) + e.loading))
 	e.nUsed.Store(int64(e.cache.used()))
+	if len(e.cfg.LoRAs) > 0 {
+		var waiting []string
+		for _, s := range e.waiting {
+			if s.lora != "" && !slices.Contains(waiting, s.lora) {
+				waiting = append(waiting, s.lora)
+			}
+		}
+		info := loraInfo{running: strings.Join(e.runningLoRAs(), ","), waiting: strings.Join(waiting, ",")}
+		if old := e.loras.Load(); old == nil || old.running != info.running || old.waiting != info.waiting {
+			info.at = float64(time.Now().UnixNano()) / 1e9
+			e.loras.Store(&info)
+		}
+	}
+}
+
+// loraInfo is vllm:lora_requests_info's labels and value: the adapters of
+// the running and the waiting requests (comma-separated), and when they
+// last changed (Unix seconds).
+type loraInfo struct {
+	running, waiting string
+	at               float64
 }

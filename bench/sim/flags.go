@@ -12,6 +12,7 @@ import (
 func (c *Config) BindFlags(fs *pflag.FlagSet) {
 	fs.StringVar(&c.Model, "model", c.Model, "served model name")
 	fs.StringSliceVar(&c.LoRAs, "lora-modules", c.LoRAs, "names of LoRA adapters loaded on the model (requests may name them; /v1/models lists them)")
+	fs.IntVar(&c.MaxLoRAs, "max-loras", c.MaxLoRAs, "adapters with requests in one batch, as vLLM's --max-loras (default 1 with --lora-modules); vllm:lora_requests_info shows the running and waiting ones")
 	fs.Uint64Var(&c.Seed, "seed", c.Seed, "seed for ids, synthetic text, EOS and fault draws (pod i uses seed+i)")
 	fs.StringVar(&c.EngineID, "engine-id", c.EngineID, "NixlConnector engine id (default: derived from seed and start time)")
 	fs.Float64Var(&c.TimeScale, "time-scale", c.TimeScale, "run this many times faster than modelled real time")

@@ -106,6 +106,10 @@ func newPodMetrics(cfg *Config, e *engine, start time.Time) *podMetrics {
 	info.Set(1)
 	reg.MustRegister(info)
 
+	if len(cfg.LoRAs) > 0 {
+		reg.MustRegister(loraCollector{e: e, max: strconv.Itoa(cfg.MaxLoRAs), start: float64(start.UnixNano()) / 1e9})
+	}
+
 	// KV connector figures. vLLM's NixlConnector exports the failure count;
 	// the hold figures are the simulator's own (kvsim: prefix).
 	m.kvFailed = counter("vllm:nixl_num_failed_transfers",
@@ -115,6 +119,31 @@ func newPodMetrics(cfg *Config, e *engine, start time.Time) *podMetrics {
 	gaugeFunc("kvsim:kv_held_blocks", "KV blocks a prefill pod holds for decode pods that have not pulled them yet.",
 		func() float64 { return float64(e.nHeld.Load()) })
 	return m
+}
+
+// loraDesc is vLLM's LoRA gauge (vllm/v1/metrics/loggers.py): one series
+// whose labels name the adapters of the running and waiting requests and
+// whose value is when it was set. (vLLM keeps the earlier label sets as
+// stale series; the simulator exports only the current one.)
+var loraDesc = prometheus.NewDesc("vllm:lora_requests_info", "Running stats on lora requests.",
+	[]string{"max_lora", "running_lora_adapters", "waiting_lora_adapters"}, nil)
+
+// loraCollector exports vllm:lora_requests_info from the engine's
+// published adapters.
+type loraCollector struct {
+	e     *engine
+	max   string
+	start float64
+}
+
+func (c loraCollector) Describe(ch chan<- *prometheus.Desc) { ch <- loraDesc }
+
+func (c loraCollector) Collect(ch chan<- prometheus.Metric) {
+	info := loraInfo{at: c.start}
+	if p := c.e.loras.Load(); p != nil {
+		info = *p
+	}
+	ch <- prometheus.MustNewConstMetric(loraDesc, prometheus.GaugeValue, info.at, c.max, info.running, info.waiting)
 }
 
 func (m *podMetrics) success(reason string) prometheus.Counter {

@@ -412,9 +412,9 @@ func (p *Pod) newInferRequest(ctx *fasthttp.RequestCtx, ar *apiRequest, chat boo
 		r.id = "chatcmpl-" + base
 	}
 	seed := splitmix(p.cfg.Seed ^ xxh3.HashString(r.id))
-	root := rootHash(ar.salt)
+	root, lora := rootHash(ar.salt), ""
 	if ar.model != "" && ar.model != p.cfg.Model { // a LoRA adapter: its own cache entries
-		root = rootHash(ar.salt + "\x00lora\x00" + ar.model)
+		root, lora = rootHash(ar.salt+"\x00lora\x00"+ar.model), ar.model
 	}
 	refs := p.remoteRefs(ar)
 	for i, prompt := range ar.prompts {
@@ -422,7 +422,7 @@ func (p *Pod) newInferRequest(ctx *fasthttp.RequestCtx, ar *apiRequest, chat boo
 			idx := i*ar.n + j
 			s := &seq{
 				req: r, index: idx, prompt: prompt, maxTokens: maxTokens[i], ignoreEOS: ar.ignoreEOS,
-				seed: splitmix(seed + uint64(idx)), root: root, remote: refs[i],
+				seed: splitmix(seed + uint64(idx)), root: root, lora: lora, remote: refs[i],
 			}
 			if rooms != nil {
 				// An SGLang prefill server ends the request after the

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvroute/kvroute/bench/sim"
+	"github.com/kvroute/kvroute/routing"
 )
 
 // TestModelRouting: pods behind one kvroute serve different models and
@@ -126,4 +127,86 @@ func postCompletion(t *testing.T, api, model, prompt string) (int, string) {
 	defer resp.Body.Close()
 	body, _ := io.ReadAll(resp.Body)
 	return resp.StatusCode, string(body)
+}
+
+// TestLoRASlotRouting: two pods serving adapters a and b with vLLM's
+// default --max-loras 1. While one pod runs a long request for a, kvroute
+// (scraping vllm:lora_requests_info) sends requests for b to the other
+// pod, where they need not wait for an adapter slot, and /debug/route shows
+// the wait it avoided.
+func TestLoRASlotRouting(t *testing.T) {
+	fleet, err := sim.StartFleetOf(
+		sim.Config{TimeScale: 5, Model: "base", LoRAs: []string{"a", "b"}},
+		sim.Config{TimeScale: 5, Model: "base", LoRAs: []string{"a", "b"}, Seed: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = fleet.Close() })
+	addrs, stop := startKvroute(t, "--backends", strings.Join(fleet.URLs(), ","),
+		"--models-interval", "100ms", "--scrape-interval", "50ms")
+	defer stop()
+	api := "http://" + addrs.API
+	for deadline := time.Now().Add(10 * time.Second); len(modelIDs(t, api)) != 3; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("models: %v", modelIDs(t, api))
+		}
+	}
+
+	// A long request for a: 1,000 tokens, ≈ 1.6 s of wall time.
+	long := make(chan int, 1)
+	go func() {
+		b, _ := json.Marshal(map[string]any{"model": "a", "prompt": "a long answer, please", "max_tokens": 1000, "ignore_eos": true})
+		resp, err := http.Post(api+"/v1/completions", "application/json", strings.NewReader(string(b)))
+		if err != nil {
+			long <- 0
+			return
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		long <- resp.StatusCode
+	}()
+	// Until kvroute's scrape shows the slot taken: /debug/route for b
+	// names the pod and the wait.
+	var busy string
+	for deadline := time.Now().Add(10 * time.Second); busy == ""; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("kvroute never saw an engine run out of LoRA slots")
+		}
+		for _, term := range explainRoute(t, "http://"+addrs.Admin, `{"model":"b","prompt":"probe"}`) {
+			if term.LoRASlotWaitSec > 0 {
+				busy = term.Endpoint
+			}
+		}
+	}
+	pods := map[string]*sim.Pod{fleet.URLs()[0]: fleet.Pod(0), fleet.URLs()[1]: fleet.Pod(1)}
+	before := podRequests(t, pods[busy])
+	for i := range 8 {
+		if code, body := postCompletion(t, api, "b", fmt.Sprintf("question %d for b: %s", i, strings.Repeat("words ", 100))); code != 200 {
+			t.Fatalf("b: %d %s", code, body)
+		}
+	}
+	if n := podRequests(t, pods[busy]) - before; n != 0 {
+		t.Errorf("%v requests for b went to %s, whose only LoRA slot a holds", n, busy)
+	}
+	if code := <-long; code != 200 {
+		t.Errorf("the long request for a: %d", code)
+	}
+}
+
+// explainRoute posts a completions body to /debug/route and returns the
+// endpoints' terms.
+func explainRoute(t *testing.T, admin, body string) []routing.Term {
+	t.Helper()
+	resp, err := http.Post(admin+"/debug/route?path=/v1/completions", "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var out struct {
+		Endpoints []routing.Term `json:"endpoints"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
+		t.Fatalf("/debug/route: %v", err)
+	}
+	return out.Endpoints
 }

@@ -66,7 +66,7 @@ demo: build
 	./$(BIN)/kvbench --scenario demo
 
 # Every benchmark scenario (shared-prefix, multi-turn, random, hot-prefix,
-# near-identical, the Mooncake trace replay when TRACE exists, overhead) on
+# near-identical, lora, the Mooncake trace replay when TRACE exists, overhead) on
 # h100-8b, results under bench/results/<scenario>/; then the policy matrix: shared-prefix,
 # hot-prefix and random on the h100-8b, slow-large, fast-small and mixed
 # engine profiles (h100-8b's cells reused from the runs before), results

@@ -14,6 +14,7 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 )
@@ -74,6 +75,10 @@ type Endpoint struct {
 	inFlight       atomic.Int64
 	pendingPrefill atomic.Int64
 	requests       atomic.Uint64
+	// adapters counts the in-flight requests per LoRA adapter (Lease.
+	// ForAdapter); nil until the first.
+	adapterMu sync.Mutex
+	adapters  map[string]int
 	// Failures counts upstream failures (connection errors and 5xx).
 	Failures atomic.Uint64
 

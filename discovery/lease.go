@@ -26,6 +26,9 @@ type Lease struct {
 	// firstByte is when a streamed response's first byte came (zero: not
 	// yet, or not streamed).
 	firstByte time.Time
+	// adapter is the LoRA adapter the request names, counted in the
+	// endpoint's adapters in flight ("" for none).
+	adapter string
 }
 
 // Uncomputed is Complete's argument when the engine did not report how
@@ -85,7 +88,43 @@ func (l *Lease) Release() {
 		l.e.pendingPrefill.Add(-l.prefill)
 	}
 	l.e.inFlight.Add(-1)
+	if l.adapter != "" {
+		e := l.e
+		e.adapterMu.Lock()
+		if e.adapters[l.adapter]--; e.adapters[l.adapter] <= 0 {
+			delete(e.adapters, l.adapter)
+		}
+		e.adapterMu.Unlock()
+	}
 	*l = Lease{}
+}
+
+// ForAdapter counts the lease's request as one for LoRA adapter name in
+// its endpoint's adapters in flight (AdaptersInFlight) until it is
+// released. Once per lease.
+func (l *Lease) ForAdapter(name string) {
+	if l.e == nil || l.adapter != "" || name == "" {
+		return
+	}
+	e := l.e
+	e.adapterMu.Lock()
+	if e.adapters == nil {
+		e.adapters = make(map[string]int)
+	}
+	e.adapters[name]++
+	e.adapterMu.Unlock()
+	l.adapter = name
+}
+
+// AdaptersInFlight appends to dst the LoRA adapters of this router's
+// requests in flight at e (Lease.ForAdapter).
+func (e *Endpoint) AdaptersInFlight(dst []string) []string {
+	e.adapterMu.Lock()
+	defer e.adapterMu.Unlock()
+	for a := range e.adapters {
+		dst = append(dst, a)
+	}
+	return dst
 }
 
 // Complete is Release for a response delivered in full. A streamed one is

@@ -8,7 +8,6 @@ import (
 	"io"
 	"math"
 	"net/http"
-	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -159,12 +158,6 @@ type LoRAStats struct {
 	// waiting requests.
 	Running []string `json:"running_lora_adapters"`
 	Waiting []string `json:"waiting_lora_adapters,omitempty"`
-}
-
-// SlotFor reports whether a request for adapter may run at once: the
-// adapter runs already, or fewer than MaxLoRAs do.
-func (l *LoRAStats) SlotFor(adapter string) bool {
-	return len(l.Running) < l.MaxLoRAs || slices.Contains(l.Running, adapter)
 }
 
 // Age returns how old s is at now.

@@ -426,6 +426,9 @@ loop:
 			own = 0 // the prefill endpoint computes the prompt
 		}
 		st.lease = ep.Acquire(own)
+		if m := ep.Models(); m != nil && m.Adapter(st.req.Model) {
+			st.lease.ForAdapter(st.req.Model) // the policy sees which adapters hold ep's slots
+		}
 		if split {
 			ans, err := s.prefillStage(ctx, st, set)
 			switch {

@@ -444,8 +444,9 @@ type candidate struct {
 type costing struct {
 	prm            *PrefixParams
 	pinned         pins
-	key            uint64 // the request's prefix key
-	model          string // the request's model or adapter
+	key            uint64   // the request's prefix key
+	model          string   // the request's model or adapter
+	adapters       []string // scratch: the adapters holding an endpoint's slots
 	promptTokens   int
 	tokensPerBlock float64
 }
@@ -466,24 +467,37 @@ func (k *costing) candidate(e *discovery.Endpoint, matched int) candidate {
 		// holds its place there. Not a spill target meanwhile.
 		c.loraWait = c.rates.turnover
 		c.wait += c.loraWait
+		c.own += c.loraWait
 		c.idle = false
 	}
 	return c
 }
 
 // waitsForLoRASlot reports whether the request names a LoRA adapter that
-// e's engine, freshly scraped, cannot run at once: it runs as many other
-// adapters as it may (vLLM's --max-loras). The request's model is an
-// adapter when e's model list says so or, with the list unknown, when the
-// engine shows requests for it waiting.
+// e cannot run at once: as many other adapters as its engine runs at a
+// time (vLLM's --max-loras, freshly scraped) have requests there. Those
+// are this router's own requests in flight, exact and current, and, when
+// the engine also runs other clients' requests, the adapters its scrape
+// showed running. The request's model is an adapter when e's model list
+// says so or, with the list unknown, when the engine shows requests for it
+// waiting.
 func (k *costing) waitsForLoRASlot(e *discovery.Endpoint, eng *discovery.EngineStats) bool {
-	if k.model == "" || eng == nil || eng.LoRA == nil || eng.LoRA.SlotFor(k.model) {
+	if k.model == "" || eng == nil || eng.LoRA == nil {
 		return false
 	}
-	if m := e.Models(); m != nil {
-		return m.Adapter(k.model)
+	if m := e.Models(); m != nil && !m.Adapter(k.model) || m == nil && !slices.Contains(eng.LoRA.Waiting, k.model) {
+		return false
 	}
-	return slices.Contains(eng.LoRA.Waiting, k.model)
+	active := e.AdaptersInFlight(k.adapters[:0])
+	if eng.Running+eng.Waiting > eng.Routed {
+		for _, a := range eng.LoRA.Running {
+			if !slices.Contains(active, a) {
+				active = append(active, a)
+			}
+		}
+	}
+	k.adapters = active
+	return !slices.Contains(active, k.model) && len(active) >= eng.LoRA.MaxLoRAs
 }
 
 // term is c's side of the decision, for /debug/route.

@@ -416,7 +416,11 @@ func sleepUntil(ctx context.Context, t time.Time) bool {
 // send sends one item and records the result.
 func (r *runner) send(ctx context.Context, it *item, stage int) {
 	res := RequestResult{Session: it.session, Turn: it.turn, Stage: stage}
-	body := workload.AppendBody(make([]byte, 0, 1024), r.cfg.API, r.cfg.Model, it.s, it.turn, it.conv.answers)
+	model := r.cfg.Model
+	if it.s.Model != "" {
+		model = it.s.Model
+	}
+	body := workload.AppendBody(make([]byte, 0, 1024), r.cfg.API, model, it.s, it.turn, it.conv.answers)
 	keep := it.turn+1 < len(it.s.Turns)
 	res.Start = time.Since(r.start).Seconds() * r.scale
 	r.sent.Add(1)

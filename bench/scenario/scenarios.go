@@ -47,6 +47,7 @@ const (
 	Random        = "random"
 	HotPrefix     = "hot-prefix"
 	NearIdentical = "near-identical"
+	LoRA          = "lora"
 	Trace         = "trace"
 	Overhead      = "overhead"
 	// Demo is a short shared-prefix comparison of four policies (see
@@ -57,7 +58,7 @@ const (
 // Names lists every scenario of a full benchmark run in run order (overhead
 // last); the demo is not among them.
 func Names() []string {
-	return []string{SharedPrefix, MultiTurn, Random, HotPrefix, NearIdentical, Trace, Overhead}
+	return []string{SharedPrefix, MultiTurn, Random, HotPrefix, NearIdentical, LoRA, Trace, Overhead}
 }
 
 // Lookup returns the policy comparison called name for p: one of Builtin(p),
@@ -85,7 +86,7 @@ func Lookup(p Preset, name string) (Scenario, bool) {
 // h100-8b the loads are fitted to it (see SizeFor); the workloads' shapes
 // and the KV sizing stay.
 func Builtin(p Preset) []Scenario {
-	out := []Scenario{sharedPrefix(p), multiTurn(p), random(p), hotPrefix(p), nearIdentical(p)}
+	out := []Scenario{sharedPrefix(p), multiTurn(p), random(p), hotPrefix(p), nearIdentical(p), lora(p)}
 	if p.TracePath != "" {
 		out = append(out, trace(p))
 	}
@@ -266,6 +267,35 @@ func nearIdentical(p Preset) Scenario {
 		Workload: ni, Seed: p.Seed, SLO: load.SLO{TTFT: 2000, TPOT: 100},
 		Load:     load.Load{Stages: []load.Stage{{Rate: 16, Requests: 128}, {Rate: 32, Requests: 256}, {Rate: 48, Requests: 384}}},
 		Policies: []string{Baseline, "prefix", PrefixNormalized},
+	}
+}
+
+// loraAdapters is how many LoRA adapters the lora scenario's pods serve.
+const loraAdapters = 8
+
+// lora is shared-prefix at its defaults with each prefix group's requests
+// naming one of 8 LoRA adapters (group mod 8: a tenant's fine-tune behind
+// its system prompts), every adapter loaded on every pod, and each pod
+// running requests of one adapter at a time (vLLM's default --max-loras
+// 1): a request for another waits for the slot however free the batch.
+// Three rates below the shared-prefix knee, since the slots cut capacity.
+// Preset.Full does not apply.
+func lora(p Preset) Scenario {
+	pods := p.pods()
+	w := workload.Config{Kind: workload.KindSharedPrefix, Seed: p.Seed, Adapters: loraAdapters}.Defaults()
+	ws := sharedPrefixWorkingSet(w)
+	cfg := simConfig(p, pods, ws, 1)
+	for i := range loraAdapters {
+		cfg.LoRAs = append(cfg.LoRAs, workload.AdapterName(i))
+	}
+	return Scenario{
+		Name: LoRA,
+		Description: "Shared-prefix whose groups each name one of 8 LoRA adapters, loaded on every pod; " +
+			"a pod runs one adapter's requests at a time (vLLM's default --max-loras 1), so a request for another waits for the slot.",
+		Pods: pods, Sim: cfg, WorkingSet: ws,
+		Workload: w, Seed: p.Seed, SLO: load.SLO{TTFT: 2000, TPOT: 100},
+		Load:     load.Load{Stages: []load.Stage{{Rate: 4, Requests: 64}, {Rate: 8, Requests: 128}, {Rate: 16, Requests: 256}}},
+		Policies: []string{Baseline, "least-request", "prefix"},
 	}
 }
 

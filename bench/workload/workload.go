@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strconv"
 	"time"
 
 	"github.com/kvroute/kvroute/bench/sim"
@@ -71,6 +72,9 @@ type Session struct {
 	// Variant is how System is rendered: 0, as written; else an index of
 	// Variants (near-identical only).
 	Variant int
+	// Model is the model the session's requests name ("" for the load's
+	// model): one of the LoRA adapters when Config.Adapters > 0.
+	Model string
 }
 
 // Turn is one request of a session.
@@ -143,6 +147,11 @@ type Config struct {
 	// prompt is rendered as one of the near-identical Variants (evenly
 	// over them); the others send it as written.
 	VariantShare float64 `json:"variant_share,omitempty"`
+	// Adapters > 0 sends every request to one of that many LoRA adapters,
+	// named by AdapterName: a prefix group's requests to adapter group mod
+	// Adapters (one tenant's fine-tune behind its system prompts), other
+	// sessions' drawn uniformly (shared-prefix, near-identical, random).
+	Adapters int `json:"adapters,omitempty"`
 
 	// random and hot-prefix.
 	Requests    int `json:"requests,omitempty"`
@@ -248,6 +257,9 @@ func (c Config) Validate() error {
 		} else {
 			errs = append(errs, pos("groups", c.Groups), pos("prompts per group", c.PromptsPerGroup))
 		}
+		if c.Adapters < 0 {
+			errs = append(errs, bad("adapters must not be negative"))
+		}
 		if !(c.VariantShare >= 0 && c.VariantShare <= 1) {
 			errs = append(errs, bad("variant share %v must be between 0 and 1", c.VariantShare))
 		}
@@ -255,6 +267,9 @@ func (c Config) Validate() error {
 			pos("output tokens", c.OutputTokens))
 	case KindRandom:
 		errs = append(errs, pos("requests", c.Requests), pos("input tokens", c.InputTokens), pos("output tokens", c.OutputTokens))
+		if c.Adapters < 0 {
+			errs = append(errs, bad("adapters must not be negative"))
+		}
 	case KindMultiTurn:
 		errs = append(errs, pos("conversations", c.Conversations), rng("turns", c.TurnsMin, c.TurnsMax),
 			rng("user tokens", c.UserMin, c.UserMax), rng("answer tokens", c.AnswerMin, c.AnswerMax))
@@ -307,8 +322,21 @@ func (c Config) Build() (*Workload, error) {
 		}
 		w.Sessions = s
 	}
+	if c.Adapters > 0 {
+		for i := range w.Sessions {
+			s := &w.Sessions[i]
+			a := int(mix(c.Seed, domAdapter, uint64(i)) % uint64(c.Adapters))
+			if s.Group >= 0 {
+				a = s.Group % c.Adapters
+			}
+			s.Model = AdapterName(a)
+		}
+	}
 	return w, nil
 }
+
+// AdapterName is the name of LoRA adapter i of a workload with Adapters.
+func AdapterName(i int) string { return "adapter-" + strconv.Itoa(i) }
 
 // Seed domains keep the texts of different roles apart.
 const (
@@ -320,6 +348,7 @@ const (
 	domShuffle
 	domLengths
 	domVariant
+	domAdapter
 )
 
 // mix hashes a seed and a few integers into a well-spread 64-bit value

@@ -130,6 +130,7 @@ func newFlags(o *options) *proxy.Flags {
 	wl.IntVar(&w.QuestionTokens, "question-len", 0, "shared-prefix, hot-prefix, near-identical: question length (default 128)")
 	wl.IntVar(&w.OutputTokens, "output-len", 0, "shared-prefix, hot-prefix, near-identical, random: output length (default 256; random 128)")
 	wl.Float64Var(&w.VariantShare, "variant-share", 0, "near-identical: share of requests whose system prompt is rendered near-identically (CRLF, trailing blanks, a BOM, doubled spaces; default 0.5)")
+	wl.IntVar(&w.Adapters, "adapters", 0, "shared-prefix, near-identical, random: send each request to one of N LoRA adapters named adapter-0 … adapter-N-1 (a group's requests to one; the server must serve them)")
 	wl.IntVar(&w.InputTokens, "input-len", 0, "random: prompt length (default 1024)")
 	wl.IntVar(&w.Requests, "num-prompts", 0, "random, hot-prefix: distinct prompts (default 1024)")
 	wl.IntVar(&w.Conversations, "conversations", 0, "multi-turn: conversations (default 64)")

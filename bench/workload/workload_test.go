@@ -370,3 +370,25 @@ func TestNearIdenticalShape(t *testing.T) {
 		}
 	})
 }
+
+// With Adapters, a prefix group's requests all name one adapter (group mod
+// Adapters) and other sessions' are spread over every adapter.
+func TestAdapters(t *testing.T) {
+	w := build(t, Config{Kind: KindSharedPrefix, Seed: 2, Groups: 12, PromptsPerGroup: 3, SystemTokens: 16, QuestionTokens: 4, OutputTokens: 2, Adapters: 5})
+	for _, s := range w.Sessions {
+		if s.Model != AdapterName(s.Group%5) {
+			t.Fatalf("group %d names %q", s.Group, s.Model)
+		}
+	}
+	r := build(t, Config{Kind: KindRandom, Seed: 2, Requests: 200, InputTokens: 8, Adapters: 4})
+	seen := map[string]int{}
+	for _, s := range r.Sessions {
+		seen[s.Model]++
+	}
+	if len(seen) != 4 || seen[AdapterName(0)] < 30 {
+		t.Fatalf("random sessions' adapters %v, want all 4 used", seen)
+	}
+	if _, err := (Config{Kind: KindRandom, Adapters: -1}).Build(); err == nil {
+		t.Error("negative adapters accepted")
+	}
+}

@@ -108,7 +108,7 @@ func newFlags(o *options) *proxy.Flags {
 	sc.StringSliceVar(&o.profiles, "profile", nil, "engine profiles to run the scenarios on: "+strings.Join(sim.ProfileNames(), ", ")+
 		" (default "+sim.DefaultProfile+"; the matrix's: "+strings.Join(scenario.MatrixProfiles(), ", ")+"); loads are fitted to each; results of "+
 		sim.DefaultProfile+" under --out/<scenario>, of the others under --out/<profile>/<scenario>")
-	sc.StringSliceVar(&o.policies, "policies", nil, "policies to compare (default all: "+strings.Join(policyNames(), ", ")+"; the demo its own four; the matrix "+
+	sc.StringSliceVar(&o.policies, "policies", nil, "policies to compare (default all: "+strings.Join(policyNames(), ", ")+"; the demo, near-identical and lora their own; the matrix "+
 		strings.Join(matrixPolicyNames(), ", ")+")")
 	sc.BoolVar(&o.full, "full", false, "published sizes (SGLang/llm-d/vLLM presets) instead of the few-minute defaults")
 	sc.IntVar(&o.pods, "pods", 0, "simulated pods per fleet (0: 8)")

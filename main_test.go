@@ -136,7 +136,7 @@ func TestGracefulDrain(t *testing.T) {
 	}
 	exposition, _ := io.ReadAll(mresp.Body)
 	mresp.Body.Close()
-	for _, name := range []string{"kvroute_prefix_index_entries ", "kvroute_prefix_homes ", "llm_router_cache_hit_ratio "} {
+	for _, name := range []string{"kvroute_prefix_index_entries ", "kvroute_prefix_homes ", "kvroute_prefix_foreign_share ", "llm_router_cache_hit_ratio "} {
 		if !strings.Contains(string(exposition), name) {
 			t.Errorf("/metrics lacks %s", name)
 		}

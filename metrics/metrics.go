@@ -331,7 +331,8 @@ func readCounter(c prometheus.Counter) float64 {
 type IndexSample struct {
 	Endpoints, Hashes, Entries, Bytes int
 	Evictions, Expiries               uint64
-	Homes                             int // recurring prefix keys (homed by the balanced assignment)
+	Homes                             int     // recurring prefix keys (homed by the balanced assignment)
+	Foreign                           float64 // learned share of the engines' requests not this router's
 }
 
 // RegisterIndex reports the prefix index through read at each scrape.
@@ -346,6 +347,7 @@ var (
 	descIndexEvictions = prometheus.NewDesc(Namespace+"_prefix_index_evictions_total", "Entries evicted by an endpoint's capacity.", nil, nil)
 	descIndexExpiries  = prometheus.NewDesc(Namespace+"_prefix_index_expiries_total", "Blocks expired by the TTL.", nil, nil)
 	descHomes          = prometheus.NewDesc(Namespace+"_prefix_homes", "Recurring prefix keys (seen at least twice within the TTL), homed by balanced rendezvous hashing.", nil, nil)
+	descForeign        = prometheus.NewDesc(Namespace+"_prefix_foreign_share", "Learned share of the engines' running and waiting requests that are not this router's (other router replicas, clients bypassing kvroute); at 0.25 or more the prefix policy acts as one of several routers.", nil, nil)
 )
 
 type indexCollector struct{ read func() IndexSample }
@@ -357,6 +359,7 @@ func (c *indexCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descIndexEvictions
 	ch <- descIndexExpiries
 	ch <- descHomes
+	ch <- descForeign
 }
 
 func (c *indexCollector) Collect(ch chan<- prometheus.Metric) {
@@ -367,6 +370,7 @@ func (c *indexCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descIndexEvictions, prometheus.CounterValue, float64(s.Evictions))
 	ch <- prometheus.MustNewConstMetric(descIndexExpiries, prometheus.CounterValue, float64(s.Expiries))
 	ch <- prometheus.MustNewConstMetric(descHomes, prometheus.GaugeValue, float64(s.Homes))
+	ch <- prometheus.MustNewConstMetric(descForeign, prometheus.GaugeValue, s.Foreign)
 }
 
 // registerPD registers the end-to-end histogram and the collectors of

@@ -308,7 +308,7 @@ func TestEndpointCollector(t *testing.T) {
 // gather.
 func TestRegisterIndex(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	s := IndexSample{Endpoints: 4, Hashes: 100, Entries: 250, Bytes: 14000, Evictions: 7, Expiries: 3, Homes: 12}
+	s := IndexSample{Endpoints: 4, Hashes: 100, Entries: 250, Bytes: 14000, Evictions: 7, Expiries: 3, Homes: 12, Foreign: 0.5}
 	RegisterIndex(reg, func() IndexSample { return s })
 	mfs := gather(t, reg)
 	for _, c := range []struct {
@@ -322,6 +322,7 @@ func TestRegisterIndex(t *testing.T) {
 		{"kvroute_prefix_index_evictions_total", dto.MetricType_COUNTER, 7},
 		{"kvroute_prefix_index_expiries_total", dto.MetricType_COUNTER, 3},
 		{"kvroute_prefix_homes", dto.MetricType_GAUGE, 12},
+		{"kvroute_prefix_foreign_share", dto.MetricType_GAUGE, 0.5},
 	} {
 		wantType(t, mfs, c.name, c.typ)
 		m := sample(t, mfs, c.name, "")
@@ -337,8 +338,8 @@ func TestRegisterIndex(t *testing.T) {
 	if got := sample(t, gather(t, reg), "kvroute_prefix_index_entries", "").GetGauge().GetValue(); got != 300 {
 		t.Errorf("entries after a change %v, want 300", got)
 	}
-	if n := collectCount(&indexCollector{read: func() IndexSample { return s }}); n != 6 {
-		t.Errorf("%d index samples, want 6", n)
+	if n := collectCount(&indexCollector{read: func() IndexSample { return s }}); n != 7 {
+		t.Errorf("%d index samples, want 7", n)
 	}
 }
 

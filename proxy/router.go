@@ -378,7 +378,7 @@ func NewRouter(cfg Config, logger *zap.Logger) (*Router, error) {
 		metrics.RegisterIndex(r.Registry, func() metrics.IndexSample {
 			s := r.Prefix.Index().Stats()
 			return metrics.IndexSample{Endpoints: s.Endpoints, Hashes: s.Hashes, Entries: s.Entries,
-				Bytes: s.Bytes, Evictions: s.Evictions, Expiries: s.Expiries, Homes: r.Prefix.Homes()}
+				Bytes: s.Bytes, Evictions: s.Evictions, Expiries: s.Expiries, Homes: r.Prefix.Homes(), Foreign: r.Prefix.Foreign()}
 		})
 	}
 	if cfg.OTLPEndpoint != "" {

@@ -31,6 +31,7 @@ const (
 //	     + this request's uncached tokens / prefill rate
 //	     + (in-flight requests + foreign) × decode cost
 //	     + engine KV usage × KV cost
+//	     + [the request's LoRA adapter finds the engine's adapter slots held by others] × decode time
 //	slot wait = max(0, in-flight requests + foreign − batch limit + 1) × decode time / batch limit
 //	foreign = max(0, engine running + waiting − this router's in-flight requests at the scrape)
 //

@@ -160,6 +160,11 @@ type LoRAStats struct {
 	Waiting []string `json:"waiting_lora_adapters,omitempty"`
 }
 
+// Foreign returns the engine's running and waiting requests beyond this
+// router's own at the scrape (Routed): other clients' (other router
+// replicas, clients bypassing kvroute).
+func (s *EngineStats) Foreign() int64 { return max(0, s.Running+s.Waiting-s.Routed) }
+
 // Age returns how old s is at now.
 func (s *EngineStats) Age(now time.Time) time.Duration { return now.Sub(s.At) }
 

@@ -377,7 +377,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (Decision
 		c := k.candidate(e, matched)
 		if eng := c.load.eng; eng != nil {
 			engines += eng.Running + eng.Waiting
-			foreign += max(0, eng.Running+eng.Waiting-eng.Routed)
+			foreign += eng.Foreign()
 		}
 		if terms != nil {
 			*terms = append(*terms, c.term())
@@ -490,7 +490,7 @@ func (k *costing) waitsForLoRASlot(e *discovery.Endpoint, eng *discovery.EngineS
 		return false
 	}
 	active := e.AdaptersInFlight(k.adapters[:0])
-	if eng.Running+eng.Waiting > eng.Routed {
+	if eng.Foreign() > 0 {
 		for _, a := range eng.LoRA.Running {
 			if !slices.Contains(active, a) {
 				active = append(active, a)

@@ -88,7 +88,7 @@ func (p *PrefixParams) wait(l load, r rates, uncached int) (wait, own float64, i
 	// which are exact and current, where the scrape is up to an interval
 	// old: taking the engine's whole count instead kept a drained endpoint
 	// looking busy for an interval, and traffic herded elsewhere meanwhile.
-	foreign := max(0, eng.Running+eng.Waiting-eng.Routed)
+	foreign := eng.Foreign()
 	inFlight := l.inFlight + foreign
 	if r.limit > 0 && inFlight >= r.limit {
 		slot = float64(inFlight-r.limit+1) * r.slot

@@ -450,7 +450,10 @@ func (e *engine) schedule() (prefill, ctxTokens int) {
 	}
 	// vLLM's scheduler admits requests for at most MaxLoRAs adapters into a
 	// batch: a request for another is skipped, keeping its place.
-	active := e.runningLoRAs()
+	var active []string
+	if len(e.cfg.LoRAs) > 0 {
+		active = loraNames(e.running)
+	}
 	for i := 0; !preempted && i < len(e.waiting) && budget > 0 && len(e.running) < e.cfg.MaxNumSeqs; {
 		s := e.waiting[i]
 		if s.lora != "" && e.cfg.MaxLoRAs > 0 && !slices.Contains(active, s.lora) {
@@ -514,19 +517,15 @@ func (e *engine) removeWaiting(i int) {
 	e.waiting = slices.Delete(e.waiting, i, i+1)
 }
 
-// runningLoRAs returns the adapters of the running sequences (nil when the
-// pod serves none).
-func (e *engine) runningLoRAs() []string {
-	if len(e.cfg.LoRAs) == 0 {
-		return nil
-	}
-	var active []string
-	for _, s := range e.running {
-		if s.lora != "" && !slices.Contains(active, s.lora) {
-			active = append(active, s.lora)
+// loraNames returns the adapters of seqs, each once, in order.
+func loraNames(seqs []*seq) []string {
+	var names []string
+	for _, s := range seqs {
+		if s.lora != "" && !slices.Contains(names, s.lora) {
+			names = append(names, s.lora)
 		}
 	}
-	return active
+	return names
 }
 
 // grow allocates need more blocks to s (need may be ≤ 0).
@@ -770,13 +769,7 @@ func (e *engine) publishGauges() {
 	e.nWaiting.Store(int64(len(e.waiting) + e.loading))
 	e.nUsed.Store(int64(e.cache.used()))
 	if len(e.cfg.LoRAs) > 0 {
-		var waiting []string
-		for _, s := range e.waiting {
-			if s.lora != "" && !slices.Contains(waiting, s.lora) {
-				waiting = append(waiting, s.lora)
-			}
-		}
-		info := loraInfo{running: strings.Join(e.runningLoRAs(), ","), waiting: strings.Join(waiting, ",")}
+		info := loraInfo{running: strings.Join(loraNames(e.running), ","), waiting: strings.Join(loraNames(e.waiting), ",")}
 		if old := e.loras.Load(); old == nil || old.running != info.running || old.waiting != info.waiting {
 			info.at = float64(time.Now().UnixNano()) / 1e9
 			e.loras.Store(&info)

@@ -143,19 +143,21 @@ func TestLoRASlotRouting(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = fleet.Close() })
 	addrs, stop := startKvroute(t, "--backends", strings.Join(fleet.URLs(), ","),
-		"--models-interval", "100ms", "--scrape-interval", "50ms")
+		"--models-interval", "100ms", "--scrape-interval", "200ms")
 	defer stop()
-	api := "http://" + addrs.API
-	for deadline := time.Now().Add(10 * time.Second); len(modelIDs(t, api)) != 3; time.Sleep(20 * time.Millisecond) {
+	api, admin := "http://"+addrs.API, "http://"+addrs.Admin
+	// Until kvroute has read both pods' model lists (it counts a request
+	// against an adapter slot only where the list names it an adapter).
+	for deadline := time.Now().Add(10 * time.Second); !modelsKnown(t, admin, 2); time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatalf("models: %v", modelIDs(t, api))
+			t.Fatal("kvroute never read both pods' model lists")
 		}
 	}
 
-	// A long request for a: 1,000 tokens, ≈ 1.6 s of wall time.
+	// A long request for a: 3,000 tokens, ≈ 5 s of wall time.
 	long := make(chan int, 1)
 	go func() {
-		b, _ := json.Marshal(map[string]any{"model": "a", "prompt": "a long answer, please", "max_tokens": 1000, "ignore_eos": true})
+		b, _ := json.Marshal(map[string]any{"model": "a", "prompt": "a long answer, please", "max_tokens": 3000, "ignore_eos": true})
 		resp, err := http.Post(api+"/v1/completions", "application/json", strings.NewReader(string(b)))
 		if err != nil {
 			long <- 0
@@ -172,7 +174,7 @@ func TestLoRASlotRouting(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatal("kvroute never saw an engine run out of LoRA slots")
 		}
-		for _, term := range explainRoute(t, "http://"+addrs.Admin, `{"model":"b","prompt":"probe"}`) {
+		for _, term := range explainRoute(t, admin, `{"model":"b","prompt":"probe"}`) {
 			if term.LoRASlotWaitSec > 0 {
 				busy = term.Endpoint
 			}
@@ -185,12 +187,41 @@ func TestLoRASlotRouting(t *testing.T) {
 			t.Fatalf("b: %d %s", code, body)
 		}
 	}
+	select {
+	case code := <-long:
+		t.Fatalf("the long request for a ended (%d) before the requests for b did: nothing was tested", code)
+	default:
+	}
 	if n := podRequests(t, pods[busy]) - before; n != 0 {
 		t.Errorf("%v requests for b went to %s, whose only LoRA slot a holds", n, busy)
 	}
 	if code := <-long; code != 200 {
 		t.Errorf("the long request for a: %d", code)
 	}
+}
+
+// modelsKnown reports whether /debug/endpoints shows n endpoints with
+// their model lists read.
+func modelsKnown(t *testing.T, admin string, n int) bool {
+	t.Helper()
+	resp, err := http.Get(admin + "/debug/endpoints")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var eps []struct {
+		Models []string `json:"models"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&eps); err != nil {
+		t.Fatalf("/debug/endpoints: %v", err)
+	}
+	known := 0
+	for _, e := range eps {
+		if len(e.Models) > 0 {
+			known++
+		}
+	}
+	return known == n
 }
 
 // explainRoute posts a completions body to /debug/route and returns the

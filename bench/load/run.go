@@ -23,6 +23,13 @@ type Config struct {
 	// scraped before and after the run (and each stage) for the
 	// engine-side prefix-cache hit rate.
 	PodURLs []string
+	// Direct sends every request straight to one of PodURLs instead of
+	// BaseURL, with fixed, balanced affinity: the sessions of prefix group
+	// g to pod g mod n, every other session (a conversation, a random
+	// prompt) to pod s mod n for its index s. It is the finite-cache
+	// reference a router is measured against: each group cached on one
+	// pod, groups spread evenly, no load awareness.
+	Direct bool
 	// Model is the "model" field; "" leaves it out (the server's default).
 	Model string
 	// API selects completions or chat.
@@ -102,13 +109,24 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	if cfg.Timeout <= 0 {
 		cfg.Timeout = defaultTimeout
 	}
-	c, err := newClient(cfg.BaseURL, cfg.API, cfg.Timeout)
-	if err != nil {
-		return nil, err
+	targets := []string{cfg.BaseURL}
+	if cfg.Direct {
+		if len(cfg.PodURLs) == 0 {
+			return nil, fmt.Errorf("%w: direct sending needs pod URLs", ErrConfig)
+		}
+		targets = cfg.PodURLs
 	}
-	defer c.close()
-
-	r := &runner{cfg: cfg, client: c, scale: cfg.TimeScale}
+	r := &runner{cfg: cfg, scale: cfg.TimeScale}
+	for _, t := range targets {
+		c, err := newClient(t, cfg.API, cfg.Timeout)
+		if err != nil {
+			return nil, err
+		}
+		defer c.close()
+		stopAbort := context.AfterFunc(ctx, c.close)
+		defer stopAbort()
+		r.clients = append(r.clients, c)
+	}
 	r.plan()
 	res := &Result{Label: cfg.Label, Target: cfg.BaseURL, API: cfg.API, TimeScale: cfg.TimeScale}
 	res.IdealHitRate = workload.IdealHitRate(cfg.Workload, cfg.API, r.total, workload.DefaultBlockSize)
@@ -117,13 +135,12 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	defer hc.CloseIdleConnections()
 	var before *EngineSnapshot
 	if len(cfg.PodURLs) > 0 {
+		var err error
 		if before, err = ScrapeEngines(ctx, hc, cfg.PodURLs); err != nil {
 			return nil, err
 		}
 	}
 
-	stopAbort := context.AfterFunc(ctx, c.close)
-	defer stopAbort()
 	cpu := startCPU()
 	r.start = time.Now()
 	res.Started = r.start
@@ -173,9 +190,10 @@ func cmpFloat(a, b float64) int {
 
 // runner is one Run's state.
 type runner struct {
-	cfg    Config
-	client *client
-	scale  float64
+	cfg Config
+	// clients are BaseURL's, or one per pod URL with Config.Direct.
+	clients []*client
+	scale   float64
 	start  time.Time
 	stages []Stage
 	total  int // requests to send; −1: until Duration expires
@@ -424,7 +442,7 @@ func (r *runner) send(ctx context.Context, it *item, stage int) {
 	keep := it.turn+1 < len(it.s.Turns)
 	res.Start = time.Since(r.start).Seconds() * r.scale
 	r.sent.Add(1)
-	answer := r.client.do(ctx, body, keep, r.scale, &res)
+	answer := r.clientFor(it).do(ctx, body, keep, r.scale, &res)
 	ok := res.Err == ""
 	r.q.finish(it, answer, ok)
 	r.mu.Lock()
@@ -438,6 +456,16 @@ func (r *runner) send(ctx context.Context, it *item, stage int) {
 	} else {
 		r.failed.Add(1)
 	}
+}
+
+// clientFor returns the client it goes to: the only one, or with
+// Config.Direct the pod of its group (else of its session).
+func (r *runner) clientFor(it *item) *client {
+	key := it.session
+	if it.s.Group >= 0 {
+		key = it.s.Group
+	}
+	return r.clients[key%len(r.clients)]
 }
 
 // progressStart starts the status line when Progress is set.

@@ -79,12 +79,17 @@ func NewMatrix(reps []*scenario.Report) *MatrixResult {
 	return m
 }
 
-// profileOf is a scenario's profile name, the default for none.
+// profileOf is a scenario's profile name, the default for none, after
+// "llm-d/" when its pods ran the llm-d simulator.
 func profileOf(sc *scenario.Scenario) string {
-	if sc.Profile == "" {
-		return sim.DefaultProfile
+	name := sc.Profile
+	if name == "" {
+		name = sim.DefaultProfile
 	}
-	return sc.Profile
+	if sc.Engine != "" && sc.Engine != scenario.EngineKVSim {
+		name = sc.Engine + "/" + name
+	}
+	return name
 }
 
 // matrixRows returns one row per run of rep, with ratios to its

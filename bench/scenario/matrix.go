@@ -14,8 +14,10 @@ const Matrix = "matrix"
 const LeastRequest = "least-request"
 
 // MatrixScenarios lists the matrix's workloads: the headline case, the
-// saturation case and the no-sharing case.
-func MatrixScenarios() []string { return []string{SharedPrefix, HotPrefix, Random} }
+// saturation case, the no-sharing case and the pressure scenarios.
+func MatrixScenarios() []string {
+	return append([]string{SharedPrefix, HotPrefix, Random}, PressureNames()...)
+}
 
 // MatrixPolicies returns the matrix's policies in table order: the
 // baseline, least-request, kvroute's prefix policy, and every peer (an

@@ -141,7 +141,7 @@ func SizeFor(name string, sc Scenario) (Sizing, error) {
 // recorded as is; Run then fails on it.
 func fit(p Preset, sc Scenario) Scenario {
 	name := p.profile()
-	sc.Profile = name
+	sc.Profile, sc.Engine = name, p.Engine
 	s, err := SizeFor(name, sc)
 	if err != nil {
 		return sc

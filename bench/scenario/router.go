@@ -38,6 +38,10 @@ type Policy struct {
 	// policy after the benchmark's defaults (e.g. a peer's own engine
 	// metrics refresh).
 	Configure func(*proxy.Config)
+	// Direct runs no router: the client sends each prefix group straight
+	// to one pod, group g to pod g mod n (load.Config.Direct), the
+	// finite-cache reference.
+	Direct bool
 	// PrefillShare > 0 lays the fleet out disaggregated: that share of
 	// the pods (rounded, at least one, and one decode pod left) serve
 	// prefill, the rest decode (PDLayouts).
@@ -82,8 +86,15 @@ const PrefixNormalized = "prefix-normalize-prompts"
 func optInPolicies() []Policy {
 	return []Policy{{Name: PrefixNormalized, Router: "prefix",
 		About:     "kvroute's prefix policy with --normalize-prompts",
-		Configure: func(c *proxy.Config) { c.NormalizePrompts = true }}}
+		Configure: func(c *proxy.Config) { c.NormalizePrompts = true }},
+		{Name: FixedAffinity, Direct: true,
+			About: "no router: the client sends prefix group g (else session g) straight to pod g mod n"}}
 }
+
+// FixedAffinity is the client that routes straight to the pods with
+// balanced, fixed affinity, the reference for a finite cache (the pressure
+// scenarios compare against it).
+const FixedAffinity = "fixed-affinity"
 
 // gieMetricsInterval is GIE's engine metrics refresh
 // (--refresh-metrics-interval, default 50 ms, in

@@ -18,6 +18,7 @@ import (
 	"runtime"
 	"time"
 
+	"github.com/kvroute/kvroute/bench/llmd"
 	"github.com/kvroute/kvroute/bench/load"
 	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/bench/workload"
@@ -34,6 +35,10 @@ type Scenario struct {
 	Description string `json:"description"`
 	// Pods is the fleet size.
 	Pods int `json:"pods"`
+	// Engine names the pods' engine (Engines): "" or EngineKVSim for
+	// bench/sim, EngineLLMD for the llm-d simulator with settings derived
+	// from the same configs (LLMDSettings).
+	Engine string `json:"engine,omitempty"`
 	// Profile names the pods' engine profile (sim.Profiles); "" runs Sim
 	// as it is.
 	Profile string `json:"profile,omitempty"`
@@ -73,6 +78,8 @@ type FleetDescriptor struct {
 	MaxNumBatchedTokens int      `json:"max_num_batched_tokens"`
 	// WorkingSetShare is the prefix working set ÷ the fleet's KV tokens.
 	WorkingSetShare float64 `json:"working_set_share,omitempty"`
+	// LLMD is pod 0's llm-d simulator settings (engine llm-d only).
+	LLMD *llmd.Settings `json:"llmd,omitempty"`
 }
 
 // describeFleet fills sc.Fleet from sc.Sim and the profile.
@@ -88,17 +95,27 @@ func (sc *Scenario) describeFleet() {
 		NumGPUBlocks: cfg.NumGPUBlocks, KVTokensPerPod: kv,
 		MaxNumSeqs: cfg.MaxNumSeqs, MaxNumBatchedTokens: cfg.MaxNumBatchedTokens,
 	}
+	if sc.engineName() == EngineLLMD {
+		prompt, output := meanRequest(sc.Workload)
+		s := LLMDSettings(cfg, prompt, output)
+		sc.Fleet.LLMD = &s
+	}
 	if sc.WorkingSet > 0 && kv > 0 && sc.Pods > 0 {
 		sc.Fleet.WorkingSetShare = float64(sc.WorkingSet) / float64(kv*sc.Pods)
 	}
 }
 
-// profileNote is " (profile NAME)" for a profile other than the default.
+// profileNote is " (profile NAME)" for a profile other than the default,
+// and the engine when it is not bench/sim.
 func (sc *Scenario) profileNote() string {
-	if sc.Profile == "" || sc.Profile == sim.DefaultProfile {
-		return ""
+	note := ""
+	if sc.Profile != "" && sc.Profile != sim.DefaultProfile {
+		note = " (profile " + sc.Profile + ")"
 	}
-	return " (profile " + sc.Profile + ")"
+	if e := sc.engineName(); e != EngineKVSim {
+		note += " on " + e
+	}
+	return note
 }
 
 // engineNames returns each pod's engine name, nil without a profile.
@@ -164,6 +181,9 @@ type RunOptions struct {
 	Progress io.Writer
 	// Log receives one line per policy as it starts (nil: quiet).
 	Log io.Writer
+	// LLMDBinary is the llm-d simulator's path for scenarios on that
+	// engine ("": found by llmd.Binary).
+	LLMDBinary string
 }
 
 // Run runs sc once per policy, each time on a fresh simulated fleet
@@ -193,7 +213,7 @@ func Run(ctx context.Context, sc Scenario, opt RunOptions) (*Report, error) {
 		if opt.Log != nil {
 			fmt.Fprintf(opt.Log, "%s: %s on %d simulated pods%s behind kvroute\n", sc.Name, p.Name, sc.Pods, sc.profileNote())
 		}
-		res, seen, err := runPolicy(ctx, sc, wl, p, opt.Progress)
+		res, seen, err := runPolicy(ctx, sc, wl, p, opt)
 		if res != nil {
 			rep.Runs = append(rep.Runs, res)
 			rep.IdealHitRate = res.IdealHitRate
@@ -249,17 +269,38 @@ type routerState struct {
 }
 
 // runPolicy runs one policy of sc on a fresh fleet and router.
-func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy, progress io.Writer) (res *load.Result, seen routerState, err error) {
+func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy, opt RunOptions) (res *load.Result, seen routerState, err error) {
 	cfgs, err := sc.PodConfigs()
 	if err != nil {
 		return nil, seen, err
 	}
+	if p.PrefillShare > 0 && sc.engineName() != EngineKVSim {
+		return nil, seen, fmt.Errorf("%w: %s: disaggregated layouts run on %s only", ErrConfig, p.Name, EngineKVSim)
+	}
 	p.layOut(cfgs)
-	fleet, err := sim.StartFleetOf(cfgs...)
+	fleet, err := startFleet(ctx, &sc, cfgs, opt.LLMDBinary)
 	if err != nil {
 		return nil, seen, err
 	}
 	defer func() { err = errors.Join(err, fleet.Close()) }()
+	lc := load.Config{
+		PodURLs:   fleet.URLs(),
+		Model:     sc.Fleet.Model,
+		API:       sc.API,
+		Workload:  wl,
+		Load:      sc.Load,
+		SLO:       sc.SLO,
+		TimeScale: sc.Fleet.TimeScale,
+		Timeout:   sc.Timeout,
+		Seed:      sc.Seed,
+		Label:     p.Name,
+		Progress:  opt.Progress,
+	}
+	if p.Direct {
+		lc.Direct = true
+		res, err = load.Run(ctx, lc)
+		return res, seen, err
+	}
 	front, backends := p, fleet.URLs()
 	var replicas []*Router // the policy's routers when it has several
 	if p.Replicas > 1 {
@@ -294,20 +335,8 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 			seen.nearMisses += r.NearMisses()
 		}
 	}()
-	res, err = load.Run(ctx, load.Config{
-		BaseURL:   rt.URL,
-		PodURLs:   fleet.URLs(),
-		Model:     sc.Fleet.Model,
-		API:       sc.API,
-		Workload:  wl,
-		Load:      sc.Load,
-		SLO:       sc.SLO,
-		TimeScale: sc.Fleet.TimeScale,
-		Timeout:   sc.Timeout,
-		Seed:      sc.Seed,
-		Label:     p.Name,
-		Progress:  progress,
-	})
+	lc.BaseURL = rt.URL
+	res, err = load.Run(ctx, lc)
 	return res, seen, err
 }
 

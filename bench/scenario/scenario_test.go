@@ -43,7 +43,11 @@ func TestPresets(t *testing.T) {
 
 // checkPreset checks one built-in scenario on profile prof.
 func checkPreset(t *testing.T, sc Scenario, prof string) {
-	if sc.Pods != DefaultPods || sc.Profile != prof || sc.Sizing == nil {
+	pods, share := DefaultPods, kvShare
+	if x := pressureOf(sc.Name); x > 0 {
+		pods, share = pressurePods, float64(x)
+	}
+	if sc.Pods != pods || sc.Profile != prof || sc.Sizing == nil {
 		t.Fatalf("%d pods, profile %q, sizing %v", sc.Pods, sc.Profile, sc.Sizing)
 	}
 	if err := sc.Load.Validate(); err != nil {
@@ -75,11 +79,22 @@ func checkPreset(t *testing.T, sc Scenario, prof string) {
 	}
 	if sc.WorkingSet > 0 {
 		sc.describeFleet()
-		share := sc.Fleet.WorkingSetShare
-		if share < 0.65 || share > 0.75 || share*float64(sc.Pods) < 2 {
-			t.Fatalf("working set is %.2f of the fleet's KV, %.1f× one pod's", share, share*float64(sc.Pods))
+		got := sc.Fleet.WorkingSetShare
+		if got < share-0.05*share || got > share+0.05*share || got*float64(sc.Pods) < 2 {
+			t.Fatalf("working set is %.2f of the fleet's KV (want %.2f), %.1f× one pod's", got, share, got*float64(sc.Pods))
 		}
 	}
+}
+
+// pressureOf returns a pressure scenario's working set ÷ the fleet's KV,
+// 0 for the others.
+func pressureOf(name string) int {
+	for i, n := range PressureNames() {
+		if n == name {
+			return []int{1, 2, 4}[i%3]
+		}
+	}
+	return 0
 }
 
 func TestLookup(t *testing.T) {

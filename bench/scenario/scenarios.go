@@ -28,6 +28,10 @@ type Preset struct {
 	// sim.DefaultProfile, h100-8b, for which the scenarios were written.
 	// On another the loads are fitted to it (see SizeFor).
 	Profile string
+	// Engine names the pods' engine (Engines; "" is EngineKVSim). The
+	// loads are fitted to the profile, not to the engine: the llm-d pods
+	// are given the profile's costs (LLMDSettings).
+	Engine string
 }
 
 // DefaultPods is the default fleet size.
@@ -50,6 +54,14 @@ const (
 	LoRA          = "lora"
 	Trace         = "trace"
 	Overhead      = "overhead"
+	// The pressure scenarios: shared-prefix and multi-turn whose prefix
+	// working set is 1, 2 and 4 times the fleet's KV (pressure.go).
+	SharedPrefixPressure1 = "shared-prefix-pressure-1x"
+	SharedPrefixPressure2 = "shared-prefix-pressure-2x"
+	SharedPrefixPressure4 = "shared-prefix-pressure-4x"
+	MultiTurnPressure1    = "multi-turn-pressure-1x"
+	MultiTurnPressure2    = "multi-turn-pressure-2x"
+	MultiTurnPressure4    = "multi-turn-pressure-4x"
 	// Demo is a short shared-prefix comparison of four policies (see
 	// Lookup); it is not part of Names.
 	Demo = "demo"
@@ -58,7 +70,8 @@ const (
 // Names lists every scenario of a full benchmark run in run order (overhead
 // last); the demo is not among them.
 func Names() []string {
-	return []string{SharedPrefix, MultiTurn, Random, HotPrefix, NearIdentical, LoRA, Trace, Overhead}
+	return append([]string{SharedPrefix, MultiTurn, Random, HotPrefix, NearIdentical, LoRA, Trace},
+		append(PressureNames(), Overhead)...)
 }
 
 // Lookup returns the policy comparison called name for p: one of Builtin(p),
@@ -90,6 +103,7 @@ func Builtin(p Preset) []Scenario {
 	if p.TracePath != "" {
 		out = append(out, trace(p))
 	}
+	out = append(out, pressure(p)...)
 	for i := range out {
 		out[i] = fit(p, out[i])
 	}

@@ -29,6 +29,7 @@ import (
 
 	"github.com/spf13/pflag"
 
+	"github.com/kvroute/kvroute/bench/llmd"
 	"github.com/kvroute/kvroute/bench/load"
 	"github.com/kvroute/kvroute/bench/report"
 	"github.com/kvroute/kvroute/bench/scenario"
@@ -60,6 +61,8 @@ func isTerminal(f *os.File) bool {
 type options struct {
 	// Scenario mode.
 	scenarios []string
+	engines   []string
+	llmdBin   string
 	profiles  []string
 	policies  []string
 	full      bool
@@ -108,6 +111,10 @@ func newFlags(o *options) *proxy.Flags {
 	sc.StringSliceVar(&o.profiles, "profile", nil, "engine profiles to run the scenarios on: "+strings.Join(sim.ProfileNames(), ", ")+
 		" (default "+sim.DefaultProfile+"; the matrix's: "+strings.Join(scenario.MatrixProfiles(), ", ")+"); loads are fitted to each; results of "+
 		sim.DefaultProfile+" under --out/<scenario>, of the others under --out/<profile>/<scenario>")
+	sc.StringSliceVar(&o.engines, "engine", nil, "engines the pods run: "+strings.Join(scenario.Engines(), ", ")+
+		" (default "+scenario.EngineKVSim+"; "+scenario.EngineLLMD+" is the public llm-d inference simulator, one process per pod, its flags derived from the profile); results of "+
+		scenario.EngineLLMD+" under --out/"+scenario.EngineLLMD+"/…")
+	sc.StringVar(&o.llmdBin, "llmd-binary", "", "the llm-d simulator's binary (default $"+llmd.EnvBinary+", else bin/"+llmd.BinaryName+" decompressed from ../shared/engines)")
 	sc.StringSliceVar(&o.policies, "policies", nil, "policies to compare (default all: "+strings.Join(policyNames(), ", ")+"; the demo, near-identical and lora their own; the matrix "+
 		strings.Join(matrixPolicyNames(), ", ")+")")
 	sc.BoolVar(&o.full, "full", false, "published sizes (SGLang/llm-d/vLLM presets) instead of the few-minute defaults")
@@ -182,7 +189,8 @@ const usageHeader = `kvbench: load generator and routing-policy benchmark for kv
 Usage:
   kvbench [--scenario NAME,...] [--full]          simulated 8-pod fleet behind kvroute, one run per policy
   kvbench --scenario NAME,... --profile P,...       the same on other engine profiles (e.g. slow-large)
-  kvbench --scenario matrix                         three workloads × four profiles, one table
+  kvbench --scenario matrix                         the matrix's workloads × four profiles, one table
+  kvbench --scenario NAME,... --engine kvsim,llm-d  the same on the llm-d inference simulator too
   kvbench --base-url URL [--pod-urls URL,...] ...   drive any OpenAI-compatible server (kvroute, vLLM)
   kvbench --serve-instant 127.0.0.1:8200           the overhead scenario's instant backend, for wrk
 `

@@ -128,6 +128,7 @@ func TestPlan(t *testing.T) {
 			policies: []string{"prefix", "round-robin"}}, names: []string{"hot-prefix"}, matrix: true,
 			profiles: []string{"slow-large", "mixed"}, mpro: []string{"slow-large", "mixed"}, pols: 2, mpols: 2},
 		{name: "unknown profile", o: options{profiles: []string{"tpu"}}, wantErr: "unknown profile"},
+		{name: "unknown engine", o: options{engines: []string{"vllm"}}, wantErr: "unknown engine"},
 		{name: "unknown scenario", o: options{scenarios: []string{"matrixx"}}, wantErr: "unknown scenario"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -144,11 +145,15 @@ func TestPlan(t *testing.T) {
 			}
 		})
 	}
-	if d := resultDir("out", "h100-8b", "random"); d != filepath.Join("out", "random") {
-		t.Errorf("h100-8b results in %s", d)
-	}
-	if d := resultDir("out", "mixed", "random"); d != filepath.Join("out", "mixed", "random") {
-		t.Errorf("mixed results in %s", d)
+	for _, tc := range []struct{ engine, profile, want string }{
+		{engine: scenario.EngineKVSim, profile: "h100-8b", want: filepath.Join("out", "random")},
+		{engine: scenario.EngineKVSim, profile: "mixed", want: filepath.Join("out", "mixed", "random")},
+		{engine: scenario.EngineLLMD, profile: "h100-8b", want: filepath.Join("out", "llm-d", "random")},
+		{engine: scenario.EngineLLMD, profile: "mixed", want: filepath.Join("out", "llm-d", "mixed", "random")},
+	} {
+		if d := resultDir("out", tc.engine, tc.profile, "random"); d != tc.want {
+			t.Errorf("%s on %s: results in %s, want %s", tc.profile, tc.engine, d, tc.want)
+		}
 	}
 }
 
@@ -161,13 +166,20 @@ func TestMatrixFromDoneRuns(t *testing.T) {
 		t.Fatal(err)
 	}
 	done := make(map[cell]*scenario.Report)
+	pols, err := scenario.SelectPolicies(append(policyNames(), scenario.FixedAffinity))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := 0
 	for _, prof := range pl.matrixProfiles {
 		for _, name := range scenario.MatrixScenarios() {
 			rep := &scenario.Report{Scenario: scenario.Scenario{Name: name, Profile: prof}}
-			for _, p := range scenario.Policies() {
+			for _, p := range pols {
 				rep.Runs = append(rep.Runs, &load.Result{Label: p.Name, Summary: load.Summary{OutputThroughput: 100, TTFT: load.Dist{P90: 50}}})
 			}
-			done[cell{prof, name}] = rep
+			done[cell{scenario.EngineKVSim, prof, name}] = rep
+			sc, _ := scenario.Lookup(o.preset(scenario.EngineKVSim, prof), name)
+			want += len(matrixPolicies(pl, sc))
 		}
 	}
 	var out, errOut strings.Builder
@@ -178,8 +190,11 @@ func TestMatrixFromDoneRuns(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rows := strings.Count(string(b), "| 1.00× | 1.00× | 50 ms | 1.00× | 1.00× |")
-	if want := len(pl.matrixProfiles) * len(scenario.MatrixScenarios()) * len(scenario.MatrixPolicies()); rows != want {
+	// Every row compares with least-request; the pressure cells run no
+	// round-robin.
+	rows := strings.Count(string(b), "| 100 | 1.00× | 1.00× | 50 ms | 1.00× | 1.00× |") +
+		strings.Count(string(b), "| 100 | 1.00× | – | 50 ms | 1.00× | – |")
+	if rows != want {
 		t.Fatalf("%d matrix rows, want %d:\n%s", rows, want, b)
 	}
 	if strings.Contains(string(b), "llm-d-sticky") != slices.Contains(matrixPolicyNames(), "llm-d-sticky") {

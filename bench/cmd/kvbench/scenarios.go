@@ -17,9 +17,11 @@ import (
 
 // plan is what --scenario, --profile and --policies ask of scenario mode.
 type plan struct {
-	// names are the scenarios to run on each of profiles, in order.
+	// names are the scenarios to run on each of profiles, in order, on
+	// each of engines.
 	names    []string
 	profiles []string
+	engines  []string
 	// pols are the policies to compare (nil: each scenario's own).
 	pols []scenario.Policy
 	// matrix asks for the matrix, on matrixProfiles with matrixPols.
@@ -50,6 +52,15 @@ func newPlan(o *options) (*plan, error) {
 		}
 	}
 	pl.names = unique(pl.names)
+	pl.engines = []string{scenario.EngineKVSim}
+	if len(o.engines) > 0 {
+		pl.engines = unique(o.engines)
+	}
+	for _, e := range pl.engines {
+		if _, err := scenario.ParseEngine(e); err != nil {
+			return nil, err
+		}
+	}
 	for _, p := range o.profiles {
 		if _, err := sim.LookupProfile(p); err != nil {
 			return nil, err
@@ -81,23 +92,27 @@ func unique(ss []string) []string {
 	return out
 }
 
-// preset is the scenarios' preset for profile.
-func (o *options) preset(profile string) scenario.Preset {
-	return scenario.Preset{Full: o.full, Pods: o.pods, TimeScale: o.timeScale, TracePath: o.trace, Seed: o.seed, Profile: profile}
+// preset is the scenarios' preset for profile on engine.
+func (o *options) preset(engine, profile string) scenario.Preset {
+	return scenario.Preset{Full: o.full, Pods: o.pods, TimeScale: o.timeScale, TracePath: o.trace, Seed: o.seed,
+		Profile: profile, Engine: engine}
 }
 
-// resultDir is where a scenario's results on profile go: out/<scenario>
-// for the default profile (as before profiles), out/<profile>/<scenario>
-// for the others.
-func resultDir(out, profile, name string) string {
+// resultDir is where a scenario's results on profile and engine go:
+// out/<scenario> for the default profile on bench/sim (as before profiles),
+// out/<profile>/<scenario> for the others, under out/llm-d/ on that engine.
+func resultDir(out, engine, profile, name string) string {
+	if engine != scenario.EngineKVSim {
+		out = filepath.Join(out, engine)
+	}
 	if profile == sim.DefaultProfile {
 		return filepath.Join(out, name)
 	}
 	return filepath.Join(out, profile, name)
 }
 
-// cell names one scenario on one profile.
-type cell struct{ profile, scenario string }
+// cell names one scenario on one profile and engine.
+type cell struct{ engine, profile, scenario string }
 
 // scenarios runs the named built-in scenarios on each profile, then the
 // matrix if asked, and writes their results.
@@ -108,32 +123,34 @@ func scenarios(ctx context.Context, o *options, stdout, stderr, progress io.Writ
 	}
 	start := time.Now()
 	done := make(map[cell]*scenario.Report)
-	for _, prof := range pl.profiles {
-		for _, name := range pl.names {
-			if name == scenario.Overhead {
-				if prof == pl.profiles[0] { // no simulated engine: once
-					files, err := overhead(ctx, o, filepath.Join(o.out, name), stdout, stderr)
-					if err != nil {
-						return err
+	for _, eng := range pl.engines {
+		for _, prof := range pl.profiles {
+			for _, name := range pl.names {
+				if name == scenario.Overhead {
+					if eng == pl.engines[0] && prof == pl.profiles[0] { // no simulated engine: once
+						files, err := overhead(ctx, o, filepath.Join(o.out, name), stdout, stderr)
+						if err != nil {
+							return err
+						}
+						printFiles(stdout, filepath.Join(o.out, name), files)
 					}
-					printFiles(stdout, filepath.Join(o.out, name), files)
+					continue
 				}
-				continue
+				sc, ok := scenario.Lookup(o.preset(eng, prof), name)
+				if !ok { // only the trace scenario without a trace
+					fmt.Fprintln(stderr, "trace: skipped, no --trace file (the Mooncake traces are not in the repository)")
+					continue
+				}
+				dir := resultDir(o.out, eng, prof, name)
+				rep, files, err := comparison(ctx, o, sc, pl.pols, dir, stdout, stderr, progress)
+				if rep != nil {
+					done[cell{eng, prof, name}] = rep
+				}
+				if err != nil {
+					return err
+				}
+				printFiles(stdout, dir, files)
 			}
-			sc, ok := scenario.Lookup(o.preset(prof), name)
-			if !ok { // only the trace scenario without a trace
-				fmt.Fprintln(stderr, "trace: skipped, no --trace file (the Mooncake traces are not in the repository)")
-				continue
-			}
-			dir := resultDir(o.out, prof, name)
-			rep, files, err := comparison(ctx, sc, pl.pols, dir, stdout, stderr, progress)
-			if rep != nil {
-				done[cell{prof, name}] = rep
-			}
-			if err != nil {
-				return err
-			}
-			printFiles(stdout, dir, files)
 		}
 	}
 	if pl.matrix {
@@ -147,8 +164,8 @@ func scenarios(ctx context.Context, o *options, stdout, stderr, progress io.Writ
 
 // comparison runs sc with pols (nil: the scenario's own), writes what
 // finished under dir and prints its tables.
-func comparison(ctx context.Context, sc scenario.Scenario, pols []scenario.Policy, dir string, stdout, stderr, progress io.Writer) (*scenario.Report, []string, error) {
-	rep, err := scenario.Run(ctx, sc, scenario.RunOptions{Policies: pols, Progress: progress, Log: stderr})
+func comparison(ctx context.Context, o *options, sc scenario.Scenario, pols []scenario.Policy, dir string, stdout, stderr, progress io.Writer) (*scenario.Report, []string, error) {
+	rep, err := scenario.Run(ctx, sc, scenario.RunOptions{Policies: pols, Progress: progress, Log: stderr, LLMDBinary: o.llmdBin})
 	var files []string
 	if rep != nil && len(rep.Runs) > 0 {
 		var werr error
@@ -159,35 +176,52 @@ func comparison(ctx context.Context, sc scenario.Scenario, pols []scenario.Polic
 	return rep, files, err
 }
 
+// matrixPolicies returns the policies of sc's matrix cell: --policies
+// when given, else a scenario's own choice (the pressure scenarios': the
+// anchor, kvroute and the fixed-affinity reference), else the matrix's.
+func matrixPolicies(pl *plan, sc scenario.Scenario) []scenario.Policy {
+	if pl.pols == nil && sc.Policies != nil {
+		if pols, err := scenario.SelectPolicies(sc.Policies); err == nil {
+			return pols
+		}
+	}
+	return pl.matrixPols
+}
+
 // matrix runs the matrix's workloads on each of its profiles, reusing the
 // comparisons this invocation already ran when they cover the matrix's
 // policies, writes each cell where a --profile run would and the matrix
 // under --out, and prints it. It writes what finished when a run fails.
 func matrix(ctx context.Context, o *options, pl *plan, done map[cell]*scenario.Report, stdout, stderr, progress io.Writer) error {
-	want := names(pl.matrixPols)
 	var reps []*scenario.Report
 	var err error
-	for _, prof := range pl.matrixProfiles {
-		for _, name := range scenario.MatrixScenarios() {
-			if rep, ok := done[cell{prof, name}]; ok {
-				if only, all := rep.Only(want); all {
-					fmt.Fprintf(stderr, "matrix: %s on %s from the run above\n", name, prof)
-					reps = append(reps, only)
-					continue
+	for _, eng := range pl.engines {
+		for _, prof := range pl.matrixProfiles {
+			for _, name := range scenario.MatrixScenarios() {
+				sc, _ := scenario.Lookup(o.preset(eng, prof), name)
+				pols := matrixPolicies(pl, sc)
+				if rep, ok := done[cell{eng, prof, name}]; ok {
+					if only, all := rep.Only(names(pols)); all {
+						fmt.Fprintf(stderr, "matrix: %s on %s (%s) from the run above\n", name, prof, eng)
+						reps = append(reps, only)
+						continue
+					}
 				}
-			}
-			sc, _ := scenario.Lookup(o.preset(prof), name)
-			dir := resultDir(o.out, prof, name)
-			var rep *scenario.Report
-			var files []string
-			rep, files, err = comparison(ctx, sc, pl.matrixPols, dir, stdout, stderr, progress)
-			if rep != nil && len(rep.Runs) > 0 {
-				reps = append(reps, rep)
+				dir := resultDir(o.out, eng, prof, name)
+				var rep *scenario.Report
+				var files []string
+				rep, files, err = comparison(ctx, o, sc, pols, dir, stdout, stderr, progress)
+				if rep != nil && len(rep.Runs) > 0 {
+					reps = append(reps, rep)
+				}
+				if err != nil {
+					break
+				}
+				printFiles(stdout, dir, files)
 			}
 			if err != nil {
 				break
 			}
-			printFiles(stdout, dir, files)
 		}
 		if err != nil {
 			break

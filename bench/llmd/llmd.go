@@ -1,0 +1,348 @@
+// Package llmd runs the public llm-d inference simulator
+// (github.com/llm-d/llm-d-inference-sim, Apache-2.0) as kvbench's second
+// engine: an engine nobody here wrote, with vLLM's API and metrics, its own
+// scheduler, latency model and an evicting prefix cache. It owns finding
+// the simulator's binary (a path, or the archive under ../shared/engines
+// decompressed into the module's bin/), the command line of one pod from
+// Settings, and the processes of a fleet on loopback ports. Which settings
+// stand for an engine profile is bench/scenario's.
+package llmd
+
+import (
+	"bytes"
+	"compress/gzip"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// ErrNoBinary is returned by Binary when neither the given path nor the
+// shared archive exists (a user's clone has no ../shared).
+var ErrNoBinary = errors.New("llmd: llm-d inference simulator not found")
+
+// ErrStart is wrapped by errors starting a pod.
+var ErrStart = errors.New("llmd: pod did not start")
+
+// BinaryName is the simulator's file name under the module's bin/.
+const BinaryName = "llm-d-inference-sim"
+
+// archive is where the workplace keeps the simulator, relative to an
+// ancestor of the working directory (the checkout's parent holds shared/).
+var archive = filepath.Join("shared", "engines", BinaryName+".gz")
+
+// EnvBinary names the environment variable that, when set, gives the
+// simulator's path (as Binary's path argument would).
+const EnvBinary = "KVBENCH_LLMD"
+
+// Binary returns the path of an executable simulator: path when not
+// empty (it must exist), else $KVBENCH_LLMD, else the module's
+// bin/llm-d-inference-sim, decompressed there from
+// <ancestor>/shared/engines/llm-d-inference-sim.gz (the first ancestor of
+// the working directory that has it) when missing or older than the
+// archive. It returns ErrNoBinary when there is none. Safe to call from
+// several processes at once: the binary is written to a temporary file and
+// renamed.
+func Binary(path string) (string, error) {
+	if path == "" {
+		path = os.Getenv(EnvBinary)
+	}
+	if path != "" {
+		if _, err := os.Stat(path); err != nil {
+			return "", fmt.Errorf("%w: %v", ErrNoBinary, err)
+		}
+		return path, nil
+	}
+	wd, err := os.Getwd()
+	if err != nil {
+		return "", err
+	}
+	gz := findUp(wd, archive)
+	if gz == "" {
+		return "", fmt.Errorf("%w: no %s above %s (set --llmd-binary or %s)", ErrNoBinary, archive, wd, EnvBinary)
+	}
+	root := findUp(wd, "go.mod")
+	if root == "" {
+		return "", fmt.Errorf("%w: no go.mod above %s to put bin/ beside", ErrNoBinary, wd)
+	}
+	dst := filepath.Join(filepath.Dir(root), "bin", BinaryName)
+	if fresh(dst, gz) {
+		return dst, nil
+	}
+	return dst, decompress(gz, dst)
+}
+
+// findUp returns dir/rel for the first of dir and its ancestors where it
+// exists, "" if none.
+func findUp(dir, rel string) string {
+	for {
+		p := filepath.Join(dir, rel)
+		if _, err := os.Stat(p); err == nil {
+			return p
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return ""
+		}
+		dir = parent
+	}
+}
+
+// fresh reports whether dst exists and is not older than src.
+func fresh(dst, src string) bool {
+	d, err := os.Stat(dst)
+	if err != nil {
+		return false
+	}
+	s, err := os.Stat(src)
+	return err == nil && !d.ModTime().Before(s.ModTime())
+}
+
+// decompress writes the gunzipped src to dst, executable, through a
+// temporary file in dst's directory.
+func decompress(src, dst string) error {
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	zr, err := gzip.NewReader(in)
+	if err != nil {
+		return fmt.Errorf("llmd: %s: %w", src, err)
+	}
+	if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
+		return err
+	}
+	tmp, err := os.CreateTemp(filepath.Dir(dst), BinaryName+".*")
+	if err != nil {
+		return err
+	}
+	_, err = io.Copy(tmp, zr)
+	err = errors.Join(err, tmp.Chmod(0o755), tmp.Close())
+	if err == nil {
+		err = os.Rename(tmp.Name(), dst)
+	}
+	if err != nil {
+		os.Remove(tmp.Name())
+		return fmt.Errorf("llmd: decompress %s: %w", src, err)
+	}
+	return nil
+}
+
+// Settings are one simulated pod's engine, in the simulator's terms. Times
+// are wall time (the simulator has no time scale).
+type Settings struct {
+	// Model is the served model name (--model).
+	Model string
+	// LoRAs are the adapters it serves (--lora-modules), MaxLoRAs its
+	// --max-loras (0: the simulator's default, 1).
+	LoRAs    []string
+	MaxLoRAs int
+	// BlockSize is the KV block size in tokens (--block-size: 8, 16, 32,
+	// 64 or 128) and KVBlocks the cache's capacity in blocks
+	// (--kv-cache-size).
+	BlockSize int
+	KVBlocks  int
+	// MaxNumSeqs bounds the requests running at once (--max-num-seqs);
+	// more wait in the simulator's queue.
+	MaxNumSeqs int
+	// MaxModelLen bounds prompt + output tokens (--max-model-len).
+	MaxModelLen int
+	// PrefillOverhead is a request's fixed time to first token and
+	// PrefillPerToken the time per uncached prompt token
+	// (--prefill-overhead, --prefill-time-per-token, with the per-token
+	// latency calculator).
+	PrefillOverhead time.Duration
+	PrefillPerToken time.Duration
+	// InterTokenLatency is the time per output token after the first
+	// (--inter-token-latency).
+	InterTokenLatency time.Duration
+	// Seed seeds the simulator's random draws (--seed).
+	Seed uint64
+}
+
+// Args returns the simulator's command line for s listening on port:
+// the dummy tokenizer (a word or punctuation piece per token, nothing to
+// download), the prefix KV cache on (its events dial the default
+// tcp://127.0.0.1:5557, where nobody need listen), the per-token latency
+// calculator.
+func (s Settings) Args(port int) []string {
+	d := func(v time.Duration) string { return v.String() }
+	args := []string{
+		"--model", s.Model, "--force-dummy-tokenizer", "--port", strconv.Itoa(port),
+		"--max-model-len", strconv.Itoa(s.MaxModelLen), "--max-num-seqs", strconv.Itoa(s.MaxNumSeqs),
+		"--enable-kvcache", "--block-size", strconv.Itoa(s.BlockSize), "--kv-cache-size", strconv.Itoa(s.KVBlocks),
+		"--latency-calculator", "per-token", "--prefill-overhead", d(s.PrefillOverhead),
+		"--prefill-time-per-token", d(s.PrefillPerToken), "--inter-token-latency", d(s.InterTokenLatency),
+		"--seed", strconv.FormatUint(s.Seed, 10), "--zmq-endpoint", "tcp://127.0.0.1:5557",
+	}
+	if len(s.LoRAs) > 0 {
+		args = append(args, "--lora-modules")
+		for _, l := range s.LoRAs {
+			args = append(args, fmt.Sprintf(`{"name":%q,"path":"/lora/%s"}`, l, l))
+		}
+		if s.MaxLoRAs > 0 {
+			args = append(args, "--max-loras", strconv.Itoa(s.MaxLoRAs))
+		}
+	}
+	return args
+}
+
+// Fleet is a set of running simulator processes, one per pod, each on its
+// own loopback port. Close stops them.
+type Fleet struct {
+	pods []*pod
+}
+
+type pod struct {
+	url  string
+	cmd  *exec.Cmd
+	out  *tail
+	done chan struct{}
+	err  error // Wait's, set before done closes
+}
+
+// readyTimeout bounds a pod's start: the simulator answers /health within
+// a second of its start here; a loaded machine may take a few more.
+const readyTimeout = 30 * time.Second
+
+// Start starts one simulator process of bin per settings, on free loopback
+// ports, and waits until each answers /health. The simulator listens on
+// every interface (it has no host flag); traffic goes to 127.0.0.1 only.
+// ctx bounds the start, not the processes' lives.
+func Start(ctx context.Context, bin string, settings []Settings) (*Fleet, error) {
+	f := &Fleet{}
+	for _, s := range settings {
+		p, err := startPod(bin, s)
+		if err != nil {
+			return nil, errors.Join(err, f.Close())
+		}
+		f.pods = append(f.pods, p)
+	}
+	for _, p := range f.pods {
+		if err := p.ready(ctx); err != nil {
+			return nil, errors.Join(err, f.Close())
+		}
+	}
+	return f, nil
+}
+
+// freePort returns a loopback port free a moment ago.
+func freePort() (int, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port, nil
+}
+
+func startPod(bin string, s Settings) (*pod, error) {
+	port, err := freePort()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(bin, s.Args(port)...)
+	// POD_IP names the pod in its KV events' topic (kv@<ip>:<port>@<model>).
+	cmd.Env = append(os.Environ(), "POD_IP=127.0.0.1")
+	out := &tail{max: 4 << 10}
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrStart, err)
+	}
+	p := &pod{url: "http://127.0.0.1:" + strconv.Itoa(port), cmd: cmd, out: out, done: make(chan struct{})}
+	go func() { p.err = cmd.Wait(); close(p.done) }()
+	return p, nil
+}
+
+// ready waits until the pod answers GET /health with 200.
+func (p *pod) ready(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, readyTimeout)
+	defer cancel()
+	hc := &http.Client{Timeout: time.Second}
+	t := time.NewTicker(20 * time.Millisecond)
+	defer t.Stop()
+	for {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, p.url+"/health", nil)
+		if resp, err := hc.Do(req); err == nil {
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+		}
+		select {
+		case <-p.done:
+			return fmt.Errorf("%w: %s exited (%v): %s", ErrStart, p.url, p.err, p.out.String())
+		case <-ctx.Done():
+			return fmt.Errorf("%w: %s not healthy: %v: %s", ErrStart, p.url, ctx.Err(), p.out.String())
+		case <-t.C:
+		}
+	}
+}
+
+// URLs returns the pods' base URLs (http://127.0.0.1:port), in settings
+// order.
+func (f *Fleet) URLs() []string {
+	urls := make([]string, len(f.pods))
+	for i, p := range f.pods {
+		urls[i] = p.url
+	}
+	return urls
+}
+
+// stopGrace is how long a pod may take to exit after SIGTERM before it is
+// killed.
+const stopGrace = 5 * time.Second
+
+// Close stops every pod (SIGTERM, then SIGKILL after 5 s) and waits for
+// them. Safe to call more than once.
+func (f *Fleet) Close() error {
+	var errs []error
+	for _, p := range f.pods {
+		_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	}
+	for _, p := range f.pods {
+		select {
+		case <-p.done:
+		case <-time.After(stopGrace):
+			_ = p.cmd.Process.Kill()
+			<-p.done
+			errs = append(errs, fmt.Errorf("llmd: %s killed after %s", p.url, stopGrace))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// tail keeps the last max bytes written to it (a process's output, for
+// error messages). Safe for concurrent use.
+type tail struct {
+	mu  sync.Mutex
+	max int
+	b   []byte
+}
+
+func (t *tail) Write(p []byte) (int, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.b = append(t.b, p...)
+	if over := len(t.b) - t.max; over > 0 {
+		t.b = t.b[over:]
+	}
+	return len(p), nil
+}
+
+func (t *tail) String() string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return string(bytes.TrimSpace(t.b))
+}

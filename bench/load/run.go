@@ -194,10 +194,10 @@ type runner struct {
 	// clients are BaseURL's, or one per pod URL with Config.Direct.
 	clients []*client
 	scale   float64
-	start  time.Time
-	stages []Stage
-	total  int // requests to send; −1: until Duration expires
-	q      *queue
+	start   time.Time
+	stages  []Stage
+	total   int // requests to send; −1: until Duration expires
+	q       *queue
 
 	stage atomic.Int32
 	// Per stage: its window in wall time (first send to the end of its

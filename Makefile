@@ -66,14 +66,20 @@ demo: build
 	./$(BIN)/kvbench --scenario demo
 
 # Every benchmark scenario (shared-prefix, multi-turn, random, hot-prefix,
-# near-identical, lora, the Mooncake trace replay when TRACE exists, overhead) on
-# h100-8b, results under bench/results/<scenario>/; then the policy matrix: shared-prefix,
-# hot-prefix and random on the h100-8b, slow-large, fast-small and mixed
-# engine profiles (h100-8b's cells reused from the runs before), results
-# under bench/results/<profile>/<scenario>/ and bench/results/matrix.md.
+# near-identical, lora, the Mooncake trace replay when TRACE exists, the
+# pressure scenarios at 1x, 2x and 4x the fleet's KV, overhead) on h100-8b,
+# results under bench/results/<scenario>/; then the policy matrix: shared-prefix,
+# hot-prefix, random and the pressure scenarios on the h100-8b, slow-large,
+# fast-small and mixed engine profiles (h100-8b's cells reused from the runs
+# before), results under bench/results/<profile>/<scenario>/ and
+# bench/results/matrix.md. Both on bench/sim and, where the workplace has it
+# (ENGINES), on the llm-d inference simulator, whose results go under
+# bench/results/llm-d/. Hours on two cores.
 TRACE ?= ../shared/traces/conversation_trace.jsonl
+ENGINES ?= kvsim$(if $(wildcard ../shared/engines/llm-d-inference-sim.gz),$(comma)llm-d)
+comma := ,
 bench-e2e: build
-	./$(BIN)/kvbench --scenario all,matrix $(if $(wildcard $(TRACE)),--trace $(TRACE))
+	./$(BIN)/kvbench --scenario all,matrix --engine $(ENGINES) $(if $(wildcard $(TRACE)),--trace $(TRACE))
 
 # Prefill/decode disaggregation (issue #13): the same 8 simulated pods laid
 # out aggregated (8 mixed) and disaggregated (4P+4D, 2P+6D, and 4P+4D with

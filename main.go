@@ -112,7 +112,7 @@ func newFlags(c *config) *proxy.Flags {
 	pfx.Float64Var(&c.Prefix.SpillMarginSec, "prefix-spill-margin", c.Prefix.SpillMarginSec, "seconds the warm endpoint's wait may exceed the best alternative's before the request spills")
 	pfx.Float64Var(&c.Prefix.SpillRatio, "prefix-spill-ratio", c.Prefix.SpillRatio, "the warm endpoint keeps a request while its wait is at most this × the best wait + the spill margin")
 	pfx.Float64Var(&c.Prefix.SpillMaxKVUsage, "prefix-spill-max-kv-usage", c.Prefix.SpillMaxKVUsage, "an endpoint takes spills only while its scraped KV usage is below this (a fuller cache would evict the prefixes homed there)")
-	pfx.IntVar(&c.Prefix.MinMatchBlocks, "prefix-min-match-blocks", c.Prefix.MinMatchBlocks, "least matched blocks that make an endpoint warm (a short shared system prompt must not pin the fleet)")
+	pfx.IntVar(&c.Prefix.MinMatchBlocks, "prefix-min-match-blocks", c.Prefix.MinMatchBlocks, "least matched blocks that make an endpoint warm, and the depth of the block that keys a prefix's home (a shared prefix shorter than this many blocks is not seen)")
 	pfx.Float64Var(&c.Prefix.TieSec, "prefix-tie", c.Prefix.TieSec, "waits closer than this are ties, broken by rendezvous hashing")
 	pfx.Float64Var(&c.Prefix.QueueCostSec, "prefix-queue-cost", c.Prefix.QueueCostSec, "prior seconds of wait per request queued in the engine, scraped (learned per endpoint as its mean prefill time or batch turnover; setting it pins it)")
 	pfx.Float64Var(&c.Prefix.KVCostSec, "prefix-kv-cost", c.Prefix.KVCostSec, "seconds of wait at a full KV cache (scraped usage 1.0), linear in usage")

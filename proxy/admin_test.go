@@ -62,10 +62,10 @@ func TestAdminExplainAndParams(t *testing.T) {
 		resp.Body.Close()
 		return resp.StatusCode
 	}
-	if put(`{"spill_margin_sec":0.5}`) != 200 || policy.Params().SpillMarginSec != 0.5 || policy.Params().MinMatchBlocks != 2 {
+	if put(`{"spill_margin_sec":0.5}`) != 200 || policy.Params().SpillMarginSec != 0.5 || policy.Params().MinMatchBlocks != routing.DefaultPrefixParams().MinMatchBlocks {
 		t.Fatalf("params after PUT: %+v", policy.Params())
 	}
-	if put(`{"min_match_blocks":0}`) != 400 || put(`{"bogus":1}`) != 400 || policy.Params().MinMatchBlocks != 2 {
+	if put(`{"min_match_blocks":0}`) != 400 || put(`{"bogus":1}`) != 400 || policy.Params().MinMatchBlocks != routing.DefaultPrefixParams().MinMatchBlocks {
 		t.Fatalf("bad params accepted: %+v", policy.Params())
 	}
 	for _, tok := range []string{"", "Bearer wrong", "s3cret", "Basic s3cret"} {

@@ -72,11 +72,13 @@ func TestRouterAloneKeysTheSharedPrompt(t *testing.T) {
 	set := testSet(t, 8)
 	p := newTestPrefix(DefaultPrefixParams())
 	_, _ = conversations(t, set, []*Prefix{p}, 16)
-	if shared, chained := p.homes.family(rendezvousKey(request(system(9, 2500)).Hashes, 2), 2, 2, false); !chained || shared != 2 {
+	mm := DefaultPrefixParams().MinMatchBlocks
+	key := rendezvousKey(request(system(9, 2500)).Hashes, mm)
+	if shared, chained := p.homes.family(key, 2, mm, false); !chained || shared != 2 {
 		t.Fatalf("family: shared %d chained %v, want 2 blocks, chained", shared, chained)
 	}
 	d := answered(p, request(system(9, 2500)+"user 99: a new conversation "+strings.Repeat("x", 2000)), set)
-	if want := rendezvousKey(request(system(9, 2500)).Hashes, 2); d.PrefixKey != want || d.branch {
+	if want := key; d.PrefixKey != want || d.branch {
 		t.Fatalf("a lone router keyed a new conversation %x (branch %v), want the shared prompt's %x", d.PrefixKey, d.branch, want)
 	}
 }

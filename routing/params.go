@@ -60,9 +60,15 @@ type PrefixParams struct {
 	// idle enough to be worth spilling to runs a few requests and sits
 	// far below 0.8.
 	SpillMaxKVUsage float64 `json:"spill_max_kv_usage"`
-	// MinMatchBlocks is the least match that makes an endpoint warm, so one
-	// short shared system prompt cannot pin the fleet to one endpoint. It
-	// is also the depth of the block that keys rendezvous hashing.
+	// MinMatchBlocks is the least match that makes an endpoint warm. It is
+	// also the depth of the block that keys rendezvous hashing, so a
+	// shared prefix shorter than MinMatchBlocks blocks is invisible to the
+	// policy: with 1 KiB blocks and 2, prompts sharing 380 tokens (about
+	// 1.8 KiB) all had keys of their own and every decision was cold, down
+	// to least-request's hit rate under cache pressure on both engines
+	// (0.16 against fixed affinity's 0.54-0.61, issue #24); with 1, 0.54
+	// and 0.58. A short prefix every endpoint holds does not pin the
+	// fleet: it is balanced by load (picks.preferHome).
 	MinMatchBlocks int `json:"min_match_blocks"`
 	// TieSec: endpoints whose costs differ by less are tied; ties go to the
 	// rendezvous-hash winner, so replicas agree and prefixes spread.
@@ -136,7 +142,7 @@ func DefaultPrefixParams() PrefixParams {
 		SpillMarginSec:      0.05,
 		SpillRatio:          1.25,
 		SpillMaxKVUsage:     0.8,
-		MinMatchBlocks:      2,
+		MinMatchBlocks:      1,
 		TieSec:              0.001,
 		QueueCostSec:        0.1,
 		KVCostSec:           0.05,

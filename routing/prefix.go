@@ -535,6 +535,8 @@ type picks struct {
 	// shared is the family's shared part (blocks) when the key is a
 	// branch's own (see homes.family), 0 otherwise.
 	shared int
+	// n counts the candidates, everywhere those matching as deep as warm.
+	n, everywhere int
 }
 
 // add considers c; home tells whether c is the key's home.
@@ -551,8 +553,16 @@ func (ch *picks) add(c candidate, home bool, tie float64) {
 	if c.beats(ch.best, tie) {
 		ch.best = c
 	}
-	if c.warm && (ch.warm.e == nil || c.blocks > ch.warm.blocks || c.blocks == ch.warm.blocks && c.beats(ch.warm, tie)) {
-		ch.warm = c
+	ch.n++
+	switch {
+	case !c.warm:
+	case ch.warm.e == nil || c.blocks > ch.warm.blocks:
+		ch.warm, ch.everywhere = c, 1
+	case c.blocks == ch.warm.blocks:
+		ch.everywhere++
+		if c.beats(ch.warm, tie) {
+			ch.warm = c
+		}
 	}
 }
 
@@ -577,6 +587,11 @@ func (ch *picks) add(c candidate, home bool, tie float64) {
 func (ch *picks) preferHome(presume bool, prm *PrefixParams) candidate {
 	warm, h := ch.warm, ch.home
 	if warm.e == nil || h.e == warm.e || !(h.blocks == warm.blocks || presume && h.blocks <= ch.shared) {
+		return warm
+	}
+	if ch.everywhere == ch.n {
+		// Every endpoint holds the prefix as deep: no copy is extra, the
+		// load decides.
 		return warm
 	}
 	if h.blocks < warm.blocks {

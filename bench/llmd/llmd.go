@@ -164,8 +164,12 @@ type Settings struct {
 	PrefillOverhead time.Duration
 	PrefillPerToken time.Duration
 	// InterTokenLatency is the time per output token after the first
-	// (--inter-token-latency).
+	// (--inter-token-latency) of a request running alone.
 	InterTokenLatency time.Duration
+	// TimeFactorUnderLoad (≥ 1; 0 means 1) stretches every running
+	// request's prefill and inter-token times linearly with the running
+	// count, to this factor at MaxNumSeqs (--time-factor-under-load).
+	TimeFactorUnderLoad float64
 	// Seed seeds the simulator's random draws (--seed).
 	Seed uint64
 }
@@ -184,6 +188,9 @@ func (s Settings) Args(port int) []string {
 		"--latency-calculator", "per-token", "--prefill-overhead", d(s.PrefillOverhead),
 		"--prefill-time-per-token", d(s.PrefillPerToken), "--inter-token-latency", d(s.InterTokenLatency),
 		"--seed", strconv.FormatUint(s.Seed, 10), "--zmq-endpoint", "tcp://127.0.0.1:5557",
+	}
+	if s.TimeFactorUnderLoad > 1 {
+		args = append(args, "--time-factor-under-load", strconv.FormatFloat(s.TimeFactorUnderLoad, 'f', 3, 64))
 	}
 	if len(s.LoRAs) > 0 {
 		args = append(args, "--lora-modules")

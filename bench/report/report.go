@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/kvroute/kvroute/bench/load"
 	"github.com/kvroute/kvroute/bench/scenario"
@@ -143,10 +144,18 @@ func Markdown(rep *scenario.Report) string {
 		fmt.Fprintf(&b, "Load fitted to the profile: rates × %.2g (its pods' modelled capacity, %.2f requests/s each against h100-8b's %.2f), request counts × %.2g, time scale × %.3g.\n\n",
 			z.Factor, z.PodCapacity, z.ReferenceCapacity, z.Requests, z.TimeScale)
 	}
+	if l := f.LLMD; l != nil {
+		fmt.Fprintf(&b, "The pods ran the llm-d inference simulator (one process each) with the profile's costs: "+
+			"max-num-seqs %d, prefill %s + %s per uncached token, %s per output token alone, time factor under load %.2f (wall time).\n\n",
+			l.MaxNumSeqs, l.PrefillOverhead.Round(10*time.Microsecond), l.PrefillPerToken, l.InterTokenLatency.Round(10*time.Microsecond), max(1, l.TimeFactorUnderLoad))
+	}
 	if slo := sc.SLO; !slo.IsZero() {
 		fmt.Fprintf(&b, "Goodput counts requests/s meeting %s.\n\n", describeSLO(slo))
 	}
 	b.WriteString(PolicyTable(rep.Runs))
+	if ref := referenceLine(rep.Runs); ref != "" {
+		fmt.Fprintf(&b, "\n%s\n", ref)
+	}
 	if cpu := cpuLine(rep.Runs); cpu != "" {
 		fmt.Fprintf(&b, "\n%s\n", cpu)
 	}
@@ -157,6 +166,31 @@ func Markdown(rep *scenario.Report) string {
 		fmt.Fprintf(&b, "\nBy stage (offered rate in requests/s):\n\n%s", st)
 	}
 	return b.String()
+}
+
+// referenceLine compares every other run with the fixed-affinity client's
+// (the finite-cache reference): engine hit rate and TTFT mean, each as a
+// ratio ("" without that run).
+func referenceLine(runs []*load.Result) string {
+	var ref *load.Result
+	for _, r := range runs {
+		if r.Label == scenario.FixedAffinity {
+			ref = r
+		}
+	}
+	if ref == nil || ref.Engine == nil || ref.Engine.HitRate == 0 || ref.Summary.TTFT.Mean == 0 {
+		return ""
+	}
+	var parts []string
+	for _, r := range runs {
+		if r == ref || r.Engine == nil {
+			continue
+		}
+		parts = append(parts, fmt.Sprintf("%s hit rate %.2f×, TTFT mean %.2f× (%.0f ms)", r.Label,
+			r.Engine.HitRate/ref.Engine.HitRate, r.Summary.TTFT.Mean/ref.Summary.TTFT.Mean, r.Summary.TTFT.Mean))
+	}
+	return fmt.Sprintf("Against %s (hit rate %s, TTFT mean %.0f ms): %s.", scenario.FixedAffinity, pct(ref.Engine.HitRate),
+		ref.Summary.TTFT.Mean, strings.Join(parts, "; "))
 }
 
 // nearMissLine compares, per policy, kvroute's near-identical prompt count

@@ -3,7 +3,6 @@ package scenario
 import (
 	"context"
 	"fmt"
-	"math"
 	"slices"
 	"time"
 
@@ -79,30 +78,34 @@ func (sc *Scenario) llmdSettings(cfgs []sim.Config) []llmd.Settings {
 //   - the prefill overhead is a prefill step's fixed cost (P0 plus a bare
 //     step), the time per prompt token 1 ÷ cfg's prefill rate: llm-d
 //     charges only uncached tokens, as bench/sim does;
-//   - the inter-token latency is cfg's decode step at the batch Sizing
-//     assumes (b = min(max_num_seqs, KV tokens ÷ (prompt + output))
-//     sequences of prompt + output/2 tokens of context);
-//   - max-num-seqs: llm-d runs each admitted request on its own clock,
-//     its prefills in parallel, where a GPU computes them one chunk after
-//     another; so its slots are what gives the pod cfg's capacity on the
-//     mean cold request (PodCapacity): capacity × the request's time
-//     alone, rounded, between 1 and b. A cached request takes less time,
-//     so the pod serves more of them, as a real one does.
+//   - max-num-seqs is cfg's, bounded by the requests whose blocks the KV
+//     holds at once when they share nothing (KV tokens ÷ (prompt +
+//     output), the batch Sizing assumes): llm-d answers 500 to a request
+//     whose blocks do not fit beside the running ones' (vLLM would queue
+//     it), so the rest wait in llm-d's queue instead;
+//   - the inter-token latency is cfg's decode step of one such sequence
+//     (prompt + output/2 tokens of context), and the time factor under
+//     load its step at the full batch over that: llm-d stretches every
+//     running request's times linearly with the running count, to that
+//     factor at max-num-seqs, as a memory-bound decode step grows with the
+//     batch's context.
+//
+// What stays llm-d's own: every admitted request runs on its own clock,
+// prefills in parallel where a GPU computes them chunk after chunk.
 func LLMDSettings(cfg sim.Config, prompt, output int) llmd.Settings {
 	_ = cfg.Validate() // fills defaults; a scenario's configs were validated
 	wall := func(d time.Duration) time.Duration { return time.Duration(float64(d) / cfg.TimeScale) }
-	kv := cfg.NumGPUBlocks * cfg.BlockSize
-	b := min(cfg.MaxNumSeqs, max(1, kv/max(1, prompt+output)))
-	overhead := cfg.StepCost(1, 0) - time.Duration(float64(time.Second)/cfg.PrefillTokensPerSec)
 	perToken := time.Duration(float64(time.Second) / cfg.PrefillTokensPerSec)
-	itl := cfg.StepCost(0, b*(prompt+output/2))
-	alone := overhead + time.Duration(prompt)*perToken + time.Duration(output)*itl
-	slots := int(math.Round(PodCapacity(cfg, prompt, output, kv) * alone.Seconds()))
+	overhead := cfg.StepCost(1, 0) - perToken
+	b := min(cfg.MaxNumSeqs, max(1, cfg.NumGPUBlocks*cfg.BlockSize/max(1, prompt+output)))
+	ctx := prompt + output/2
+	one := cfg.StepCost(0, ctx)
 	return llmd.Settings{
 		Model: cfg.Model, LoRAs: cfg.LoRAs, MaxLoRAs: cfg.MaxLoRAs,
 		BlockSize: cfg.BlockSize, KVBlocks: cfg.NumGPUBlocks,
-		MaxNumSeqs: min(b, max(1, slots)), MaxModelLen: cfg.MaxModelLen,
-		PrefillOverhead: wall(overhead), PrefillPerToken: wall(perToken), InterTokenLatency: wall(itl),
+		MaxNumSeqs: b, MaxModelLen: cfg.MaxModelLen,
+		PrefillOverhead: wall(overhead), PrefillPerToken: wall(perToken),
+		InterTokenLatency: wall(one), TimeFactorUnderLoad: float64(cfg.StepCost(0, b*ctx)) / float64(one),
 		Seed: cfg.Seed,
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"os"
+	"strings"
 	"sync"
 	"time"
 
@@ -297,19 +298,57 @@ func describeLearned(ls []Learned) string {
 // NearMisses returns the router's kvroute_prompt_near_misses_total (all
 // models).
 func (r *Router) NearMisses() int {
-	mfs, err := r.rt.Registry.Gather()
-	if err != nil {
-		return 0
-	}
 	n := 0.0
-	for _, mf := range mfs {
-		if mf.GetName() == "kvroute_prompt_near_misses_total" {
-			for _, m := range mf.GetMetric() {
-				n += m.GetCounter().GetValue()
-			}
-		}
+	for _, v := range r.metric("kvroute_prompt_near_misses_total", "") {
+		n += v
 	}
 	return int(n)
+}
+
+// metric returns the router's series of the counter or gauge called name,
+// summed by the value of label ("" sums them all under "").
+func (r *Router) metric(name, label string) map[string]float64 {
+	mfs, err := r.rt.Registry.Gather()
+	if err != nil {
+		return nil
+	}
+	out := map[string]float64{}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			k := ""
+			for _, lp := range m.GetLabel() {
+				if lp.GetName() == label {
+					k = lp.GetValue()
+				}
+			}
+			out[k] += m.GetCounter().GetValue() + m.GetGauge().GetValue()
+		}
+	}
+	return out
+}
+
+// Index returns what the router's decisions and prefix index looked like at
+// the end of a run, for the log: decisions by reason, the estimates of
+// cached tokens against the engines' reports, the index's entries and
+// evictions.
+func (r *Router) Index() string {
+	count := func(name, label string, keys ...string) string {
+		m := r.metric(name, label)
+		var parts []string
+		for _, k := range keys {
+			if v := m[k]; v > 0 {
+				parts = append(parts, fmt.Sprintf("%s %.0f", k, v))
+			}
+		}
+		return strings.Join(parts, ", ")
+	}
+	return fmt.Sprintf("decisions %s; estimates %s; index %.0f entries, %.0f evictions",
+		count("kvroute_routing_decisions_total", "reason", routing.ReasonWarm, routing.ReasonSpill, routing.ReasonCold),
+		count("kvroute_prefix_estimates_total", "outcome", "exact", "over", "under"),
+		r.metric("kvroute_prefix_index_entries", "")[""], r.metric("kvroute_prefix_index_evictions_total", "")[""])
 }
 
 // Close drains the router (in-flight streams get 10 s) and waits for it.

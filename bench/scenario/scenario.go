@@ -226,6 +226,7 @@ func Run(ctx context.Context, sc Scenario, opt RunOptions) (*Report, error) {
 			rep.Learned[p.Name] = seen.learned
 			if opt.Log != nil {
 				fmt.Fprintf(opt.Log, "%s: %s learned %s\n", sc.Name, p.Name, describeLearned(seen.learned))
+				fmt.Fprintf(opt.Log, "%s: %s %s\n", sc.Name, p.Name, seen.index)
 			}
 		}
 		if err != nil {
@@ -266,6 +267,8 @@ type routerState struct {
 	learned []Learned
 	// nearMisses is the routers' near-identical prompt count.
 	nearMisses int
+	// index describes the router's decisions and index (one router only).
+	index string
 }
 
 // runPolicy runs one policy of sc on a fresh fleet and router.
@@ -328,7 +331,7 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 	defer func() { err = errors.Join(err, rt.Close()) }()
 	if replicas == nil {
 		replicas = []*Router{rt}
-		defer func() { seen.learned = rt.Learned() }()
+		defer func() { seen.learned, seen.index = rt.Learned(), rt.Index() }()
 	}
 	defer func() {
 		for _, r := range replicas {

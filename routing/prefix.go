@@ -586,12 +586,13 @@ func (ch *picks) add(c candidate, home bool, tie float64) {
 // part is presumed to hold the conversation.)
 func (ch *picks) preferHome(presume bool, prm *PrefixParams) candidate {
 	warm, h := ch.warm, ch.home
-	if warm.e == nil || h.e == warm.e || !(h.blocks == warm.blocks || presume && h.blocks <= ch.shared) {
+	presumed := presume && h.blocks <= ch.shared
+	if warm.e == nil || h.e == warm.e || !(h.blocks == warm.blocks || presumed) {
 		return warm
 	}
-	if ch.everywhere == ch.n {
-		// Every endpoint holds the prefix as deep: no copy is extra, the
-		// load decides.
+	if !presumed && ch.everywhere == ch.n {
+		// Every endpoint holds the prefix as deep, the home no more: no
+		// copy is extra, the load decides.
 		return warm
 	}
 	if h.blocks < warm.blocks {

@@ -550,3 +550,49 @@ func TestRouterAloneKeepsPrefixesWhereCached(t *testing.T) {
 		t.Fatalf("%d requests left the endpoint their prefix was cached on (%d homes recur)", moved, p.Homes())
 	}
 }
+
+// A prefix every endpoint holds as deep (a hot system prompt, spilled
+// everywhere) goes where the wait is shortest: its home has no copy the
+// others lack, so it takes no precedence. With one endpoint short of it,
+// the home keeps its precedence while within the spill rule.
+func TestPrefixHeldEverywhereIsBalancedByLoad(t *testing.T) {
+	set := testSet(t, 4)
+	p := newTestPrefix(DefaultPrefixParams())
+	sys := system(5, 8*testBlock)
+	r := request(sys + "q")
+	home := p.Pick(r, set).Endpoint
+	for _, e := range set.Endpoints {
+		p.Index().Record(e.ID, r.Hashes)
+	}
+	// One request in flight at the home: a few ms more wait there, well
+	// within the spill rule.
+	release := occupy(home, 1, 0)
+	defer release()
+	if d := p.Pick(request(sys+"q2"), set); d.Endpoint == home || d.Reason != ReasonWarm {
+		t.Fatalf("held everywhere: %+v went to the busier home", d)
+	}
+	for _, e := range set.Endpoints {
+		if e != home {
+			p.Index().Forget(e.ID) // one endpoint no longer holds it
+			break
+		}
+	}
+	if d := p.Pick(request(sys+"q3"), set); d.Endpoint != home {
+		t.Fatalf("held on 3 of 4: %+v, want the home %s", d, home.URL)
+	}
+}
+
+// A shared prefix shorter than two blocks (380 tokens, 1.8 KiB) still
+// keeps its group together: issue #24's prompts, which with a two-block
+// minimum were all cold and spread like least-request's.
+func TestShortGroupPrefixStaysTogether(t *testing.T) {
+	set := testSet(t, 4)
+	p := newTestPrefix(DefaultPrefixParams())
+	sys := system(6, 1843)
+	first := answered(p, request(sys+system(100, 300)), set)
+	for i := 1; i < 12; i++ {
+		if d := answered(p, request(sys+system(100+i, 300)), set); d.Endpoint != first.Endpoint || d.Reason != ReasonWarm {
+			t.Fatalf("prompt %d of the group: %+v, want warm on %s", i, d, first.Endpoint.URL)
+		}
+	}
+}

@@ -194,8 +194,9 @@ func times(v *float64) string {
 }
 
 // WriteMatrix writes the matrix of reps to dir/matrix.md and
-// dir/matrix.json (dir created if needed) and returns the matrix and the
-// paths written.
+// dir/matrix.json (dir created if needed), and the pressure scenarios' hit
+// rate against working-set size as charts (writePressureCharts), and
+// returns the matrix and the paths written.
 func WriteMatrix(dir string, reps []*scenario.Report) (*MatrixResult, []string, error) {
 	m := NewMatrix(reps)
 	if err := os.MkdirAll(dir, 0o755); err != nil {
@@ -205,5 +206,10 @@ func WriteMatrix(dir string, reps []*scenario.Report) (*MatrixResult, []string, 
 	if err := os.WriteFile(md, []byte(MatrixMarkdown(m)), 0o644); err != nil {
 		return m, nil, err
 	}
-	return m, []string{md, js}, WriteJSON(js, m, true)
+	files := []string{md, js}
+	if err := WriteJSON(js, m, true); err != nil {
+		return m, files, err
+	}
+	charts, err := writePressureCharts(dir, reps)
+	return m, append(files, charts...), err
 }

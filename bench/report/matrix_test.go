@@ -95,3 +95,33 @@ func TestWriteMatrix(t *testing.T) {
 		t.Fatalf("matrix.json does not round-trip: %v %s", err, b)
 	}
 }
+
+// The pressure scenarios' hit rates against working-set size: one chart
+// per engine, profile and workload with two sizes or more, none for one.
+func TestPressureCharts(t *testing.T) {
+	dir := t.TempDir()
+	var reps []*scenario.Report
+	for i, name := range []string{scenario.SharedPrefixPressure1, scenario.SharedPrefixPressure2, scenario.SharedPrefixPressure4} {
+		for _, engine := range []string{"", scenario.EngineLLMD} {
+			rep := &scenario.Report{Scenario: scenario.Scenario{Name: name, Engine: engine}, IdealHitRate: 0.78}
+			rep.Scenario.Fleet.WorkingSetShare = float64(int(1) << i)
+			rep.Runs = []*load.Result{fakeRun("least-request", 1000, 50, 0.15/float64(i+1)), fakeRun("prefix", 1000, 40, 0.55/float64(i+1)),
+				fakeRun(scenario.FixedAffinity, 1000, 45, 0.55/float64(i+1))}
+			reps = append(reps, rep)
+		}
+	}
+	lone := &scenario.Report{Scenario: scenario.Scenario{Name: scenario.MultiTurnPressure1}, Runs: []*load.Result{fakeRun("prefix", 1, 1, 0.5)}}
+	_, files, err := WriteMatrix(dir, append(reps, lone))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{filepath.Join(dir, "pressure-shared-prefix.png"), filepath.Join(dir, "pressure-shared-prefix-llm-d-h100-8b.png")}
+	for _, w := range want {
+		if st, err := os.Stat(w); err != nil || st.Size() == 0 {
+			t.Errorf("%s not written: %v (files %v)", w, err, files)
+		}
+	}
+	if len(files) != 2+len(want) {
+		t.Errorf("files %v", files)
+	}
+}

@@ -333,7 +333,8 @@ func (r *Router) metric(name, label string) map[string]float64 {
 // Index returns what the router's decisions and prefix index looked like at
 // the end of a run, for the log: decisions by reason, the estimates of
 // cached tokens against the engines' reports, the index's entries and
-// evictions.
+// evictions; "" for a policy that decides by none of the prefix policy's
+// reasons.
 func (r *Router) Index() string {
 	count := func(name, label string, keys ...string) string {
 		m := r.metric(name, label)
@@ -345,8 +346,11 @@ func (r *Router) Index() string {
 		}
 		return strings.Join(parts, ", ")
 	}
-	return fmt.Sprintf("decisions %s; estimates %s; index %.0f entries, %.0f evictions",
-		count("kvroute_routing_decisions_total", "reason", routing.ReasonWarm, routing.ReasonSpill, routing.ReasonCold),
+	decisions := count("kvroute_routing_decisions_total", "reason", routing.ReasonWarm, routing.ReasonSpill, routing.ReasonCold)
+	if decisions == "" {
+		return "" // not the prefix policy
+	}
+	return fmt.Sprintf("decisions %s; estimates %s; index %.0f entries, %.0f evictions", decisions,
 		count("kvroute_prefix_estimates_total", "outcome", "exact", "over", "under"),
 		r.metric("kvroute_prefix_index_entries", "")[""], r.metric("kvroute_prefix_index_evictions_total", "")[""])
 }

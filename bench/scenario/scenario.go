@@ -226,7 +226,9 @@ func Run(ctx context.Context, sc Scenario, opt RunOptions) (*Report, error) {
 			rep.Learned[p.Name] = seen.learned
 			if opt.Log != nil {
 				fmt.Fprintf(opt.Log, "%s: %s learned %s\n", sc.Name, p.Name, describeLearned(seen.learned))
-				fmt.Fprintf(opt.Log, "%s: %s %s\n", sc.Name, p.Name, seen.index)
+				if seen.index != "" {
+					fmt.Fprintf(opt.Log, "%s: %s %s\n", sc.Name, p.Name, seen.index)
+				}
 			}
 		}
 		if err != nil {

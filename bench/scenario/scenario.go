@@ -211,7 +211,11 @@ func Run(ctx context.Context, sc Scenario, opt RunOptions) (*Report, error) {
 	defer func() { rep.WallSeconds = time.Since(rep.Started).Seconds() }()
 	for _, p := range pols {
 		if opt.Log != nil {
-			fmt.Fprintf(opt.Log, "%s: %s on %d simulated pods%s behind kvroute\n", sc.Name, p.Name, sc.Pods, sc.profileNote())
+			front := "behind kvroute"
+			if p.Direct {
+				front = "sent to directly"
+			}
+			fmt.Fprintf(opt.Log, "%s: %s on %d simulated pods%s %s\n", sc.Name, p.Name, sc.Pods, sc.profileNote(), front)
 		}
 		res, seen, err := runPolicy(ctx, sc, wl, p, opt)
 		if res != nil {

@@ -16,6 +16,7 @@ import (
 	"io"
 	"os"
 	"runtime"
+	"strings"
 	"time"
 
 	"github.com/kvroute/kvroute/bench/llmd"
@@ -230,10 +231,10 @@ func Run(ctx context.Context, sc Scenario, opt RunOptions) (*Report, error) {
 			rep.Learned[p.Name] = seen.learned
 			if opt.Log != nil {
 				fmt.Fprintf(opt.Log, "%s: %s learned %s\n", sc.Name, p.Name, describeLearned(seen.learned))
-				if seen.index != "" {
-					fmt.Fprintf(opt.Log, "%s: %s %s\n", sc.Name, p.Name, seen.index)
-				}
 			}
+		}
+		if opt.Log != nil && seen.index != "" {
+			fmt.Fprintf(opt.Log, "%s: %s %s\n", sc.Name, p.Name, seen.index)
 		}
 		if err != nil {
 			return rep, fmt.Errorf("scenario %s, policy %s: %w", sc.Name, p.Name, err)
@@ -273,7 +274,8 @@ type routerState struct {
 	learned []Learned
 	// nearMisses is the routers' near-identical prompt count.
 	nearMisses int
-	// index describes the router's decisions and index (one router only).
+	// index describes the routers' decisions and indexes (Router.Index),
+	// one replica after the other.
 	index string
 }
 
@@ -337,12 +339,17 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 	defer func() { err = errors.Join(err, rt.Close()) }()
 	if replicas == nil {
 		replicas = []*Router{rt}
-		defer func() { seen.learned, seen.index = rt.Learned(), rt.Index() }()
+		defer func() { seen.learned = rt.Learned() }()
 	}
 	defer func() {
+		var idx []string
 		for _, r := range replicas {
 			seen.nearMisses += r.NearMisses()
+			if s := r.Index(); s != "" {
+				idx = append(idx, s)
+			}
 		}
+		seen.index = strings.Join(idx, " | ")
 	}()
 	lc.BaseURL = rt.URL
 	res, err = load.Run(ctx, lc)

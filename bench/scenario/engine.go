@@ -33,8 +33,8 @@ func ParseEngine(name string) (string, error) {
 	return name, nil
 }
 
-// fleet is a scenario's running pods, on either engine.
-type fleet interface {
+// engineFleet is a scenario's running pods, on either engine.
+type engineFleet interface {
 	URLs() []string
 	Close() error
 }
@@ -49,7 +49,7 @@ func (sc *Scenario) engineName() string {
 
 // startFleet starts sc's pods, configured as cfgs, on sc's engine: bin is
 // the llm-d simulator's binary (see llmd.Binary; "" finds it).
-func startFleet(ctx context.Context, sc *Scenario, cfgs []sim.Config, bin string) (fleet, error) {
+func startFleet(ctx context.Context, sc *Scenario, cfgs []sim.Config, bin string) (engineFleet, error) {
 	if sc.engineName() == EngineKVSim {
 		return sim.StartFleetOf(cfgs...)
 	}

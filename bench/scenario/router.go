@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap"
 
 	"github.com/kvroute/kvroute/bench/peers"
@@ -298,20 +299,18 @@ func describeLearned(ls []Learned) string {
 // NearMisses returns the router's kvroute_prompt_near_misses_total (all
 // models).
 func (r *Router) NearMisses() int {
-	n := 0.0
-	for _, v := range r.metric("kvroute_prompt_near_misses_total", "") {
-		n += v
-	}
-	return int(n)
+	return int(sumBy(r.gather(), "kvroute_prompt_near_misses_total", "")[""])
 }
 
-// metric returns the router's series of the counter or gauge called name,
+// gather returns the router's metric families (nil if gathering failed).
+func (r *Router) gather() []*dto.MetricFamily {
+	mfs, _ := r.rt.Registry.Gather()
+	return mfs
+}
+
+// sumBy returns the series of the counter or gauge called name in mfs,
 // summed by the value of label ("" sums them all under "").
-func (r *Router) metric(name, label string) map[string]float64 {
-	mfs, err := r.rt.Registry.Gather()
-	if err != nil {
-		return nil
-	}
+func sumBy(mfs []*dto.MetricFamily, name, label string) map[string]float64 {
 	out := map[string]float64{}
 	for _, mf := range mfs {
 		if mf.GetName() != name {
@@ -336,8 +335,9 @@ func (r *Router) metric(name, label string) map[string]float64 {
 // evictions; "" for a policy that decides by none of the prefix policy's
 // reasons.
 func (r *Router) Index() string {
+	mfs := r.gather()
 	count := func(name, label string, keys ...string) string {
-		m := r.metric(name, label)
+		m := sumBy(mfs, name, label)
 		var parts []string
 		for _, k := range keys {
 			if v := m[k]; v > 0 {
@@ -352,7 +352,7 @@ func (r *Router) Index() string {
 	}
 	return fmt.Sprintf("decisions %s; estimates %s; index %.0f entries, %.0f evictions", decisions,
 		count("kvroute_prefix_estimates_total", "outcome", "exact", "over", "under"),
-		r.metric("kvroute_prefix_index_entries", "")[""], r.metric("kvroute_prefix_index_evictions_total", "")[""])
+		sumBy(mfs, "kvroute_prefix_index_entries", "")[""], sumBy(mfs, "kvroute_prefix_index_evictions_total", "")[""])
 }
 
 // Close drains the router (in-flight streams get 10 s) and waits for it.

@@ -14,7 +14,10 @@ import (
 // 15 turns each on average, each turn resending the history, every turn
 // through a random one of replicas; it returns how many turns went to
 // another endpoint than their conversation's previous turn, and the most
-// turns one endpoint served.
+// turns one endpoint served. The conversations begin at once: every first
+// turn is picked before any answer begins (so a replica's second first
+// turn finds only the head its first one recorded at the pick), then the
+// turns follow one at a time.
 func conversations(t *testing.T, set *discovery.Set, replicas []*Prefix, convs int) (moved, most int) {
 	t.Helper()
 	rng := rand.New(rand.NewPCG(7, 8))
@@ -22,10 +25,11 @@ func conversations(t *testing.T, set *discovery.Set, replicas []*Prefix, convs i
 	history := make([]string, convs)
 	last := make([]*discovery.Endpoint, convs)
 	served := map[*discovery.Endpoint]int{}
-	for range convs * 15 {
-		c := rng.IntN(convs)
+	ask := func(c int) (*Prefix, *Request) {
 		history[c] += fmt.Sprintf("user %d: %s\n", c, strings.Repeat(fmt.Sprint(rng.IntN(1e9)), 60))
-		d := answered(replicas[rng.IntN(len(replicas))], request(sys+history[c]), set)
+		return replicas[rng.IntN(len(replicas))], request(sys + history[c])
+	}
+	answer := func(c int, d Decision) {
 		history[c] += fmt.Sprintf("assistant: %s\n", strings.Repeat(fmt.Sprint(rng.IntN(1e9)), 40))
 		if last[c] != nil && d.Endpoint != last[c] {
 			moved++
@@ -33,6 +37,25 @@ func conversations(t *testing.T, set *discovery.Set, replicas []*Prefix, convs i
 		last[c] = d.Endpoint
 		served[d.Endpoint]++
 		most = max(most, served[d.Endpoint])
+	}
+	type first struct {
+		p *Prefix
+		r *Request
+		d Decision
+	}
+	firsts := make([]first, convs)
+	for c := range firsts {
+		p, r := ask(c)
+		firsts[c] = first{p, r, p.Pick(r, set)}
+	}
+	for c, f := range firsts {
+		f.p.Started(f.d, f.r.Hashes)
+		answer(c, f.d)
+	}
+	for range convs * 14 {
+		c := rng.IntN(convs)
+		p, r := ask(c)
+		answer(c, answered(p, r, set))
 	}
 	return moved, most
 }
@@ -43,7 +66,11 @@ func conversations(t *testing.T, set *discovery.Set, replicas []*Prefix, convs i
 // routers' requests and the family's requests are seen to extend earlier
 // ones, each conversation is keyed by its own first block. A conversation
 // moves once, when its history first fills a block of its own (its first
-// turn is keyed by the shared prompt).
+// turn is keyed by the shared prompt), and a few twice, while a replica
+// has yet to see the family chained. (When the shared part was the least
+// match, a replica's second first turn, which found only the head its first
+// recorded, gave every conversation the shared prompt's second block for
+// key: 174 moves.)
 func TestReplicasAgreeOnConversations(t *testing.T) {
 	set := testSet(t, 8)
 	for _, e := range set.Endpoints {
@@ -53,8 +80,8 @@ func TestReplicasAgreeOnConversations(t *testing.T) {
 	replicas := []*Prefix{newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams())}
 	const convs = 48
 	moved, most := conversations(t, set, replicas, convs)
-	if moved > convs {
-		t.Fatalf("%d turns of %d moved to another endpoint than their conversation's last turn, want at most one a conversation", moved, convs*14)
+	if moved > convs*5/4 {
+		t.Fatalf("%d turns of %d moved to another endpoint than their conversation's last turn, want at most one a conversation and a few more", moved, convs*14)
 	}
 	// Not all on the shared prompt's home: the conversations spread.
 	if most > convs*15*2/5 {
@@ -74,8 +101,8 @@ func TestRouterAloneKeysTheSharedPrompt(t *testing.T) {
 	_, _ = conversations(t, set, []*Prefix{p}, 16)
 	mm := DefaultPrefixParams().MinMatchBlocks
 	key := rendezvousKey(request(system(9, 2500)).Hashes, mm)
-	if shared, chained := p.homes.family(key, 2, mm, false); !chained || shared != 2 {
-		t.Fatalf("family: shared %d chained %v, want 2 blocks, chained", shared, chained)
+	if shared, chained := p.homes.family(key, 2, mm, false); !chained || shared < 2 {
+		t.Fatalf("family: shared %d chained %v, want at least the 2 blocks of the shared prompt, chained", shared, chained)
 	}
 	d := answered(p, request(system(9, 2500)+"user 99: a new conversation "+strings.Repeat("x", 2000)), set)
 	if want := key; d.PrefixKey != want || d.branch {
@@ -96,7 +123,8 @@ func TestFamilyChained(t *testing.T) {
 		chained bool
 	}{
 		{"group", []int{8, 8, 8, 8, 8, 8, 8, 8}, 8, false},
-		{"group after a short match", []int{2, 8, 8, 8, 8, 8, 8, 8, 8}, 2, false},
+		{"group after one short match", []int{2, 8, 8, 8, 8, 8, 8, 8, 8}, 8, false},
+		{"group after two short matches", []int{2, 8, 8, 8, 3, 8, 8, 8, 8}, 3, false},
 		{"conversations", []int{2, 3, 2, 4, 5, 2, 6, 7, 3, 8}, 2, true},
 	} {
 		key := uint64(len(tc.name))<<32 | uint64(tc.shared)

@@ -72,13 +72,26 @@ type homeKey struct {
 	// is cold as far as this router knows.
 	strayed bool
 	// The key's family (the requests sharing it, see family): the deepest
-	// match in the index of its last familyRing requests, and the least
-	// deepest match of its last two windows of familyWindow requests.
+	// match in the index of its last familyRing requests, and the two least
+	// deepest matches of its last two windows of familyWindow requests.
 	depths       [familyRing]uint16
 	filled, next uint8
-	low          [2]uint16 // the least deepest match of the last window and of this one
-	window       uint8     // requests in this window
+	low          [2]lows // the last window's and this one's
+	window       uint8   // requests in this window
 	chained      bool
+}
+
+// lows are the two least depths of a window, least first; 0 is none.
+type lows [2]uint16
+
+// add takes one depth (at least 1) into l.
+func (l *lows) add(d uint16) {
+	switch {
+	case l[0] == 0 || d < l[0]:
+		l[0], l[1] = d, l[0]
+	case l[1] == 0 || d < l[1]:
+		l[1] = d
+	}
 }
 
 // familyRing is how many of a key's recent requests tell whether its family
@@ -161,9 +174,13 @@ func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, se
 // family takes the deepest match (in blocks) the index found anywhere for a
 // request with prefix key, when it reaches the key (at least minMatch), and
 // returns what the key's requests say of it: shared, the depth they have in
-// common (the least deepest match in the last one to two windows of
+// common (the second least deepest match in the last one to two windows of
 // familyWindow requests: a request that begins a new branch matches exactly
-// the shared part), and chained, true when most of its last familyRing
+// the shared part, and one request alone matching less is taken for the
+// race it most likely is — it followed a new prompt whose pick recorded
+// only the prompt's first MinMatchBlocks, before its answer recorded the
+// rest; taken for the shared part, it gave three replicas' conversations
+// one key, the shared prompt's second block), and chained, true when most of its last familyRing
 // requests (at least half, of at least four) matched deeper than that, at
 // three depths or more, i.e. extended an earlier request of their own
 // branch. That is a conversation resending its history under a system
@@ -184,18 +201,24 @@ func (h *homes) family(key uint64, deepest, minMatch int, see bool) (shared int,
 		v.depths[v.next] = d
 		v.next = (v.next + 1) % familyRing
 		v.filled = min(v.filled+1, familyRing)
-		if v.window == 0 || v.window == familyWindow {
-			v.low[0], v.low[1], v.window = v.low[1], d, 0
+		if v.window == familyWindow {
+			v.low[0], v.low[1], v.window = v.low[1], lows{}, 0
 		}
-		v.low[1] = min(v.low[1], d)
+		v.low[1].add(d)
 		v.window++
 	}
 	if v.filled == 0 {
 		return 0, false
 	}
-	shared = int(v.low[1])
-	if v.low[0] > 0 {
-		shared = min(shared, int(v.low[0]))
+	both := v.low[1]
+	for _, d := range v.low[0] {
+		if d > 0 {
+			both.add(d)
+		}
+	}
+	shared = int(both[0])
+	if both[1] > 0 {
+		shared = int(both[1])
 	}
 	// deeper: the recent requests that matched deeper than the shared
 	// part; at several depths (a conversation's turn matches its own last

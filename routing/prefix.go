@@ -90,7 +90,8 @@ type Prefix struct {
 	// foreign is the share of the engines' requests that are not this
 	// router's (math.Float64bits; a moving average over decisions with
 	// fresh scrapes): other router replicas, or other clients.
-	foreign atomic.Uint64
+	foreign        atomic.Uint64
+	foreignSamples atomic.Uint64
 
 	capMu     sync.Mutex
 	capTokens map[uint64]int // scraped KV capacity per endpoint, in tokens
@@ -201,17 +202,27 @@ func (p *Prefix) learnBytesPerToken(promptBytes, promptTokens int) {
 // places them by load, which balances them better.
 const sharedFleet = 0.25
 
+// foreignRate is the weight of one decision's sample in Foreign once a
+// hundred were taken.
+const foreignRate = 0.01
+
 // Foreign returns the learned share of the engines' requests that are not
 // this router's.
 func (p *Prefix) Foreign() float64 { return math.Float64frombits(p.foreign.Load()) }
 
-// learnForeign folds one decision's view of the engines into Foreign, a
-// moving average over about a hundred decisions.
+// learnForeign folds one decision's view of the engines into Foreign: the
+// mean of the samples so far, then, from the hundredth on, a moving average
+// over about a hundred decisions. (A moving average started at 0 took three
+// replicas some 50 decisions each, 6 s of multi-turn, to see one another,
+// and every conversation begun meanwhile was placed by load, each replica
+// placing its turns differently, for the rest of the run: 71.5% hit rate
+// against one replica's 91.6%.)
 func (p *Prefix) learnForeign(sample float64) {
+	rate := max(foreignRate, 1/float64(p.foreignSamples.Add(1)))
 	for {
 		old := p.foreign.Load()
 		v := math.Float64frombits(old)
-		v += 0.01 * (sample - v)
+		v += rate * (sample - v)
 		if p.foreign.CompareAndSwap(old, math.Float64bits(v)) {
 			return
 		}

@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"time"
@@ -227,6 +228,27 @@ func routerConfig(p Policy, backends []string, engines []sim.Config) proxy.Confi
 	return cfg
 }
 
+// routerLog returns the benchmark router's logger: none, or with
+// KVBENCH_ACCESS_LOG set to a directory, every line of its log (the access
+// log included: each request's endpoint, reason, home, matched blocks,
+// prefix key, prompt and cached tokens) as JSON in a file of its own there,
+// named for the policy and the start time, for diagnosing decisions.
+func routerLog(cfg *proxy.Config, policy string) (*zap.Logger, error) {
+	dir := os.Getenv("KVBENCH_ACCESS_LOG")
+	if dir == "" {
+		return zap.NewNop(), nil
+	}
+	cfg.AccessLog, cfg.AccessLogSample = true, 1
+	zc := zap.NewProductionConfig()
+	zc.Sampling = nil
+	zc.OutputPaths = []string{filepath.Join(dir, fmt.Sprintf("%s-%d.log", policy, time.Now().UnixNano()))}
+	lg, err := zc.Build()
+	if err != nil {
+		return nil, fmt.Errorf("KVBENCH_ACCESS_LOG: %w", err)
+	}
+	return lg, nil
+}
+
 // routerShutdownGrace is how long a benchmark router's in-flight streams
 // may finish when it closes.
 const routerShutdownGrace = 10 * time.Second
@@ -249,7 +271,12 @@ type Router struct {
 // the backends are not simulated pods), for the peers calibrated per
 // deployment. Stop it with Close.
 func StartRouter(p Policy, backends []string, engines []sim.Config) (*Router, error) {
-	rt, err := proxy.NewRouter(routerConfig(p, backends, engines), zap.NewNop())
+	cfg := routerConfig(p, backends, engines)
+	lg, err := routerLog(&cfg, p.Name)
+	if err != nil {
+		return nil, err
+	}
+	rt, err := proxy.NewRouter(cfg, lg)
 	if err != nil {
 		return nil, err
 	}

@@ -494,11 +494,6 @@ loop:
 					ep.ReportSuccess()
 				}
 				st.att = a
-				if code == fasthttp.StatusOK && d.Deferred {
-					if p, ok := s.opt.Picker.(routing.Starter); ok {
-						p.Started(d, st.req.Hashes)
-					}
-				}
 				if pd.split {
 					s.strand(st, "decode_failed") // unless this leg took it
 				} else {

@@ -14,10 +14,8 @@ import (
 // 15 turns each on average, each turn resending the history, every turn
 // through a random one of replicas; it returns how many turns went to
 // another endpoint than their conversation's previous turn, and the most
-// turns one endpoint served. The conversations begin at once: every first
-// turn is picked before any answer begins (so a replica's second first
-// turn finds only the head its first one recorded at the pick), then the
-// turns follow one at a time.
+// turns one endpoint served. Every conversation's first turn comes first,
+// then the turns follow in random order.
 func conversations(t *testing.T, set *discovery.Set, replicas []*Prefix, convs int) (moved, most int) {
 	t.Helper()
 	rng := rand.New(rand.NewPCG(7, 8))
@@ -38,24 +36,14 @@ func conversations(t *testing.T, set *discovery.Set, replicas []*Prefix, convs i
 		served[d.Endpoint]++
 		most = max(most, served[d.Endpoint])
 	}
-	type first struct {
-		p *Prefix
-		r *Request
-		d Decision
-	}
-	firsts := make([]first, convs)
-	for c := range firsts {
+	for c := range convs {
 		p, r := ask(c)
-		firsts[c] = first{p, r, p.Pick(r, set)}
-	}
-	for c, f := range firsts {
-		f.p.Started(f.d, f.r.Hashes)
-		answer(c, f.d)
+		answer(c, p.Pick(r, set))
 	}
 	for range convs * 14 {
 		c := rng.IntN(convs)
 		p, r := ask(c)
-		answer(c, answered(p, r, set))
+		answer(c, p.Pick(r, set))
 	}
 	return moved, most
 }
@@ -67,10 +55,7 @@ func conversations(t *testing.T, set *discovery.Set, replicas []*Prefix, convs i
 // ones, each conversation is keyed by its own first block. A conversation
 // moves once, when its history first fills a block of its own (its first
 // turn is keyed by the shared prompt), and a few twice, while a replica
-// has yet to see the family chained. (When the shared part was the least
-// match, a replica's second first turn, which found only the head its first
-// recorded, gave every conversation the shared prompt's second block for
-// key: 174 moves.)
+// has yet to see the family chained.
 func TestReplicasAgreeOnConversations(t *testing.T) {
 	set := testSet(t, 8)
 	for _, e := range set.Endpoints {
@@ -104,7 +89,7 @@ func TestRouterAloneKeysTheSharedPrompt(t *testing.T) {
 	if shared, chained := p.homes.family(key, 2, mm, false); !chained || shared < 2 {
 		t.Fatalf("family: shared %d chained %v, want at least the 2 blocks of the shared prompt, chained", shared, chained)
 	}
-	d := answered(p, request(system(9, 2500)+"user 99: a new conversation "+strings.Repeat("x", 2000)), set)
+	d := p.Pick(request(system(9, 2500)+"user 99: a new conversation "+strings.Repeat("x", 2000)), set)
 	if want := key; d.PrefixKey != want || d.branch {
 		t.Fatalf("a lone router keyed a new conversation %x (branch %v), want the shared prompt's %x", d.PrefixKey, d.branch, want)
 	}

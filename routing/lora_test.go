@@ -31,7 +31,7 @@ func TestLoRASlots(t *testing.T) {
 		r := request(system(id, 4*testBlock))
 		r.Model = model
 		d, terms := p.Explain(r, set)
-		answered(p, r, set)
+		p.Pick(r, set)
 		return d, terms
 	}
 	waits := func(terms []Term) (w [3]bool) {

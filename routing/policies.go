@@ -16,13 +16,6 @@ type Picker interface {
 	Pick(r *Request, set *discovery.Set) Decision
 }
 
-// Starter is a Picker that defers part of a pick's bookkeeping
-// (Decision.Deferred) until the endpoint's answer begins: the proxy calls
-// Started when a 200's headers arrived, with the request's block hashes.
-type Starter interface {
-	Started(d Decision, hashes []uint64)
-}
-
 // PolicyConfig is what the policies of the table are built from.
 type PolicyConfig struct {
 	// BlockBytes is the prefix hashing block size in bytes of the

@@ -229,22 +229,19 @@ func (p *Prefix) learnForeign(sample float64) {
 	}
 }
 
-// Pick implements the policy and records the pick in the index. A prompt
-// warm nowhere records only its first MinMatchBlocks at once (enough to
-// make the endpoint warm for the prompts that follow it, which then record
-// their whole chain there) and the rest when the endpoint's answer begins
-// (Started), off the decision's path: a new 128 KiB prompt's 128 blocks
-// cost most of a pick to record, and they are not cached anywhere until
-// the engine has computed them. A prefill leg's pick records the whole
-// chain (the proxy reports no start for it).
+// Pick implements the policy and records the pick's whole chain in the
+// index at once, so that the requests that follow see where the prompt
+// will be cached: a burst of the same prefix follows the first, weighing
+// the prefill still running there. (Recording only a new prompt's first
+// blocks at the pick and the rest once the answer began took 10 µs off a
+// new 128 KiB prompt's pick, but the requests in between saw the prompt
+// held one block deep: they spilled to cold pods instead of following it,
+// hot-prefix p90 TTFT on slow-large went from 166 to 345 ms; and a
+// conversation's first turn looked like the shared part of the next.)
 func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
-	d, deepest := p.decide(r, set, nil)
+	d := p.decide(r, set, nil)
 	if d.Endpoint != nil {
-		head := len(r.Hashes)
-		if mm := p.params.Load().MinMatchBlocks; !r.Prefill && deepest < mm && head > mm {
-			head, d.Deferred = mm, true
-		}
-		p.index.Record(d.Endpoint.ID, r.Hashes[:head])
+		p.index.Record(d.Endpoint.ID, r.Hashes)
 	}
 	if (d.Reason == ReasonCold || d.branch) && !d.Home && d.PrefixKey != 0 {
 		p.homes.stray(d.PrefixKey)
@@ -252,20 +249,11 @@ func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 	return d
 }
 
-// Started records the whole of the request's chain (hashes) on d's
-// endpoint when Pick deferred its tail: the endpoint began answering.
-// A refresh of the head recorded at the pick costs only lookups.
-func (p *Prefix) Started(d Decision, hashes []uint64) {
-	if d.Deferred && d.Endpoint != nil {
-		p.index.Record(d.Endpoint.ID, hashes)
-	}
-}
-
 // Explain returns the decision Pick would make and its terms, without
 // recording anything.
 func (p *Prefix) Explain(r *Request, set *discovery.Set) (Decision, []Term) {
 	var terms []Term
-	d, _ := p.decide(r, set, &terms)
+	d := p.decide(r, set, &terms)
 	return d, terms
 }
 
@@ -324,11 +312,10 @@ type Term struct {
 	Skipped         string  `json:"skipped,omitempty"`
 }
 
-// decide returns the decision and the deepest match of the request's
-// chain on any endpoint; terms, when not nil, receives each
+// decide returns the decision; terms, when not nil, receives each
 // endpoint's side of it, and then nothing is counted as seen. It reads
 // every endpoint's load once, so the terms and the decision agree.
-func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (Decision, int) {
+func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision {
 	prm := p.params.Load()
 	sp := p.scratch.Get().(*[]prefix.Match)
 	matches := p.index.Match(r.Hashes, *sp)
@@ -399,7 +386,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (Decision
 		p.learnForeign(float64(foreign) / float64(engines))
 	}
 	if ch.top.e == nil {
-		return Decision{Reason: ReasonCold}, deepest
+		return Decision{Reason: ReasonCold}
 	}
 	if ch.home.e == nil {
 		ch.home = ch.top // the home is not usable now, or every endpoint is at the bound
@@ -424,7 +411,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) (Decision
 	if keyed {
 		d.PrefixKey, d.branch = key, branch > 0
 	}
-	return d, deepest
+	return d
 }
 
 // matchedBlocks returns the blocks matches credit endpoint id with.

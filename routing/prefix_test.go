@@ -46,46 +46,20 @@ func system(id, n int) string {
 	return s[:n]
 }
 
-// answered picks for r as the proxy does for a request whose answer then
-// begins: Pick, then Started.
-func answered(p *Prefix, r *Request, set *discovery.Set) Decision {
-	d := p.Pick(r, set)
-	p.Started(d, r.Hashes)
-	return d
-}
-
-// A prompt warm nowhere records its first MinMatchBlocks at the pick, which
-// is enough for the same prefix to follow it there, and the rest once its
-// answer begins; a prompt warm somewhere records its whole chain at once.
-func TestNewPromptRecordsItsTailOnceAnswered(t *testing.T) {
+// A prompt warm nowhere records its whole chain at the pick: a request
+// with the same prefix that follows before the first is answered sees all
+// of it held there (and the prefill still running), not one block.
+func TestNewPromptRecordedWholeAtThePick(t *testing.T) {
 	set := testSet(t, 8)
 	p := newTestPrefix(DefaultPrefixParams())
 	long := request(system(7, 16*testBlock))
 	d := p.Pick(long, set)
-	if !d.Deferred {
-		t.Fatalf("a new 16-block prompt recorded whole at the pick: %+v", d)
+	if m := p.Index().Match(long.Hashes, nil); len(m) != 1 || m[0].Blocks != 16 || m[0].ID != d.Endpoint.ID {
+		t.Fatalf("after a new 16-block prompt's pick the index holds %+v, want its 16 blocks on %s", m, d.Endpoint)
 	}
-	follower := request(system(7, 16*testBlock) + "b")
-	f := p.Pick(follower, set)
-	if head := DefaultPrefixParams().MinMatchBlocks; f.Endpoint != d.Endpoint || f.Reason != ReasonWarm || f.MatchedBlocks != head || f.Deferred {
-		t.Fatalf("the same prefix picked while the first is unanswered: %+v, want warm (%d blocks) on %s, recorded whole", f, head, d.Endpoint)
-	}
-	if m := p.Index().Match(long.Hashes, nil); len(m) != 1 || m[0].Blocks != 16 {
-		t.Fatalf("after the warm follower's pick the index holds %+v, want its 16 blocks", m)
-	}
-	p.Started(d, long.Hashes) // the first answer begins
-	if m := p.Index().Match(long.Hashes, nil); len(m) != 1 || m[0].Blocks != 16 {
-		t.Fatalf("after Started: %+v", m)
-	}
-	// Unanswered, a deferred pick leaves only the head: a prompt that
-	// failed everywhere is not claimed cached.
-	other := request(system(8, 16*testBlock))
-	if d := p.Pick(other, set); !d.Deferred {
-		t.Fatalf("%+v", d)
-	}
-	m := p.Index().Match(other.Hashes, nil)
-	if head := DefaultPrefixParams().MinMatchBlocks; len(m) != 1 || m[0].Blocks != head {
-		t.Fatalf("unanswered new prompt: index holds %+v, want its first %d blocks", m, head)
+	f := p.Pick(request(system(7, 16*testBlock)+"b"), set)
+	if f.Endpoint != d.Endpoint || f.Reason != ReasonWarm || f.MatchedBlocks != 16 {
+		t.Fatalf("the same prefix picked while the first is unanswered: %+v, want warm (16 blocks) on %s", f, d.Endpoint)
 	}
 }
 
@@ -122,12 +96,12 @@ func TestSameprefixGoesWhereItIsCached(t *testing.T) {
 	set := testSet(t, 8)
 	p := newTestPrefix(DefaultPrefixParams())
 	sys := system(1, 8192)
-	first := answered(p, request(sys+"question one"), set)
+	first := p.Pick(request(sys+"question one"), set)
 	if first.Reason != ReasonCold {
 		t.Fatalf("first request: %+v", first)
 	}
 	for i := 0; i < 20; i++ {
-		d := answered(p, request(sys+fmt.Sprintf("question %d", i)), set)
+		d := p.Pick(request(sys+fmt.Sprintf("question %d", i)), set)
 		if d.Endpoint != first.Endpoint || d.Reason != ReasonWarm || d.MatchedBlocks != 8192/testBlock {
 			t.Fatalf("request %d: %+v, want warm on %s", i, d, first.Endpoint)
 		}
@@ -178,7 +152,6 @@ func TestShortSharedPrefixDoesNotPin(t *testing.T) {
 	for i := 0; i < 400; i++ {
 		r := request(shared + system(1000+i, 4096))
 		d, l := dispatch(p, r, set)
-		p.Started(d, r.Hashes)
 		counts[d.Endpoint]++
 		if inFlight = append(inFlight, l); len(inFlight) > 32 {
 			inFlight[0].Release()
@@ -205,8 +178,8 @@ func TestLoadOnOnePodDoesNotCollapseAffinity(t *testing.T) {
 	set := testSet(t, 4)
 	p := newTestPrefix(DefaultPrefixParams())
 	a, b := system(10, 8192), system(11, 8192)
-	da := answered(p, request(a+"x"), set)
-	db := answered(p, request(b+"x"), set)
+	da := p.Pick(request(a+"x"), set)
+	db := p.Pick(request(b+"x"), set)
 	if da.Endpoint == db.Endpoint {
 		// Force distinct homes for the test by recording b elsewhere.
 		for _, e := range set.Endpoints {
@@ -219,10 +192,10 @@ func TestLoadOnOnePodDoesNotCollapseAffinity(t *testing.T) {
 		}
 	}
 	defer occupy(da.Endpoint, 200, 100_000)() // a's home is saturated
-	if d := answered(p, request(a+"y"), set); d.Reason != ReasonSpill || d.Endpoint == da.Endpoint {
+	if d := p.Pick(request(a+"y"), set); d.Reason != ReasonSpill || d.Endpoint == da.Endpoint {
 		t.Fatalf("saturated prefix did not spill: %+v", d)
 	}
-	if d := answered(p, request(b+"y"), set); d.Reason != ReasonWarm || d.Endpoint != db.Endpoint {
+	if d := p.Pick(request(b+"y"), set); d.Reason != ReasonWarm || d.Endpoint != db.Endpoint {
 		t.Fatalf("an unrelated prefix lost its affinity: %+v", d)
 	}
 }
@@ -235,7 +208,7 @@ func TestColdPicksAgreeAcrossReplicas(t *testing.T) {
 	used := map[*discovery.Endpoint]bool{}
 	for i := 0; i < 200; i++ {
 		req := request(system(100+i, 4096))
-		d1, d2 := answered(r1, req, set), answered(r2, req, set)
+		d1, d2 := r1.Pick(req, set), r2.Pick(req, set)
 		if d1.Endpoint != d2.Endpoint {
 			t.Fatalf("replicas disagree on a cold prefix: %s vs %s", d1.Endpoint, d2.Endpoint)
 		}
@@ -260,7 +233,7 @@ func TestExplainMatchesPickWithoutRecording(t *testing.T) {
 	if !terms[indexOf(set, d.Endpoint)].Home {
 		t.Fatalf("the cold pick is not marked as the prefix's home: %+v", terms)
 	}
-	if got := answered(p, r, set); got.Endpoint != d.Endpoint {
+	if got := p.Pick(r, set); got.Endpoint != d.Endpoint {
 		t.Fatalf("pick %s, explain said %s", got.Endpoint, d.Endpoint)
 	}
 	if _, terms := p.Explain(r, set); terms[indexOf(set, d.Endpoint)].MatchedBlocks != 4096/testBlock {
@@ -294,20 +267,17 @@ func TestSetParamsValidates(t *testing.T) {
 // BenchmarkPick: a whole decision for a 128 KiB prompt, hashing included,
 // with the index at its default capacity (1,760 blocks an endpoint);
 // "new-prefix" makes every prompt's first block distinct, so each pick
-// also assigns a home and records the chain's head; "+started" adds what
-// the proxy does once the endpoint's answer began (Started: the chain's
-// other 126 blocks inserted, as many evicted), the whole bookkeeping of a
-// new prompt.
+// also assigns a home and records the whole new chain (128 blocks
+// inserted, as many evicted).
 func BenchmarkPick(b *testing.B) {
 	text := system(1, 128<<10)
 	for _, n := range []int{8, 64, 1000} {
-		b.Run(fmt.Sprintf("endpoints-%d", n), func(b *testing.B) { benchmarkPick(b, n, false, false, text) })
-		b.Run(fmt.Sprintf("endpoints-%d/new-prefix", n), func(b *testing.B) { benchmarkPick(b, n, true, false, text) })
-		b.Run(fmt.Sprintf("endpoints-%d/new-prefix+started", n), func(b *testing.B) { benchmarkPick(b, n, true, true, text) })
+		b.Run(fmt.Sprintf("endpoints-%d", n), func(b *testing.B) { benchmarkPick(b, n, false, text) })
+		b.Run(fmt.Sprintf("endpoints-%d/new-prefix", n), func(b *testing.B) { benchmarkPick(b, n, true, text) })
 	}
 }
 
-func benchmarkPick(b *testing.B, n int, fresh, started bool, text string) {
+func benchmarkPick(b *testing.B, n int, fresh bool, text string) {
 	set := testSet(b, n)
 	p := NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1760, MaxEntries: 4_000_000}), testBlock, DefaultPrefixParams())
 	var h prefix.Hasher
@@ -326,9 +296,6 @@ func benchmarkPick(b *testing.B, n int, fresh, started bool, text string) {
 		d := p.Pick(r, set)
 		if d.Endpoint == nil {
 			b.Fatal("no pick")
-		}
-		if started {
-			p.Started(d, r.Hashes)
 		}
 	}
 }
@@ -365,12 +332,12 @@ func TestForgottenPrefixReturnsHome(t *testing.T) {
 	set := testSet(t, 4)
 	p := newTestPrefix(DefaultPrefixParams())
 	sys := system(20, 8192)
-	home := answered(p, request(sys+"a"), set).Endpoint
+	home := p.Pick(request(sys+"a"), set).Endpoint
 	p.Index().Forget(home.ID)
 	// Busier than the others, not saturated: 0.1 s of prefill queued, which
 	// with the recompute would send a truly cold prefix to an idle endpoint.
 	defer occupy(home, 3, 2000)()
-	if d := answered(p, request(sys+"b"), set); d.Endpoint != home || d.Reason != ReasonCold {
+	if d := p.Pick(request(sys+"b"), set); d.Endpoint != home || d.Reason != ReasonCold {
 		t.Fatalf("forgotten prefix went to %s (%s), want its home %s", d.Endpoint, d.Reason, home)
 	}
 	p.Forget(home.ID) // the endpoint left, or its engine restarted
@@ -385,7 +352,7 @@ func TestSpillNeedsKVRoom(t *testing.T) {
 	set := testSet(t, 3)
 	p := newTestPrefix(DefaultPrefixParams())
 	sys := system(30, 16384)
-	warm := answered(p, request(sys+"a"), set).Endpoint
+	warm := p.Pick(request(sys+"a"), set).Endpoint
 	defer occupy(warm, 50, 40_000)() // two seconds of prefill queued
 	var others []*discovery.Endpoint
 	for _, e := range set.Endpoints {
@@ -394,11 +361,11 @@ func TestSpillNeedsKVRoom(t *testing.T) {
 			e.SetEngine(&discovery.EngineStats{Engine: "vllm", KVUsage: 0.95, At: time.Now()})
 		}
 	}
-	if d := answered(p, request(sys+"b"), set); d.Endpoint != warm || d.Reason != ReasonWarm {
+	if d := p.Pick(request(sys+"b"), set); d.Endpoint != warm || d.Reason != ReasonWarm {
 		t.Fatalf("spilled into a full cache: %+v", d)
 	}
 	others[1].SetEngine(&discovery.EngineStats{Engine: "vllm", KVUsage: 0.3, At: time.Now()})
-	if d := answered(p, request(sys+"c"), set); d.Endpoint != others[1] || d.Reason != ReasonSpill {
+	if d := p.Pick(request(sys+"c"), set); d.Endpoint != others[1] || d.Reason != ReasonSpill {
 		t.Fatalf("did not spill to the endpoint with room: %+v", d)
 	}
 }
@@ -439,13 +406,13 @@ func TestReplicasAgree(t *testing.T) {
 	rng := rand.New(rand.NewPCG(5, 6))
 	for i := range 64 * 30 {
 		g := rng.IntN(64)
-		answered(replicas[rng.IntN(len(replicas))], request(system(1000+g, 8192)+fmt.Sprint(i)), set)
+		replicas[rng.IntN(len(replicas))].Pick(request(system(1000+g, 8192)+fmt.Sprint(i)), set)
 	}
 	load := map[*discovery.Endpoint]int{}
 	for g := range 64 {
 		var first *discovery.Endpoint
 		for i, p := range replicas {
-			d := answered(p, request(system(1000+g, 8192)+"final"), set)
+			d := p.Pick(request(system(1000+g, 8192)+"final"), set)
 			if i == 0 {
 				first = d.Endpoint
 				load[first]++
@@ -467,7 +434,7 @@ func TestEngineCacheMakesAKeyRecur(t *testing.T) {
 	set := testSet(t, 4)
 	p := newTestPrefix(DefaultPrefixParams())
 	r := request(system(50, 8192) + "q")
-	d := answered(p, r, set)
+	d := p.Pick(r, set)
 	p.Learn(d, r.PromptBytes, r.PromptTokens, 16) // a block's worth of a shared preamble
 	if p.Homes() != 0 {
 		t.Fatalf("%d recurring keys after a report of 16 cached tokens", p.Homes())
@@ -486,7 +453,7 @@ func TestSpillWeighsTheStallItCauses(t *testing.T) {
 	set := testSet(t, 3)
 	p := newTestPrefix(DefaultPrefixParams())
 	sys := system(40, 16384) // 4k tokens: 0.2 s to recompute
-	warm := answered(p, request(sys+"a"), set).Endpoint
+	warm := p.Pick(request(sys+"a"), set).Endpoint
 	defer occupy(warm, 1, 10_000)() // 0.5 s of prefill queued
 	var releases []func()
 	for _, e := range set.Endpoints {
@@ -494,12 +461,12 @@ func TestSpillWeighsTheStallItCauses(t *testing.T) {
 			releases = append(releases, occupy(e, 5, 0)) // 5 running: a spill stalls them 1 s
 		}
 	}
-	if d := answered(p, request(sys+"b"), set); d.Endpoint != warm || d.Reason != ReasonWarm {
+	if d := p.Pick(request(sys+"b"), set); d.Endpoint != warm || d.Reason != ReasonWarm {
 		t.Fatalf("spilled onto running batches: %+v", d)
 	}
 	releases[0]()
 	defer releases[1]()
-	if d := answered(p, request(sys+"c"), set); d.Endpoint == warm || d.Reason != ReasonSpill {
+	if d := p.Pick(request(sys+"c"), set); d.Endpoint == warm || d.Reason != ReasonSpill {
 		t.Fatalf("did not spill to the endpoint with nothing running: %+v", d)
 	}
 }
@@ -519,12 +486,12 @@ func TestPrefixStaysWhereItsFirstRequestWent(t *testing.T) {
 		}
 	}
 	release := occupy(busy, 2, 40_000) // 2 s of prefill queued
-	first := answered(p, request(sys+"a"), set)
+	first := p.Pick(request(sys+"a"), set)
 	release()
 	if first.Endpoint == busy || first.Reason != ReasonCold {
 		t.Fatalf("a new prefix queued behind its busy home: %+v", first)
 	}
-	if d := answered(p, request(sys+"b"), set); d.Endpoint != first.Endpoint || d.Reason != ReasonWarm {
+	if d := p.Pick(request(sys+"b"), set); d.Endpoint != first.Endpoint || d.Reason != ReasonWarm {
 		t.Fatalf("the second request went to %s (%s), not where the prefix is cached (%s)", d.Endpoint, d.Reason, first.Endpoint)
 	}
 }
@@ -540,7 +507,7 @@ func TestRouterAloneKeepsPrefixesWhereCached(t *testing.T) {
 	moved := 0
 	for i := range 64 * 8 {
 		g := rng.IntN(64)
-		d := answered(p, request(system(2000+g, 8192)+fmt.Sprint(i)), set)
+		d := p.Pick(request(system(2000+g, 8192)+fmt.Sprint(i)), set)
 		if w, ok := where[g]; ok && w != d.Endpoint {
 			moved++
 		}
@@ -589,9 +556,9 @@ func TestShortGroupPrefixStaysTogether(t *testing.T) {
 	set := testSet(t, 4)
 	p := newTestPrefix(DefaultPrefixParams())
 	sys := system(6, 1843)
-	first := answered(p, request(sys+system(100, 300)), set)
+	first := p.Pick(request(sys+system(100, 300)), set)
 	for i := 1; i < 12; i++ {
-		if d := answered(p, request(sys+system(100+i, 300)), set); d.Endpoint != first.Endpoint || d.Reason != ReasonWarm {
+		if d := p.Pick(request(sys+system(100+i, 300)), set); d.Endpoint != first.Endpoint || d.Reason != ReasonWarm {
 			t.Fatalf("prompt %d of the group: %+v, want warm on %s", i, d, first.Endpoint.URL)
 		}
 	}

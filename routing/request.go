@@ -122,11 +122,6 @@ type Decision struct {
 	// prompts of this router's at pick time: the engine's cached-token
 	// report for this request may then reflect that race, not evictions.
 	Contended bool
-	// Deferred is true when Pick recorded only the head of the request's
-	// chain in the index (the prefix policy, for a prompt warm nowhere);
-	// the proxy has the rest recorded with Starter.Started once the
-	// endpoint's answer began.
-	Deferred bool
 	// branch is true when PrefixKey is a conversation's own key (a branch
 	// of a chained family, see homes.family).
 	branch bool

@@ -68,9 +68,9 @@ func TestBatchLimitMakesTheWarmEndpointSpill(t *testing.T) {
 			set := learnedSet(t, 3, slowEngine)
 			p := newTestPrefix(tc.params)
 			sys := system(60, 8192)
-			warm := answered(p, request(sys+"a"), set).Endpoint
+			warm := p.Pick(request(sys+"a"), set).Endpoint
 			defer occupy(warm, 10, 0)() // 10 running or waiting
-			d := answered(p, request(sys+"b"), set)
+			d := p.Pick(request(sys+"b"), set)
 			if d.Reason != tc.want || (d.Endpoint == warm) != (tc.want == ReasonWarm) {
 				t.Fatalf("%+v, want %s", d, tc.want)
 			}
@@ -111,10 +111,10 @@ func TestColdPromptsAvoidABusyHome(t *testing.T) {
 			defer occupy(e, 10, 3000)()
 		}
 	}
-	if d := answered(p, r, set); d.Endpoint == nil || d.Endpoint.URL == busy || d.Reason != ReasonCold {
+	if d := p.Pick(r, set); d.Endpoint == nil || d.Endpoint.URL == busy || d.Reason != ReasonCold {
 		t.Errorf("a new prompt queued on its busy home: %+v", d)
 	}
-	if d := answered(p, other, set); d.Endpoint == nil || !d.Home || d.Reason != ReasonCold {
+	if d := p.Pick(other, set); d.Endpoint == nil || !d.Home || d.Reason != ReasonCold {
 		t.Errorf("a new prompt left an idle home: %+v", d)
 	}
 }

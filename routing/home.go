@@ -96,7 +96,7 @@ func (l *lows) add(d uint16) {
 
 // familyRing is how many of a key's recent requests tell whether its family
 // is chained; familyWindow is how many requests a new branch is expected
-// within (the shared depth is the least match of the last one to two
+// within (the shared depth is the second least match of the last one to two
 // windows, so a depth that was low by accident is forgotten after two).
 const (
 	familyRing   = 16
@@ -176,18 +176,18 @@ func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, se
 // returns what the key's requests say of it: shared, the depth they have in
 // common (the second least deepest match in the last one to two windows of
 // familyWindow requests: a request that begins a new branch matches exactly
-// the shared part, and one request alone matching less is taken for the
-// race it most likely is — it followed a new prompt whose pick recorded
-// only the prompt's first MinMatchBlocks, before its answer recorded the
-// rest; taken for the shared part, it gave three replicas' conversations
-// one key, the shared prompt's second block), and chained, true when most of its last familyRing
-// requests (at least half, of at least four) matched deeper than that, at
-// three depths or more, i.e. extended an earlier request of their own
-// branch. That is a conversation resending its history under a system
-// prompt common to many conversations; the requests of a shared-prefix
-// group (questions, documents) each branch off at the shared depth and are
-// never extended, so their family is not chained. With see unset (/debug/route) nothing
-// is recorded; the answer is as if it were.
+// the shared part, and one request alone matching less is an accident —
+// while picks recorded a new prompt's first block only, until its answer
+// began, the request that followed it matched one block, and taken for the
+// shared part that gave three replicas' conversations one key, the shared
+// prompt's second block), and chained, true when most of its last
+// familyRing requests (at least half, of at least four) matched deeper
+// than that, at three depths or more, i.e. extended an earlier request of
+// their own branch. That is a conversation resending its history under a
+// system prompt common to many conversations; the requests of a
+// shared-prefix group (questions, documents) each branch off at the shared
+// depth and are never extended, so their family is not chained. With see
+// unset (/debug/route) nothing is recorded; the answer is as if it were.
 func (h *homes) family(key uint64, deepest, minMatch int, see bool) (shared int, chained bool) {
 	h.mu.Lock()
 	defer h.mu.Unlock()

@@ -88,8 +88,9 @@ type Prefix struct {
 	// learned from the engines' prompt_tokens; 4 until then.
 	bpt atomic.Uint64
 	// foreign is the share of the engines' requests that are not this
-	// router's (math.Float64bits; a moving average over decisions with
-	// fresh scrapes): other router replicas, or other clients.
+	// router's (math.Float64bits; learned over decisions with fresh
+	// scrapes, see learnForeign): other router replicas, or other clients.
+	// foreignSamples counts those decisions.
 	foreign        atomic.Uint64
 	foreignSamples atomic.Uint64
 

@@ -84,14 +84,24 @@ type homeKey struct {
 // lows are the two least depths of a window, least first; 0 is none.
 type lows [2]uint16
 
-// add takes one depth (at least 1) into l.
+// add takes one depth into l (0, none, changes nothing).
 func (l *lows) add(d uint16) {
 	switch {
+	case d == 0:
 	case l[0] == 0 || d < l[0]:
 		l[0], l[1] = d, l[0]
 	case l[1] == 0 || d < l[1]:
 		l[1] = d
 	}
+}
+
+// second returns the second least depth of l, or the least when l holds
+// one; 0 when none.
+func (l lows) second() uint16 {
+	if l[1] > 0 {
+		return l[1]
+	}
+	return l[0]
 }
 
 // familyRing is how many of a key's recent requests tell whether its family
@@ -211,15 +221,9 @@ func (h *homes) family(key uint64, deepest, minMatch int, see bool) (shared int,
 		return 0, false
 	}
 	both := v.low[1]
-	for _, d := range v.low[0] {
-		if d > 0 {
-			both.add(d)
-		}
-	}
-	shared = int(both[0])
-	if both[1] > 0 {
-		shared = int(both[1])
-	}
+	both.add(v.low[0][0])
+	both.add(v.low[0][1])
+	shared = int(both.second())
 	// deeper: the recent requests that matched deeper than the shared
 	// part; at several depths (a conversation's turn matches its own last
 	// turn), not all at one (the shared part of another group that begins

@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvroute/kvroute/bench/load"
 	"github.com/kvroute/kvroute/bench/scenario"
+	"github.com/kvroute/kvroute/bench/sim"
 )
 
 // pressureFamily returns the workload a pressure scenario belongs to
@@ -57,7 +58,7 @@ func writePressureCharts(dir string, reps []*scenario.Report) ([]string, error) 
 			return files, err
 		}
 		name := "pressure-" + fam
-		if prof != "h100-8b" {
+		if prof != sim.DefaultProfile {
 			name += "-" + strings.ReplaceAll(prof, "/", "-")
 		}
 		path := filepath.Join(dir, name+".png")

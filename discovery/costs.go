@@ -112,7 +112,9 @@ const (
 	// share of each new sample.
 	meanRate = 0.05
 	// limitWindow is how many saturated scrapes the batch limit is the
-	// maximum of.
+	// maximum of. Routing takes the limit from the first such scrape;
+	// the fit leaves samples out past it only once minLimitSamples
+	// scrapes confirmed it (see limit).
 	limitWindow     = 32
 	minLimitSamples = 3
 	// kvBoundUsage: a scrape with requests waiting at this KV usage or
@@ -173,7 +175,7 @@ func (c *calibrator) observe(ttfb, decode time.Duration, own, ahead, inFlight in
 	c.prefillTokens = mean(c.prefillTokens, float64(own), c.streamN)
 	// Past the batch limit a request also waits for a place in the batch,
 	// which the fit does not model: such samples would bias the rate.
-	if l := c.limit(); l == 0 || inFlight < int64(l) {
+	if l := c.limit(minLimitSamples); l == 0 || inFlight < int64(l) {
 		c.fit.add([features]float64{1, float64(own) / tokenUnit, float64(ahead) / tokenUnit, float64(inFlight) / inFlightUnit}, ttfb.Seconds())
 	}
 	c.publish()
@@ -222,11 +224,17 @@ func (c *calibrator) restart() {
 }
 
 // limit returns the batch limit: the largest running count of the last
-// limitWindow saturated scrapes; 0 until minLimitSamples scrapes showed
-// one (a single scrape with a queue is as likely a burst waiting for the
-// token budget as a full batch).
-func (c *calibrator) limit() int {
-	if c.limitN < minLimitSamples {
+// limitWindow saturated scrapes; 0 until n scrapes showed one. Routing
+// (Costs.BatchLimit) takes it from the first: on an engine whose batch is
+// small, the requests a router keeps sending to a warm endpoint while it
+// waits for more scrapes each queue for a whole decode time (llm-d's
+// simulator, 9 sequences: ten requests 1.7–2.1 s in the first 3 s of the
+// hot prefix, issue #24), while a limit read too low from a burst waiting
+// for the token budget only spreads requests until a full batch shows the
+// true one. The fit leaves out samples past the limit once three scrapes
+// showed it: a spurious limit there loses the samples the fit needs.
+func (c *calibrator) limit(n int) int {
+	if c.limitN < n {
 		return 0
 	}
 	l := 0
@@ -249,7 +257,7 @@ func (c *calibrator) publish() {
 		DecodeStepSec:       c.stepSec,
 		DecodeSec:           c.decodeSec,
 		PrefillTokens:       c.prefillTokens,
-		BatchLimit:          c.limit(),
+		BatchLimit:          c.limit(1),
 		TTFTSamples:         c.fit.n,
 		DecodeSamples:       c.streamN,
 		StepSamples:         c.stepN,
@@ -257,6 +265,7 @@ func (c *calibrator) publish() {
 	}
 	if c.fleet != nil {
 		c.fleet.update(c, s)
+		return
 	}
 	c.out.Store(s)
 }
@@ -265,7 +274,9 @@ func (c *calibrator) publish() {
 // endpoint not measured yet can use its peers' values: a batch limit is
 // learned only once an engine saturates, and until then the others' limit
 // is a better guess than none. Safe for concurrent use; a calibrator's
-// mutex may be held when calling it, never the other way round.
+// mutex may be held when calling it, never the other way round. Every
+// snapshot of a fleet's endpoints is published under its mutex, so that
+// one endpoint's publishing its peers' cannot race with their own.
 type fleetCosts struct {
 	mu       sync.Mutex
 	measured map[*calibrator]Costs
@@ -273,12 +284,41 @@ type fleetCosts struct {
 
 func newFleetCosts() *fleetCosts { return &fleetCosts{measured: map[*calibrator]Costs{}} }
 
-// update records s as c's own measurements and fills the fields c has not
-// measured with the median of the others'.
+// update records s as c's own measurements, fills the fields c has not
+// measured with the median of the others' and publishes s. When c has just
+// measured a field for the first time, the peers that take it from the
+// fleet are published again at once, not at their own next observation: a
+// scrape interval later. Meanwhile a peer past its batch limit looked free
+// for want of a decode time, and took requests that queued for a place
+// (the hot prefix on llm-d's simulator, issue #24).
 func (f *fleetCosts) update(c *calibrator, s *Costs) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	prev := f.measured[c]
 	f.measured[c] = *s
+	f.fill(s)
+	c.out.Store(s)
+	if !firstMeasured(prev, *s) {
+		return
+	}
+	for o, own := range f.measured {
+		if o != c {
+			f.fill(&own)
+			o.out.Store(&own)
+		}
+	}
+}
+
+// firstMeasured reports whether now has a value of a field the fleet
+// shares (fill) that was unmeasured in prev.
+func firstMeasured(prev, now Costs) bool {
+	return prev.BatchLimit == 0 && now.BatchLimit > 0 || prev.DecodeStepSec == 0 && now.DecodeStepSec > 0 ||
+		prev.DecodeSec == 0 && now.DecodeSec > 0
+}
+
+// fill fills the fields s has not measured with the median of the fleet's
+// measurements. f.mu is held.
+func (f *fleetCosts) fill(s *Costs) {
 	if s.BatchLimit == 0 {
 		if v := f.median(func(o Costs) float64 { return float64(o.BatchLimit) }); v > 0 {
 			s.BatchLimit, s.FromFleet = int(v), append(s.FromFleet, "batch_limit")

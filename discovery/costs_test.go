@@ -132,8 +132,10 @@ func TestCalibrationFromEngineScrapes(t *testing.T) {
 	}
 	c.observeEngine(10+0.02*500, 1500, true, 8, 2, 0.5, 0) // 500 tokens at 20 ms
 	c.observeEngine(20+0.03*500, 2000, true, 6, 1, 0.5, 0) // 500 tokens at 30 ms
-	if got := out.Load(); got.BatchLimit != 0 {
-		t.Errorf("a limit from %d saturated scrapes: %+v", got.LimitSamples, got)
+	// Routing takes the limit from the first saturated scrape; the fit
+	// leaves samples out past it only once three showed it.
+	if got := out.Load(); got.BatchLimit != 8 || c.limit(minLimitSamples) != 0 {
+		t.Errorf("after %d saturated scrapes the limit is %d for routing, %d for the fit", got.LimitSamples, got.BatchLimit, c.limit(minLimitSamples))
 	}
 	c.observeEngine(20+0.03*500, 2000, true, 7, 1, 0.5, 0) // no tokens, a third queue
 	got := out.Load()
@@ -214,11 +216,17 @@ func TestUnmeasuredEndpointsUseTheFleetsMedian(t *testing.T) {
 	if got.BatchLimit != 8 || got.DecodeStepSec != 0.02 || len(got.FromFleet) != 2 {
 		t.Errorf("from the fleet: %+v", got)
 	}
-	for range minLimitSamples {
-		cs[3].observeEngine(0, 0, false, 12, 1, 0.5, 0)
-	}
+	cs[3].observeEngine(0, 0, false, 12, 1, 0.5, 0)
 	if got := outs[3].Load(); got.BatchLimit != 12 || slices.Contains(got.FromFleet, "batch_limit") {
 		t.Errorf("own measurement: %+v", got)
+	}
+	// The first decode time measured anywhere reaches the peers at once,
+	// not at their next scrape.
+	cs[0].observe(30*time.Millisecond, 2*time.Second, 300, 0, 0)
+	for i := 1; i < len(cs); i++ {
+		if got := outs[i].Load(); got.DecodeSec != 2 || !slices.Contains(got.FromFleet, "decode_sec") || got.BatchLimit != []int{8, 16, 12}[i-1] {
+			t.Errorf("endpoint %d after a peer's first decode time: %+v", i, got)
+		}
 	}
 	fleet.forget(cs[2])
 	if len(fleet.measured) != 3 {

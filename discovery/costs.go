@@ -56,8 +56,11 @@ type Costs struct {
 	// compute, as the policy estimated them (0: unknown).
 	PrefillTokens float64 `json:"prefill_tokens_per_request"`
 	// BatchLimit is the most requests the engine was seen running while
-	// others waited (0: never seen saturated).
+	// others waited (0: never seen saturated, or seen running more since).
 	BatchLimit int `json:"batch_limit"`
+	// PeakRunning is the most requests a scrape showed the engine running
+	// since it (re)started: no batch limit is below it.
+	PeakRunning int `json:"peak_running"`
 	// FromFleet names the fields above that were not measured on this
 	// endpoint yet and are the median of the other endpoints of its fleet
 	// instead (pods behind one Service usually run one configuration):
@@ -145,6 +148,9 @@ type calibrator struct {
 	// The running counts of the last saturated scrapes, a ring.
 	limits [limitWindow]int
 	limitN int
+	// peak is the most requests any scrape showed running since the
+	// engine (re)started: no batch limit is below it.
+	peak int64
 	// The inter-token latency histogram at the last scrape.
 	lastITLSum, lastITLCount float64
 	haveITL                  bool
@@ -206,6 +212,7 @@ func (c *calibrator) observeEngine(itlSum, itlCount float64, itlOK bool, running
 	// the endpoint computes on average.
 	kvFull := kvUsage >= kvBoundUsage ||
 		kvTokens > 0 && (1-kvUsage)*float64(kvTokens) < 2*c.prefillTokens
+	c.peak = max(c.peak, running)
 	if waiting > 0 && running > 0 && !kvFull {
 		c.limits[c.limitN%limitWindow] = int(min(running, math.MaxInt32))
 		c.limitN++
@@ -219,20 +226,30 @@ func (c *calibrator) observeEngine(itlSum, itlCount float64, itlOK bool, running
 func (c *calibrator) restart() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	c.haveITL, c.limitN = false, 0
+	c.haveITL, c.limitN, c.peak = false, 0, 0
 	c.publish()
 }
 
 // limit returns the batch limit: the largest running count of the last
-// limitWindow saturated scrapes; 0 until n scrapes showed one. Routing
-// (Costs.BatchLimit) takes it from the first: on an engine whose batch is
-// small, the requests a router keeps sending to a warm endpoint while it
-// waits for more scrapes each queue for a whole decode time (llm-d's
-// simulator, 9 sequences: ten requests 1.7–2.1 s in the first 3 s of the
-// hot prefix, issue #24), while a limit read too low from a burst waiting
-// for the token budget only spreads requests until a full batch shows the
-// true one. The fit leaves out samples past the limit once three scrapes
-// showed it: a spurious limit there loses the samples the fit needs.
+// limitWindow saturated scrapes; 0 until n scrapes showed one, and 0 while
+// it is below the most requests the engine was seen running (peak).
+//
+// Requests also wait with KV to spare when a burst of prompts exceeds the
+// engine's token budget per step (vLLM's max_num_batched_tokens): such a
+// scrape shows a queue behind fewer requests than the batch holds. On
+// bench/sim under multi-turn load they gave "limits" of 3–5 where the
+// engine had run more, and the wait model then priced a warm home past
+// its "limit" and spilled its conversations. A full batch shows the same
+// count every time it fills, never exceeded, so the peak tells the two
+// apart: a real limit is the most the engine ever runs.
+//
+// Routing (Costs.BatchLimit) takes the limit from the first saturated
+// scrape: on an engine whose batch is small, the requests a router keeps
+// sending to a warm endpoint while it waits for more scrapes each queue for
+// a whole decode time (llm-d's simulator, 9 sequences: ten requests
+// 1.7–2.1 s in the first 3 s of the hot prefix, issue #24). The fit leaves
+// out samples past the limit only once three scrapes showed it: a spurious
+// limit there loses the samples the fit needs.
 func (c *calibrator) limit(n int) int {
 	if c.limitN < n {
 		return 0
@@ -240,6 +257,9 @@ func (c *calibrator) limit(n int) int {
 	l := 0
 	for i := range min(c.limitN, limitWindow) {
 		l = max(l, c.limits[i])
+	}
+	if int64(l) < c.peak {
+		return 0
 	}
 	return l
 }
@@ -258,6 +278,7 @@ func (c *calibrator) publish() {
 		DecodeSec:           c.decodeSec,
 		PrefillTokens:       c.prefillTokens,
 		BatchLimit:          c.limit(1),
+		PeakRunning:         int(min(c.peak, math.MaxInt32)),
 		TTFTSamples:         c.fit.n,
 		DecodeSamples:       c.streamN,
 		StepSamples:         c.stepN,
@@ -320,7 +341,8 @@ func firstMeasured(prev, now Costs) bool {
 // measurements. f.mu is held.
 func (f *fleetCosts) fill(s *Costs) {
 	if s.BatchLimit == 0 {
-		if v := f.median(func(o Costs) float64 { return float64(o.BatchLimit) }); v > 0 {
+		// The peers' limit, unless this engine has run more.
+		if v := f.median(func(o Costs) float64 { return float64(o.BatchLimit) }); v > 0 && int(v) >= s.PeakRunning {
 			s.BatchLimit, s.FromFleet = int(v), append(s.FromFleet, "batch_limit")
 		}
 	}

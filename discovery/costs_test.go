@@ -148,7 +148,8 @@ func TestCalibrationFromEngineScrapes(t *testing.T) {
 	c.observeEngine(30+0.03*500, 2500, true, 20, 5, 0.95, 0) // waiting for KV, not for a place
 	c.prefillTokens = 2000
 	c.observeEngine(30+0.03*500, 2500, true, 20, 5, 0.85, 20000) // 3,000 tokens free: not two prompts
-	if got := out.Load(); got.BatchLimit != 8 {
+	// Neither is a limit of 20, and an engine running 20 has no limit of 8.
+	if got := out.Load(); got.BatchLimit != 0 {
 		t.Errorf("a full cache taken for a batch limit: %+v", got)
 	}
 	c.restart()
@@ -160,6 +161,22 @@ func TestCalibrationFromEngineScrapes(t *testing.T) {
 	c.observeEngine(1+0.01*100, 200, true, 3, 0, 0.5, 0)
 	if got := out.Load(); got.StepSamples != 4 || got.DecodeStepSec >= 0.0267 {
 		t.Errorf("no new sample after the restart: %+v", got)
+	}
+}
+
+// A queue behind fewer requests than the engine has been seen running is
+// a burst waiting for the token budget, not a full batch; a full batch is
+// a limit from its first scrape.
+func TestBatchLimitIsNeverBelowWhatRan(t *testing.T) {
+	c, out := newTestCalibrator(20000)
+	c.observeEngine(0, 0, false, 8, 0, 0.3, 0) // 8 running, nothing waiting
+	c.observeEngine(0, 0, false, 4, 3, 0.3, 0) // a burst over the token budget
+	if got := out.Load(); got.BatchLimit != 0 {
+		t.Fatalf("a burst behind 4 taken for a limit, where 8 ran: %+v", got)
+	}
+	c.observeEngine(0, 0, false, 9, 2, 0.4, 0) // a full batch
+	if got := out.Load(); got.BatchLimit != 9 || c.limit(minLimitSamples) != 0 {
+		t.Fatalf("limit %d for routing after one full batch (want 9), %d for the fit (want 0)", got.BatchLimit, c.limit(minLimitSamples))
 	}
 }
 
@@ -228,6 +245,14 @@ func TestUnmeasuredEndpointsUseTheFleetsMedian(t *testing.T) {
 			t.Errorf("endpoint %d after a peer's first decode time: %+v", i, got)
 		}
 	}
+	// An engine seen running more than the peers' limit does not take it.
+	var bigOut atomic.Pointer[Costs]
+	big := newCalibrator(CalibrationConfig{}, &bigOut, fleet)
+	big.observeEngine(0, 0, false, 20, 0, 0.5, 0)
+	if got := bigOut.Load(); got.BatchLimit != 0 || got.PeakRunning != 20 {
+		t.Errorf("an engine that ran 20 took the fleet's limit: %+v", got)
+	}
+	fleet.forget(big)
 	fleet.forget(cs[2])
 	if len(fleet.measured) != 3 {
 		t.Errorf("%d endpoints after one left", len(fleet.measured))

@@ -36,6 +36,7 @@ type Index struct {
 	epoch      time.Time
 
 	evictions, expiries atomic.Uint64
+	drops               atomic.Uint64 // claims removed by engine events (Drop)
 	sink                uint64 // keeps table.touch's loads
 }
 
@@ -64,6 +65,10 @@ type lru struct {
 	id         uint64
 	cap        int // configured capacity
 	eff        int // effective capacity: cap, lowered by Correct when the engine holds less
+	// truth is set while the endpoint's engine publishes KV events
+	// (SetTruth): its evictions arrive as events, so Correct leaves its
+	// capacity alone and the LRU keeps truthHeadroom × cap.
+	truth bool
 	nodes      []node
 	head, tail int32
 	free       int32
@@ -217,6 +222,9 @@ func (x *Index) SetCapacity(id uint64, blocks int) {
 	s := x.slot(id)
 	l := x.slots[s]
 	l.cap, l.eff = blocks, blocks
+	if l.truth {
+		l.eff = blocks * truthHeadroom
+	}
 	for l.n > x.capOf(l) {
 		x.evictTail(s)
 	}
@@ -237,6 +245,9 @@ func (x *Index) Correct(id uint64, over bool) int {
 		return 0
 	}
 	l := x.slots[s]
+	if l.truth {
+		return l.eff
+	}
 	if over {
 		l.eff = max(l.eff-l.eff/10, min(l.cap, 64))
 		for l.n > x.capOf(l) {
@@ -246,6 +257,72 @@ func (x *Index) Correct(id uint64, over bool) int {
 		l.eff = min(l.cap, l.eff+max(1, l.cap/100))
 	}
 	return l.eff
+}
+
+// truthHeadroom is how much more than its modelled capacity an endpoint's
+// LRU keeps while its engine's events say what it evicted: the capacity in
+// index blocks is an estimate (KV tokens × learned bytes per token), and
+// the index must not forget before the engine does. The LRU stays as a
+// bound on claims no event confirms (a request that never ran).
+const truthHeadroom = 2
+
+// SetTruth switches endpoint id between learning (off: the LRU models the
+// engine's capacity and Correct shrinks it on over-claims) and engine
+// truth (on: the engine's KV events remove what it evicted, through Drop,
+// and the LRU is only a bound, truthHeadroom × its capacity).
+func (x *Index) SetTruth(id uint64, on bool) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	s := x.slot(id)
+	l := x.slots[s]
+	if l.truth == on {
+		return
+	}
+	l.truth = on
+	if on {
+		l.eff = l.cap * truthHeadroom
+		return
+	}
+	l.eff = l.cap
+	for l.n > x.capOf(l) {
+		x.evictTail(s)
+	}
+}
+
+// Drop removes endpoint id's claim on each of hashes (its engine evicted
+// them). It returns how many claims it removed.
+func (x *Index) Drop(id uint64, hashes ...uint64) int {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	s, ok := x.slotOf[id]
+	if !ok {
+		return 0
+	}
+	n := 0
+	for _, h := range hashes {
+		at := x.owners.find(h)
+		if at < 0 {
+			continue
+		}
+		if k := x.owners.ownerOf(at, s); k >= 0 {
+			x.unlink(at, k)
+			n++
+		}
+	}
+	x.drops.Add(uint64(n))
+	return n
+}
+
+// Holds reports whether endpoint id is shown holding hash h.
+func (x *Index) Holds(id uint64, h uint64) bool {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	s, ok := x.slotOf[id]
+	if !ok {
+		return false
+	}
+	at := x.owners.find(h)
+	return at >= 0 && x.owners.ownerOf(at, s) >= 0
 }
 
 // Forget removes every claim of endpoint id (it left, or its engine
@@ -264,6 +341,7 @@ type IndexStats struct {
 	Bytes     int    // estimated heap bytes
 	Evictions uint64 // entries evicted by capacity
 	Expiries  uint64 // hashes expired by TTL
+	Drops     uint64 // entries removed by the engines' eviction events
 }
 
 // TTL returns how long a block nobody was routed to is remembered (0:
@@ -283,6 +361,7 @@ func (x *Index) Stats() IndexStats {
 	return IndexStats{
 		Endpoints: len(x.slotOf), Hashes: x.owners.n, Entries: x.entries,
 		Bytes: slab + x.owners.bytes(), Evictions: x.evictions.Load(), Expiries: x.expiries.Load(),
+		Drops: x.drops.Load(),
 	}
 }
 

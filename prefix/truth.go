@@ -1,0 +1,469 @@
+package prefix
+
+import (
+	"encoding/binary"
+	"sync"
+	"time"
+
+	"github.com/zeebo/xxh3"
+)
+
+// Truth is engine truth about the Index: what each endpoint's engine
+// announced in its KV-cache events (blocks of tokens stored, removed,
+// everything cleared), and the links from those token blocks to the
+// Index's blocks of bytes, learned off the request path by asking an engine
+// to tokenize a prompt that was forwarded. Through the links a store
+// confirms a byte block on the endpoint, a removal drops it and a cleared
+// cache empties the endpoint, in the Index the policy already reads: the
+// decision stays one mechanism, and no tokenizer runs on the request path.
+//
+// Token blocks are keyed by kvroute's own chained hash of their token ids
+// (TokenHashes), not by the engine's block hash, so neither the engine's
+// hash algorithm nor its seed matter; an event's blocks are chained from
+// its parent block's key, which the endpoint's earlier store gave. A block
+// whose parent is unknown (evicted, or stored before the subscription)
+// starts nothing: its key cannot be computed, as a chain broken there
+// cannot be matched from its root either.
+//
+// An endpoint is on engine truth (Live) from its first event until Drop or
+// a restart; the Index then takes its evictions from the events
+// (Index.SetTruth). All methods are safe for concurrent use; one mutex
+// guards the state, taken after no other lock; the Index's calls are made
+// with it held (the Index's mutex nests inside, never the reverse).
+type Truth struct {
+	index      *Index
+	blockBytes int
+	maxBlocks  int // bound on the (block, tier) entries of all endpoints
+	now        func() time.Time
+
+	mu         sync.Mutex
+	eps        map[uint64]*engineView
+	blocks     int                 // Σ entries over eps
+	tokenBlock int                 // tokens per engine block (events' block_size)
+	links      twoGen[link]        // token key → the byte block it completes or breaks
+	linked     twoGen[bool]        // a linked chain's deepest byte block
+	pending    map[uint64]struct{} // chains being tokenized, by deepest block
+	stats      TruthStats
+}
+
+// TruthConfig configures a Truth.
+type TruthConfig struct {
+	// BlockBytes is the Index's block size in bytes of rendering.
+	BlockBytes int
+	// MaxBlocks bounds the token blocks remembered over all endpoints and
+	// tiers (an endpoint whose engine announces more than its share is
+	// dropped back to learning). Default 4,000,000 (≈ 280 MB).
+	MaxBlocks int
+	// MaxLinks bounds the token-to-byte links (default 2,000,000).
+	MaxLinks int
+	// Now is the clock (nil: time.Now).
+	Now func() time.Time
+}
+
+// TruthStats are a Truth's sizes and counters.
+type TruthStats struct {
+	Endpoints int       `json:"endpoints"`        // endpoints on engine truth
+	Blocks    [3]int    `json:"blocks_by_tier"`   // token blocks held, by tier (GPU, CPU, storage)
+	Links     int       `json:"links"`            // token blocks linked to byte blocks
+	Bytes     int       `json:"bytes"`            // estimated heap bytes
+	Confirmed uint64    `json:"confirmed"`        // byte blocks confirmed by stores or links
+	Dropped   uint64    `json:"dropped"`          // byte-block claims dropped by removals
+	Orphans   uint64    `json:"orphan_blocks"`    // stored blocks whose parent was unknown
+	Unknown   uint64    `json:"unknown_removals"` // removals of blocks never seen stored
+	Cleared   uint64    `json:"cleared"`          // caches cleared (events or restarts)
+	Overflows uint64    `json:"overflows"`        // endpoints dropped for exceeding MaxBlocks
+	LastEvent time.Time `json:"last_event"`
+}
+
+// DefaultTokenBlock is the engine block size (tokens) assumed until an
+// event states one: vLLM's default block size.
+const DefaultTokenBlock = 16
+
+// engineView is one endpoint's announced blocks.
+type engineView struct {
+	blocks map[tierHash]heldBlock // (engine hash, tier) → block
+	held   map[uint64]uint16      // token key → entries holding it (any tier)
+	last   time.Time              // the last event applied
+}
+
+type tierHash struct {
+	hash uint64
+	tier uint8
+}
+
+type heldBlock struct {
+	key  uint64 // kvroute's token key
+	refs uint16 // announcements not yet removed
+}
+
+// link ties a token block to the byte block whose rendering it ends in:
+// end marks the last token block the byte block needs (its store confirms
+// the byte block); any of them removed breaks it.
+type link struct {
+	bytes uint64
+	end   bool
+}
+
+// NewTruth returns an empty Truth over index.
+func NewTruth(index *Index, c TruthConfig) *Truth {
+	if c.MaxBlocks <= 0 {
+		c.MaxBlocks = 4_000_000
+	}
+	if c.MaxLinks <= 0 {
+		c.MaxLinks = 2_000_000
+	}
+	if c.Now == nil {
+		c.Now = time.Now
+	}
+	return &Truth{index: index, blockBytes: max(1, c.BlockBytes), maxBlocks: c.MaxBlocks, now: c.Now,
+		eps: make(map[uint64]*engineView), tokenBlock: DefaultTokenBlock,
+		links: newTwoGen[link](c.MaxLinks), linked: newTwoGen[bool](c.MaxLinks / 4),
+		pending: make(map[uint64]struct{})}
+}
+
+// TokenRoot is the key a chain of token blocks starts from: per LoRA
+// adapter ("" for the base model), as engines key an adapter's blocks
+// apart.
+func TokenRoot(lora string) uint64 { return xxh3.HashString("kvroute-tokens\x00" + lora) }
+
+// TokenKey chains one block of token ids onto parent's key.
+func TokenKey(parent uint64, tokens []uint32) uint64 {
+	var buf [64]byte
+	h := xxh3.New()
+	for len(tokens) > 0 {
+		n := min(len(tokens), len(buf)/4)
+		for i, t := range tokens[:n] {
+			binary.LittleEndian.PutUint32(buf[4*i:], t)
+		}
+		_, _ = h.Write(buf[:4*n])
+		tokens = tokens[n:]
+	}
+	return Mix64(parent ^ h.Sum64())
+}
+
+// Stored applies a BlockStored event of endpoint id: hashes are the
+// engine's keys of the blocks, in chain order, tokens their token ids
+// (blockSize per block), parent the engine key of the block before the
+// first (hasParent false at a chain's root), tier the medium (0 GPU, 1
+// CPU, 2 storage). Each stored block that ends a linked byte block
+// confirms it on the endpoint.
+func (t *Truth) Stored(id uint64, parent uint64, hasParent bool, hashes []uint64, tokens []uint32, blockSize int, lora string, tier uint8) {
+	if blockSize <= 0 || len(tokens) != len(hashes)*blockSize {
+		t.mu.Lock()
+		t.stats.Orphans += uint64(len(hashes))
+		t.mu.Unlock()
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	v := t.view(id)
+	if blockSize != t.tokenBlock {
+		// Links were cut for another block size: they no longer line up.
+		t.tokenBlock = blockSize
+		t.links.reset()
+		t.linked.reset()
+	}
+	key := TokenRoot(lora)
+	if hasParent {
+		p, ok := t.keyOf(v, parent)
+		if !ok {
+			t.stats.Orphans += uint64(len(hashes))
+			return
+		}
+		key = p
+	}
+	for i, h := range hashes {
+		key = TokenKey(key, tokens[i*blockSize:(i+1)*blockSize])
+		th := tierHash{hash: h, tier: tier}
+		b, ok := v.blocks[th]
+		if ok && b.key != key {
+			// The engine reused the hash for other tokens: the old block
+			// is gone.
+			t.release(id, v, th, b, true)
+			ok = false
+		}
+		if !ok {
+			b = heldBlock{key: key}
+			t.blocks++
+			t.stats.Blocks[min(tier, 2)]++
+			v.held[key]++
+		}
+		b.refs++
+		v.blocks[th] = b
+		if l, ok := t.links.get(key); ok && l.end {
+			t.index.Record(id, []uint64{l.bytes})
+			t.stats.Confirmed++
+		}
+	}
+	t.overflow(id, v)
+}
+
+// Removed applies a BlockRemoved event of endpoint id: hashes left tier.
+// A block no tier holds any more drops the byte block it was linked to.
+func (t *Truth) Removed(id uint64, hashes []uint64, tier uint8) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	v := t.view(id)
+	for _, h := range hashes {
+		th := tierHash{hash: h, tier: tier}
+		b, ok := v.blocks[th]
+		if !ok {
+			t.stats.Unknown++
+			continue
+		}
+		t.release(id, v, th, b, false)
+	}
+}
+
+// Cleared applies AllBlocksCleared, or an engine restart: endpoint id
+// holds nothing, in the engine's view and in the Index's.
+func (t *Truth) Cleared(id uint64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	v := t.view(id)
+	t.clearView(v)
+	t.index.Forget(id)
+	t.index.SetTruth(id, true)
+	t.stats.Cleared++
+}
+
+// Drop ends engine truth for endpoint id (its events stopped, went stale,
+// or a gap could not be replayed): what it announced is forgotten and the
+// Index learns the endpoint again from the router's own history.
+func (t *Truth) Drop(id uint64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if v, ok := t.eps[id]; ok {
+		t.clearView(v)
+		delete(t.eps, id)
+	}
+	t.index.SetTruth(id, false)
+}
+
+// Live reports whether endpoint id is on engine truth, and when its last
+// event was applied.
+func (t *Truth) Live(id uint64) (bool, time.Time) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	v, ok := t.eps[id]
+	if !ok {
+		return false, time.Time{}
+	}
+	return true, v.last
+}
+
+// NeedsLink reports whether the chain hashes (a prompt's byte blocks)
+// should be tokenized: its deepest block is not linked, and no
+// tokenization of it is under way. A true answer marks it under way until
+// Link or Unlinked.
+func (t *Truth) NeedsLink(hashes []uint64) bool {
+	if len(hashes) == 0 {
+		return false
+	}
+	deepest := hashes[len(hashes)-1]
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if len(t.eps) == 0 {
+		return false // no engine publishes: links would serve nothing
+	}
+	if _, ok := t.linked.get(deepest); ok {
+		return false
+	}
+	if _, ok := t.pending[deepest]; ok || len(t.pending) >= maxPendingLinks {
+		return false
+	}
+	t.pending[deepest] = struct{}{}
+	return true
+}
+
+// maxPendingLinks bounds the chains being tokenized at once (the
+// tokenizer's queue drops the rest; they are asked again when they recur).
+const maxPendingLinks = 1024
+
+// Unlinked ends a tokenization of hashes that failed; the chain may be
+// asked for again.
+func (t *Truth) Unlinked(hashes []uint64) {
+	if len(hashes) == 0 {
+		return
+	}
+	t.mu.Lock()
+	delete(t.pending, hashes[len(hashes)-1])
+	t.mu.Unlock()
+}
+
+// Link learns how the byte blocks hashes of a prompt whose rendering is
+// promptBytes long line up with the engine's tokens of it (for the LoRA
+// adapter lora, "" for the base model), and confirms every byte block the
+// endpoints' engines already hold. Byte block i ends at byte
+// (i+1)·BlockBytes, placed among the tokens in proportion (the engine's
+// rendering, chat template included, and the Index's differ by a few
+// tokens at most, a small part of a block of bytes); it is linked to the
+// token blocks from the one after the previous byte block's end to the
+// last token block wholly before its own end.
+func (t *Truth) Link(lora string, hashes []uint64, promptBytes int, tokens []uint32) {
+	if len(hashes) == 0 {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	delete(t.pending, hashes[len(hashes)-1])
+	if promptBytes <= 0 || len(tokens) == 0 {
+		return
+	}
+	bs := t.tokenBlock
+	nblocks := len(tokens) / bs
+	keys := make([]uint64, nblocks)
+	key := TokenRoot(lora)
+	for j := range keys {
+		key = TokenKey(key, tokens[j*bs:(j+1)*bs])
+		keys[j] = key
+	}
+	from := 0 // the first token block of byte block i
+	ends := make([]int, 0, len(hashes))
+	for i, bh := range hashes {
+		endTok := int(int64(i+1) * int64(t.blockBytes) * int64(len(tokens)) / int64(promptBytes))
+		end := min(endTok/bs, nblocks) - 1 // the last token block wholly inside
+		if end < from {
+			break // the byte block ends before a token block does
+		}
+		for j := from; j <= end; j++ {
+			t.links.put(keys[j], link{bytes: bh, end: j == end})
+		}
+		ends = append(ends, end)
+		from = end + 1
+	}
+	t.linked.put(hashes[len(hashes)-1], true)
+	// Confirm what the engines already hold, from the chain's root: a
+	// byte block is held where every token block up to its end is.
+	for id, v := range t.eps {
+		var chain []uint64
+		j := 0
+		for i, end := range ends {
+			for ; j <= end && v.held[keys[j]] > 0; j++ {
+			}
+			if j <= end {
+				break
+			}
+			chain = append(chain, hashes[i])
+		}
+		if len(chain) > 0 {
+			t.index.Record(id, chain)
+			t.stats.Confirmed += uint64(len(chain))
+		}
+	}
+}
+
+// Stats returns the Truth's sizes and counters.
+func (t *Truth) Stats() TruthStats {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	s := t.stats
+	s.Endpoints = len(t.eps)
+	s.Links = t.links.len()
+	// A map entry of the views ≈ 48 bytes with the map's overhead, a link
+	// ≈ 40.
+	s.Bytes = t.blocks*48*2 + s.Links*40 + t.linked.len()*24
+	return s
+}
+
+// --- internals; t.mu is held ---
+
+func (t *Truth) view(id uint64) *engineView {
+	v, ok := t.eps[id]
+	now := t.now()
+	if !ok {
+		v = &engineView{blocks: make(map[tierHash]heldBlock), held: make(map[uint64]uint16)}
+		t.eps[id] = v
+		t.index.SetTruth(id, true)
+	}
+	v.last = now
+	t.stats.LastEvent = now
+	return v
+}
+
+// keyOf returns the token key of the engine block hash on any tier.
+func (t *Truth) keyOf(v *engineView, hash uint64) (uint64, bool) {
+	for tier := uint8(0); tier < 3; tier++ {
+		if b, ok := v.blocks[tierHash{hash: hash, tier: tier}]; ok {
+			return b.key, true
+		}
+	}
+	return 0, false
+}
+
+// release takes one announcement of th off v (all of them when all), and
+// drops the byte block linked to its key once no tier holds it.
+func (t *Truth) release(id uint64, v *engineView, th tierHash, b heldBlock, all bool) {
+	if b.refs > 1 && !all {
+		b.refs--
+		v.blocks[th] = b
+		return
+	}
+	delete(v.blocks, th)
+	t.blocks--
+	t.stats.Blocks[min(th.tier, 2)]--
+	if v.held[b.key]--; v.held[b.key] > 0 {
+		return
+	}
+	delete(v.held, b.key)
+	if l, ok := t.links.get(b.key); ok {
+		t.stats.Dropped += uint64(t.index.Drop(id, l.bytes))
+	}
+}
+
+func (t *Truth) clearView(v *engineView) {
+	for th := range v.blocks {
+		t.stats.Blocks[min(th.tier, 2)]--
+	}
+	t.blocks -= len(v.blocks)
+	clear(v.blocks)
+	clear(v.held)
+}
+
+// overflow drops endpoint id back to learning when its engine announced
+// more than its share of MaxBlocks (a publisher that never removes).
+func (t *Truth) overflow(id uint64, v *engineView) {
+	if len(v.blocks) <= t.maxBlocks/max(1, len(t.eps)) {
+		return
+	}
+	t.clearView(v)
+	delete(t.eps, id)
+	t.index.SetTruth(id, false)
+	t.stats.Overflows++
+}
+
+// twoGen is a bounded map that forgets the least recently used half at a
+// time: entries live in cur, or in old until cur fills; a hit in old moves
+// the entry to cur. Not safe for concurrent use.
+type twoGen[V any] struct {
+	cur, old map[uint64]V
+	half     int
+}
+
+func newTwoGen[V any](size int) twoGen[V] {
+	half := max(1, size/2)
+	return twoGen[V]{cur: make(map[uint64]V), old: make(map[uint64]V), half: half}
+}
+
+func (g *twoGen[V]) get(k uint64) (V, bool) {
+	if v, ok := g.cur[k]; ok {
+		return v, true
+	}
+	v, ok := g.old[k]
+	if ok {
+		delete(g.old, k)
+		g.put(k, v)
+	}
+	return v, ok
+}
+
+func (g *twoGen[V]) put(k uint64, v V) {
+	if len(g.cur) >= g.half {
+		g.old, g.cur = g.cur, make(map[uint64]V, g.half/4)
+	}
+	g.cur[k] = v
+}
+
+func (g *twoGen[V]) len() int { return len(g.cur) + len(g.old) }
+
+func (g *twoGen[V]) reset() { clear(g.cur); clear(g.old) }

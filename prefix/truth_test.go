@@ -1,0 +1,225 @@
+package prefix
+
+import "testing"
+
+// truthFixture is a prompt of nBytes bytes rendered into 64-byte index
+// blocks, whose engine tokens are one per 4 bytes (16 tokens per 64 bytes:
+// one engine block of 16 tokens per index block), and the engine's block
+// hashes of it (its own numbering: 1000+j).
+type truthFixture struct {
+	hashes []uint64 // index blocks
+	tokens []uint32
+	engine []uint64 // engine block hashes
+}
+
+func newTruthFixture(nBytes int, salt uint32) truthFixture {
+	var h Hasher
+	h.Reset(64, 256, 1)
+	buf := make([]byte, nBytes)
+	for i := range buf {
+		buf[i] = byte('a' + (i*7+int(salt))%26)
+	}
+	_, _ = h.Write(buf)
+	f := truthFixture{hashes: append([]uint64(nil), h.Hashes...)}
+	for i := range nBytes / 4 {
+		f.tokens = append(f.tokens, uint32(i)*31+salt)
+	}
+	for j := range len(f.tokens) / 16 {
+		f.engine = append(f.engine, uint64(1000+j)+uint64(salt)<<32)
+	}
+	return f
+}
+
+func newTestTruth() (*Truth, *Index) {
+	x := NewIndex(IndexConfig{BlocksPerEndpoint: 1024})
+	return NewTruth(x, TruthConfig{BlockBytes: 64}), x
+}
+
+// held returns how many leading index blocks of f endpoint id is shown
+// holding.
+func held(x *Index, id uint64, f truthFixture) int {
+	for _, m := range x.Match(f.hashes, nil) {
+		if m.ID == id {
+			return m.Blocks
+		}
+	}
+	return 0
+}
+
+func TestTruthStoreConfirmsAndRemoveDrops(t *testing.T) {
+	tr, x := newTestTruth()
+	f := newTruthFixture(640, 0) // 10 index blocks, 160 tokens, 10 engine blocks
+	const ep = 7
+	// The engine announces the whole prompt before any link exists.
+	tr.Stored(ep, 0, false, f.engine, f.tokens, 16, "", 0)
+	if got := held(x, ep, f); got != 0 {
+		t.Fatalf("before the link: held %d blocks, want 0 (stores of unlinked tokens confirm nothing)", got)
+	}
+	if !tr.NeedsLink(f.hashes) {
+		t.Fatal("NeedsLink = false for a new chain")
+	}
+	if tr.NeedsLink(f.hashes) {
+		t.Fatal("NeedsLink = true twice while the first tokenization is under way")
+	}
+	tr.Link("", f.hashes, 640, f.tokens)
+	if got := held(x, ep, f); got != 10 {
+		t.Fatalf("after the link: held %d blocks, want 10", got)
+	}
+	if tr.NeedsLink(f.hashes) {
+		t.Fatal("NeedsLink = true for a linked chain")
+	}
+	// The engine evicts the tail from block 6: the index keeps 6 blocks.
+	tr.Removed(ep, f.engine[6:], 0)
+	if got := held(x, ep, f); got != 6 {
+		t.Fatalf("after removing engine blocks 6..9: held %d, want 6", got)
+	}
+	// Stored again (recomputed): confirmed again by its end blocks.
+	tr.Stored(ep, f.engine[5], true, f.engine[6:], f.tokens[6*16:], 16, "", 0)
+	if got := held(x, ep, f); got != 10 {
+		t.Fatalf("after storing 6..9 again: held %d, want 10", got)
+	}
+	// The root goes first (llm-d's simulator evicts the oldest block): the
+	// chain is unusable from its root.
+	tr.Removed(ep, f.engine[:1], 0)
+	if got := held(x, ep, f); got != 0 {
+		t.Fatalf("after removing the root: held %d, want 0", got)
+	}
+	st := tr.Stats()
+	if st.Dropped == 0 || st.Confirmed == 0 || st.Endpoints != 1 {
+		t.Fatalf("stats %+v: want drops, confirmations and one endpoint", st)
+	}
+}
+
+func TestTruthLinkConfirmsOnlyWhatEveryEngineHolds(t *testing.T) {
+	tr, x := newTestTruth()
+	f := newTruthFixture(640, 1)
+	tr.Stored(1, 0, false, f.engine[:4], f.tokens[:4*16], 16, "", 0) // 4 blocks
+	tr.Stored(2, 0, false, f.engine, f.tokens, 16, "", 0)            // all 10
+	tr.Stored(3, 0, false, f.engine, f.tokens, 16, "adapter", 0)     // another adapter's keys
+	tr.NeedsLink(f.hashes)
+	tr.Link("", f.hashes, 640, f.tokens)
+	for _, c := range []struct {
+		id   uint64
+		want int
+	}{{1, 4}, {2, 10}, {3, 0}} {
+		if got := held(x, c.id, f); got != c.want {
+			t.Errorf("endpoint %d: held %d, want %d", c.id, got, c.want)
+		}
+	}
+}
+
+func TestTruthRefsAndTiers(t *testing.T) {
+	tr, x := newTestTruth()
+	f := newTruthFixture(256, 2) // 4 blocks
+	tr.NeedsLink(f.hashes)
+	tr.Link("", f.hashes, 256, f.tokens)
+	const ep = 3
+	tr.Stored(ep, 0, false, f.engine, f.tokens, 16, "", 0)
+	tr.Stored(ep, 0, false, f.engine, f.tokens, 16, "", 0) // announced twice
+	tr.Removed(ep, f.engine[3:], 0)
+	if got := held(x, ep, f); got != 4 {
+		t.Fatalf("one of two announcements removed: held %d, want 4", got)
+	}
+	// Offloaded to CPU, then gone from the GPU: still held.
+	tr.Stored(ep, f.engine[2], true, f.engine[3:], f.tokens[3*16:], 16, "", 1)
+	tr.Removed(ep, f.engine[3:], 0)
+	if got := held(x, ep, f); got != 4 {
+		t.Fatalf("held on CPU only: held %d, want 4", got)
+	}
+	if st := tr.Stats(); st.Blocks[1] != 1 || st.Blocks[0] != 3 {
+		t.Fatalf("blocks by tier %v, want [3 1 0]", st.Blocks)
+	}
+	tr.Removed(ep, f.engine[3:], 1)
+	if got := held(x, ep, f); got != 3 {
+		t.Fatalf("gone from every tier: held %d, want 3", got)
+	}
+	if tr.Removed(ep, []uint64{99}, 0); tr.Stats().Unknown != 1 {
+		t.Fatal("a removal of a block never stored is not counted")
+	}
+}
+
+func TestTruthOrphanParent(t *testing.T) {
+	tr, x := newTestTruth()
+	f := newTruthFixture(256, 4)
+	tr.NeedsLink(f.hashes)
+	tr.Link("", f.hashes, 256, f.tokens)
+	tr.Stored(5, 424242, true, f.engine[1:], f.tokens[16:], 16, "", 0)
+	if got := held(x, 5, f); got != 0 {
+		t.Fatalf("blocks after an unknown parent: held %d, want 0", got)
+	}
+	if tr.Stats().Orphans != 3 {
+		t.Fatalf("orphans %d, want 3", tr.Stats().Orphans)
+	}
+	tr.Stored(5, 0, false, f.engine, f.tokens[:16], 16, "", 0) // tokens do not match the hashes
+	if tr.Stats().Orphans != 7 {
+		t.Fatalf("a store whose tokens do not fill its blocks: orphans %d, want 7", tr.Stats().Orphans)
+	}
+}
+
+func TestTruthClearedAndDrop(t *testing.T) {
+	tr, x := newTestTruth()
+	f := newTruthFixture(256, 5)
+	tr.NeedsLink(f.hashes)
+	tr.Link("", f.hashes, 256, f.tokens)
+	tr.Stored(1, 0, false, f.engine, f.tokens, 16, "", 0)
+	x.Record(2, f.hashes) // learned: the router sent it there
+	tr.Stored(2, 0, false, f.engine, f.tokens, 16, "", 0)
+	tr.Cleared(1)
+	if got := held(x, 1, f); got != 0 {
+		t.Fatalf("after AllBlocksCleared: held %d, want 0", got)
+	}
+	if live, _ := tr.Live(1); !live {
+		t.Fatal("a cleared endpoint is no longer on engine truth")
+	}
+	tr.Drop(2)
+	if live, _ := tr.Live(2); live {
+		t.Fatal("a dropped endpoint is still on engine truth")
+	}
+	if got := held(x, 2, f); got != 4 {
+		t.Fatalf("after Drop the learned claims stay: held %d, want 4", got)
+	}
+	if st := tr.Stats(); st.Blocks[0] != 0 || st.Endpoints != 1 {
+		t.Fatalf("stats after clearing and dropping: %+v", st)
+	}
+}
+
+func TestTruthIndexModes(t *testing.T) {
+	x := NewIndex(IndexConfig{BlocksPerEndpoint: 100})
+	x.SetTruth(1, true)
+	if eff := x.Correct(1, true); eff != 200 {
+		t.Fatalf("on engine truth Correct changed the capacity to %d, want the headroom 200", eff)
+	}
+	x.SetTruth(1, false)
+	if eff := x.Correct(1, true); eff != 90 {
+		t.Fatalf("learning again: Correct gave %d, want 90", eff)
+	}
+}
+
+func TestTruthNeedsLinkWithoutEvents(t *testing.T) {
+	tr, _ := newTestTruth()
+	f := newTruthFixture(256, 6)
+	if tr.NeedsLink(f.hashes) {
+		t.Fatal("NeedsLink with no endpoint on events: tokenizing would serve nothing")
+	}
+	tr.Stored(1, 0, false, f.engine[:1], f.tokens[:16], 16, "", 0)
+	if !tr.NeedsLink(f.hashes) {
+		t.Fatal("NeedsLink = false")
+	}
+	tr.Unlinked(f.hashes)
+	if !tr.NeedsLink(f.hashes) {
+		t.Fatal("a failed tokenization may not be asked again")
+	}
+}
+
+func TestTwoGenForgetsOldest(t *testing.T) {
+	g := newTwoGen[int](4)
+	for k := range uint64(6) {
+		g.put(k, int(k))
+	}
+	if _, ok := g.get(0); ok {
+		t.Fatal("the oldest entry survived two generations")
+	}
+	if v, ok := g.get(5); !ok || v != 5 {
+		t.Fatal("the newest entry is gone")
+	}
+}

@@ -22,10 +22,14 @@ import (
 // never scans the slabs. That is what keeps the index under 100 bytes per
 // (block, endpoint) entry.
 type Index struct {
-	mu       sync.Mutex
-	owners   table            // hash → endpoints holding it
-	slots    []*lru           // by slot number; nil when free
-	slotOf   map[uint64]int32 // endpoint id → slot
+	mu     sync.Mutex
+	owners table            // hash → endpoints holding it
+	slots  []*lru           // by slot number; nil when free
+	slotOf map[uint64]int32 // endpoint id → slot
+	// truthIDs are the endpoints on engine truth (SetTruth); kept apart
+	// from the slots, which Forget frees, so a forgotten endpoint's new
+	// slot keeps its mode.
+	truthIDs map[uint64]bool
 	freeSlot []int32
 	entries  int // Σ LRU lengths
 
@@ -37,7 +41,7 @@ type Index struct {
 
 	evictions, expiries atomic.Uint64
 	drops               atomic.Uint64 // claims removed by engine events (Drop)
-	sink                uint64 // keeps table.touch's loads
+	sink                uint64        // keeps table.touch's loads
 }
 
 // IndexConfig configures an Index.
@@ -62,13 +66,13 @@ type ref struct {
 
 // lru is one endpoint's list of hashes, most recent at head, in a slab.
 type lru struct {
-	id         uint64
-	cap        int // configured capacity
-	eff        int // effective capacity: cap, lowered by Correct when the engine holds less
+	id  uint64
+	cap int // configured capacity
+	eff int // effective capacity: cap, lowered by Correct when the engine holds less
 	// truth is set while the endpoint's engine publishes KV events
 	// (SetTruth): its evictions arrive as events, so Correct leaves its
 	// capacity alone and the LRU keeps truthHeadroom × cap.
-	truth bool
+	truth      bool
 	nodes      []node
 	head, tail int32
 	free       int32
@@ -96,6 +100,7 @@ func NewIndex(c IndexConfig) *Index {
 	return &Index{
 		owners:     newTable(),
 		slotOf:     make(map[uint64]int32),
+		truthIDs:   make(map[uint64]bool),
 		defaultCap: c.BlocksPerEndpoint,
 		maxEntries: c.MaxEntries,
 		ttl:        c.TTL,
@@ -280,13 +285,22 @@ func (x *Index) SetTruth(id uint64, on bool) {
 	}
 	l.truth = on
 	if on {
+		x.truthIDs[id] = true
 		l.eff = l.cap * truthHeadroom
 		return
 	}
+	delete(x.truthIDs, id)
 	l.eff = l.cap
 	for l.n > x.capOf(l) {
 		x.evictTail(s)
 	}
+}
+
+// OnTruth reports whether endpoint id is on engine truth (SetTruth).
+func (x *Index) OnTruth(id uint64) bool {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	return x.truthIDs[id]
 }
 
 // Drop removes endpoint id's claim on each of hashes (its engine evicted
@@ -389,7 +403,10 @@ func (x *Index) slot(id uint64) int32 {
 	if s, ok := x.slotOf[id]; ok {
 		return s
 	}
-	l := &lru{id: id, cap: x.defaultCap, eff: x.defaultCap, head: none, tail: none, free: none}
+	l := &lru{id: id, cap: x.defaultCap, eff: x.defaultCap, head: none, tail: none, free: none, truth: x.truthIDs[id]}
+	if l.truth {
+		l.eff *= truthHeadroom
+	}
 	var s int32
 	if n := len(x.freeSlot); n > 0 {
 		s = x.freeSlot[n-1]

@@ -3,6 +3,7 @@ package prefix
 import (
 	"encoding/binary"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/zeebo/xxh3"
@@ -27,9 +28,10 @@ import (
 //
 // An endpoint is on engine truth (Live) from its first event until Drop or
 // a restart; the Index then takes its evictions from the events
-// (Index.SetTruth). All methods are safe for concurrent use; one mutex
-// guards the state, taken after no other lock; the Index's calls are made
-// with it held (the Index's mutex nests inside, never the reverse).
+// (Index.SetTruth). All methods are safe for concurrent use. The events'
+// mutex is taken after no other lock, and the Index's calls are made with
+// it held (the Index's mutex nests inside, never the reverse); the request
+// path's NeedsLink takes only a mutex of its own.
 type Truth struct {
 	index      *Index
 	blockBytes int
@@ -38,12 +40,19 @@ type Truth struct {
 
 	mu         sync.Mutex
 	eps        map[uint64]*engineView
-	blocks     int                 // Σ entries over eps
-	tokenBlock int                 // tokens per engine block (events' block_size)
-	links      twoGen[link]        // token key → the byte block it completes or breaks
-	linked     twoGen[bool]        // a linked chain's deepest byte block
-	pending    map[uint64]struct{} // chains being tokenized, by deepest block
+	blocks     int          // Σ entries over eps
+	tokenBlock int          // tokens per engine block (events' block_size)
+	links      twoGen[link] // token key → the byte block it completes or breaks
 	stats      TruthStats
+
+	// The request path's side (NeedsLink), apart from the events' mutex so
+	// that applying a large batch never holds up a request: live counts
+	// the endpoints on engine truth; linkMu guards linked (a linked
+	// chain's deepest byte block) and pending (chains being tokenized).
+	live    atomic.Int32
+	linkMu  sync.Mutex
+	linked  twoGen[bool]
+	pending map[uint64]struct{}
 }
 
 // TruthConfig configures a Truth.
@@ -84,6 +93,7 @@ type engineView struct {
 	blocks map[tierHash]heldBlock // (engine hash, tier) → block
 	held   map[uint64]uint16      // token key → entries holding it (any tier)
 	last   time.Time              // the last event applied
+	stale  bool                   // events stopped (Stale) until the next
 }
 
 type tierHash struct {
@@ -161,7 +171,9 @@ func (t *Truth) Stored(id uint64, parent uint64, hasParent bool, hashes []uint64
 		// Links were cut for another block size: they no longer line up.
 		t.tokenBlock = blockSize
 		t.links.reset()
+		t.linkMu.Lock()
 		t.linked.reset()
+		t.linkMu.Unlock()
 	}
 	key := TokenRoot(lora)
 	if hasParent {
@@ -236,12 +248,27 @@ func (t *Truth) Drop(id uint64) {
 	if v, ok := t.eps[id]; ok {
 		t.clearView(v)
 		delete(t.eps, id)
+		t.live.Add(-1)
 	}
 	t.index.SetTruth(id, false)
 }
 
+// Stale puts endpoint id back on learning while its events have stopped
+// (the publisher may be gone while the engine serves): the Index models
+// its capacity again. What it announced is kept, and its next event puts
+// it back on engine truth.
+func (t *Truth) Stale(id uint64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if v, ok := t.eps[id]; ok && !v.stale {
+		v.stale = true
+		t.index.SetTruth(id, false)
+	}
+}
+
 // Live reports whether endpoint id is on engine truth, and when its last
-// event was applied.
+// event was applied (the zero time when it never had one, or was
+// dropped).
 func (t *Truth) Live(id uint64) (bool, time.Time) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -249,7 +276,7 @@ func (t *Truth) Live(id uint64) (bool, time.Time) {
 	if !ok {
 		return false, time.Time{}
 	}
-	return true, v.last
+	return !v.stale, v.last
 }
 
 // NeedsLink reports whether the chain hashes (a prompt's byte blocks)
@@ -260,12 +287,12 @@ func (t *Truth) NeedsLink(hashes []uint64) bool {
 	if len(hashes) == 0 {
 		return false
 	}
-	deepest := hashes[len(hashes)-1]
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if len(t.eps) == 0 {
+	if t.live.Load() == 0 {
 		return false // no engine publishes: links would serve nothing
 	}
+	deepest := hashes[len(hashes)-1]
+	t.linkMu.Lock()
+	defer t.linkMu.Unlock()
 	if _, ok := t.linked.get(deepest); ok {
 		return false
 	}
@@ -286,9 +313,9 @@ func (t *Truth) Unlinked(hashes []uint64) {
 	if len(hashes) == 0 {
 		return
 	}
-	t.mu.Lock()
+	t.linkMu.Lock()
 	delete(t.pending, hashes[len(hashes)-1])
-	t.mu.Unlock()
+	t.linkMu.Unlock()
 }
 
 // Link learns how the byte blocks hashes of a prompt whose rendering is
@@ -304,12 +331,14 @@ func (t *Truth) Link(lora string, hashes []uint64, promptBytes int, tokens []uin
 	if len(hashes) == 0 {
 		return
 	}
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.linkMu.Lock()
 	delete(t.pending, hashes[len(hashes)-1])
+	t.linkMu.Unlock()
 	if promptBytes <= 0 || len(tokens) == 0 {
 		return
 	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	bs := t.tokenBlock
 	nblocks := len(tokens) / bs
 	keys := make([]uint64, nblocks)
@@ -332,7 +361,9 @@ func (t *Truth) Link(lora string, hashes []uint64, promptBytes int, tokens []uin
 		ends = append(ends, end)
 		from = end + 1
 	}
+	t.linkMu.Lock()
 	t.linked.put(hashes[len(hashes)-1], true)
+	t.linkMu.Unlock()
 	// Confirm what the engines already hold, from the chain's root: a
 	// byte block is held where every token block up to its end is.
 	for id, v := range t.eps {
@@ -362,7 +393,9 @@ func (t *Truth) Stats() TruthStats {
 	s.Links = t.links.len()
 	// A map entry of the views ≈ 48 bytes with the map's overhead, a link
 	// ≈ 40.
+	t.linkMu.Lock()
 	s.Bytes = t.blocks*48*2 + s.Links*40 + t.linked.len()*24
+	t.linkMu.Unlock()
 	return s
 }
 
@@ -374,6 +407,11 @@ func (t *Truth) view(id uint64) *engineView {
 	if !ok {
 		v = &engineView{blocks: make(map[tierHash]heldBlock), held: make(map[uint64]uint16)}
 		t.eps[id] = v
+		t.live.Add(1)
+		t.index.SetTruth(id, true)
+	}
+	if v.stale {
+		v.stale = false
 		t.index.SetTruth(id, true)
 	}
 	v.last = now
@@ -428,6 +466,7 @@ func (t *Truth) overflow(id uint64, v *engineView) {
 	}
 	t.clearView(v)
 	delete(t.eps, id)
+	t.live.Add(-1)
 	t.index.SetTruth(id, false)
 	t.stats.Overflows++
 }

@@ -171,6 +171,19 @@ func TestTruthClearedAndDrop(t *testing.T) {
 	if live, _ := tr.Live(1); !live {
 		t.Fatal("a cleared endpoint is no longer on engine truth")
 	}
+	tr.Stale(2)
+	if live, last := tr.Live(2); live || last.IsZero() || x.OnTruth(2) {
+		t.Fatal("a stale endpoint is still on engine truth")
+	}
+	tr.Stored(2, 0, false, f.engine[:1], f.tokens[:16], 16, "", 0)
+	if live, _ := tr.Live(2); !live || !x.OnTruth(2) {
+		t.Fatal("an event does not bring a stale endpoint back on engine truth")
+	}
+	x.Forget(2) // a scraped restart: the index forgets, the mode stays
+	if !x.OnTruth(2) {
+		t.Fatal("Index.Forget lost the endpoint's engine-truth mode")
+	}
+	x.Record(2, f.hashes)
 	tr.Drop(2)
 	if live, _ := tr.Live(2); live {
 		t.Fatal("a dropped endpoint is still on engine truth")

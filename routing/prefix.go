@@ -310,6 +310,10 @@ type Term struct {
 	LoRASlotWaitSec float64 `json:"lora_slot_wait_sec,omitempty"`
 	WaitSec         float64 `json:"wait_sec"`
 	Rendezvous      uint64  `json:"rendezvous"`
+	// CacheSource says what the endpoint's matched blocks rest on:
+	// "events" (its engine's KV events confirm and evict them) or
+	// "learned" (the router's own routing history).
+	CacheSource string `json:"cache_source,omitempty"`
 	Skipped         string  `json:"skipped,omitempty"`
 }
 
@@ -379,7 +383,12 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 			foreign += eng.Foreign()
 		}
 		if terms != nil {
-			*terms = append(*terms, c.term())
+			t := c.term()
+			t.CacheSource = "learned"
+			if p.index.OnTruth(e.ID) {
+				t.CacheSource = "events"
+			}
+			*terms = append(*terms, t)
 		}
 		ch.add(c, hasHome && e.ID == homeID, prm.TieSec)
 	}

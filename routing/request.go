@@ -62,6 +62,10 @@ type Request struct {
 	PromptTokens int
 	// Hashes are the chained block hashes of the canonical rendering.
 	Hashes []uint64
+	// Body is the request body as it is forwarded, valid only during Pick
+	// (a policy that tokenizes, as the benchmark's llm-d precise peer
+	// does, reads it; kvroute's own policies never do).
+	Body []byte
 	// Tried lists the endpoints this request was already sent to; policies
 	// skip them (retries go to another endpoint).
 	Tried []*discovery.Endpoint

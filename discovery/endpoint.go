@@ -64,6 +64,11 @@ type Endpoint struct {
 	// server, from the URL's "#bootstrap=PORT" fragment; 0: the router's
 	// default (--pd-bootstrap-port).
 	BootstrapPort int
+	// KVEventsPort is the port the endpoint's engine publishes its
+	// KV-cache events on, from the URL's "#kv-events=PORT" fragment; 0:
+	// the router's --kv-events-port (one port on every pod's own address,
+	// as in Kubernetes; pods sharing a host need their own).
+	KVEventsPort int
 	// ID is a stable 64-bit identity derived from URL (used by rendezvous
 	// hashing so independent router replicas agree).
 	ID uint64
@@ -232,7 +237,8 @@ func (e *Endpoint) SetEngine(st *EngineStats) {
 // NewEndpoint parses a base URL ("http://host:port[/base]", or "host:port",
 // which means http) into an Endpoint with zeroed counters. The one fragment
 // allowed, "#bootstrap=PORT", sets BootstrapPort; it is not part of the
-// endpoint's URL or identity.
+// endpoint's URL or identity; nor is "#kv-events=PORT", which sets
+// KVEventsPort. Both may be given, joined by "&".
 func NewEndpoint(raw string, role Role) (*Endpoint, error) {
 	s := strings.TrimSpace(raw)
 	if s == "" {
@@ -259,11 +265,20 @@ func NewEndpoint(raw string, role Role) (*Endpoint, error) {
 	if u.RawQuery != "" || u.User != nil {
 		return nil, fmt.Errorf("%w: %q: query and user info are not allowed", ErrBadURL, raw)
 	}
-	var bootstrap int
-	if u.Fragment != "" {
-		v, ok := strings.CutPrefix(u.Fragment, "bootstrap=")
-		if bootstrap, err = strconv.Atoi(v); !ok || err != nil || bootstrap < 1 || bootstrap > 65535 {
-			return nil, fmt.Errorf("%w: %q: the only fragment allowed is #bootstrap=PORT (an SGLang prefill endpoint's bootstrap port, 1-65535)", ErrBadURL, raw)
+	var bootstrap, kvEvents int
+	for f := range strings.SplitSeq(u.Fragment, "&") {
+		if f == "" {
+			continue
+		}
+		k, v, _ := strings.Cut(f, "=")
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > 65535 || (k != "bootstrap" && k != "kv-events") {
+			return nil, fmt.Errorf("%w: %q: the fragments allowed are #bootstrap=PORT (an SGLang prefill endpoint's bootstrap port) and #kv-events=PORT (its engine's KV-event publisher), ports 1-65535, joined by &", ErrBadURL, raw)
+		}
+		if k == "bootstrap" {
+			bootstrap = n
+		} else {
+			kvEvents = n
 		}
 	}
 	port := u.Port()
@@ -280,6 +295,7 @@ func NewEndpoint(raw string, role Role) (*Endpoint, error) {
 		BasePath:      base,
 		Role:          role,
 		BootstrapPort: bootstrap,
+		KVEventsPort:  kvEvents,
 	}
 	ep.URL = u.Scheme + "://" + ep.Addr + base
 	ep.ID = hashString(ep.URL)

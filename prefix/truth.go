@@ -158,6 +158,10 @@ func TokenKey(parent uint64, tokens []uint32) uint64 {
 // CPU, 2 storage). Each stored block that ends a linked byte block
 // confirms it on the endpoint.
 func (t *Truth) Stored(id uint64, parent uint64, hasParent bool, hashes []uint64, tokens []uint32, blockSize int, lora string, tier uint8) {
+	if len(tokens) == 0 && len(hashes) > 0 {
+		t.copied(id, hashes, tier)
+		return
+	}
 	if blockSize <= 0 || len(tokens) != len(hashes)*blockSize {
 		t.mu.Lock()
 		t.stats.Orphans += uint64(len(hashes))
@@ -186,28 +190,52 @@ func (t *Truth) Stored(id uint64, parent uint64, hasParent bool, hashes []uint64
 	}
 	for i, h := range hashes {
 		key = TokenKey(key, tokens[i*blockSize:(i+1)*blockSize])
-		th := tierHash{hash: h, tier: tier}
-		b, ok := v.blocks[th]
-		if ok && b.key != key {
-			// The engine reused the hash for other tokens: the old block
-			// is gone.
-			t.release(id, v, th, b, true)
-			ok = false
-		}
-		if !ok {
-			b = heldBlock{key: key}
-			t.blocks++
-			t.stats.Blocks[min(tier, 2)]++
-			v.held[key]++
-		}
-		b.refs++
-		v.blocks[th] = b
-		if l, ok := t.links.get(key); ok && l.end {
-			t.index.Record(id, []uint64{l.bytes})
-			t.stats.Confirmed++
-		}
+		t.hold(id, v, tierHash{hash: h, tier: tier}, key)
 	}
 	t.overflow(id, v)
+}
+
+// copied applies a store without tokens: blocks copied to another tier
+// (vLLM's offloading connector announces its CPU copies by the GPU
+// blocks' hashes alone). A block the endpoint holds on any tier keeps its
+// key; one it does not is an orphan.
+func (t *Truth) copied(id uint64, hashes []uint64, tier uint8) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	v := t.view(id)
+	for _, h := range hashes {
+		key, ok := t.keyOf(v, h)
+		if !ok {
+			t.stats.Orphans++
+			continue
+		}
+		t.hold(id, v, tierHash{hash: h, tier: tier}, key)
+	}
+	t.overflow(id, v)
+}
+
+// hold adds one announcement of block th, whose token key is key, to v,
+// and confirms the byte block key ends.
+func (t *Truth) hold(id uint64, v *engineView, th tierHash, key uint64) {
+	b, ok := v.blocks[th]
+	if ok && b.key != key {
+		// The engine reused the hash for other tokens: the old block is
+		// gone.
+		t.release(id, v, th, b, true)
+		ok = false
+	}
+	if !ok {
+		b = heldBlock{key: key}
+		t.blocks++
+		t.stats.Blocks[min(th.tier, 2)]++
+		v.held[key]++
+	}
+	b.refs++
+	v.blocks[th] = b
+	if l, ok := t.links.get(key); ok && l.end {
+		t.index.Record(id, []uint64{l.bytes})
+		t.stats.Confirmed++
+	}
 }
 
 // Removed applies a BlockRemoved event of endpoint id: hashes left tier.

@@ -120,8 +120,9 @@ func TestTruthRefsAndTiers(t *testing.T) {
 	if got := held(x, ep, f); got != 4 {
 		t.Fatalf("one of two announcements removed: held %d, want 4", got)
 	}
-	// Offloaded to CPU, then gone from the GPU: still held.
-	tr.Stored(ep, f.engine[2], true, f.engine[3:], f.tokens[3*16:], 16, "", 1)
+	// Offloaded to CPU (announced as vLLM's offloading connector does: the
+	// GPU blocks' hashes, no tokens), then gone from the GPU: still held.
+	tr.Stored(ep, 0, false, f.engine[3:], nil, 16, "", 1)
 	tr.Removed(ep, f.engine[3:], 0)
 	if got := held(x, ep, f); got != 4 {
 		t.Fatalf("held on CPU only: held %d, want 4", got)
@@ -135,6 +136,9 @@ func TestTruthRefsAndTiers(t *testing.T) {
 	}
 	if tr.Removed(ep, []uint64{99}, 0); tr.Stats().Unknown != 1 {
 		t.Fatal("a removal of a block never stored is not counted")
+	}
+	if tr.Stored(ep, 0, false, []uint64{98}, nil, 16, "", 1); tr.Stats().Orphans != 1 {
+		t.Fatal("a copy of a block never stored is not an orphan")
 	}
 }
 

@@ -3,6 +3,7 @@ package sim
 import (
 	"encoding/binary"
 
+	"github.com/hashicorp/golang-lru/v2/simplelru"
 	"github.com/zeebo/xxh3"
 )
 
@@ -11,13 +12,18 @@ import (
 // prefill hold, pinned) or free; free blocks sit in one LRU queue and keep
 // their content hash until they are reallocated, so a later request can hit
 // them. Allocation takes the least recently freed block and evicts its hash.
-// Not safe for concurrent use: only the engine goroutine touches it.
+// With ev set it records a BlockRemoved when it evicts a hash (the caller
+// records BlockStored, knowing the chain and the tokens); with cpu set it
+// has a CPU tier behind it. Not safe for concurrent use: only the engine
+// goroutine touches it.
 type blockCache struct {
 	blocks     []cblock
 	byHash     map[uint64]int32
 	head, tail int32 // free queue; head is evicted/allocated first; -1 = empty
 	free       int   // blocks with ref == 0
 	evictions  uint64
+	ev         *kvEvents // nil: KV events off
+	cpu        *cpuTier  // nil: no CPU tier
 }
 
 type cblock struct {
@@ -115,20 +121,117 @@ func (c *blockCache) alloc() int32 {
 		}
 		b.hashed = false
 		c.evictions++
+		if c.ev != nil {
+			c.ev.removed(b.hash, mediumGPU)
+		}
 	}
 	b.ref = 1
 	return i
 }
 
-// register records that block i holds content hash h. If another block
-// already holds h (two sequences computed the same prefix at once) the
-// first one stays canonical and i stays anonymous.
-func (c *blockCache) register(i int32, h uint64) {
+// register records that block i holds content hash h and reports whether
+// it does now. If another block already holds h (two sequences computed
+// the same prefix at once) the first one stays canonical and i stays
+// anonymous (false): only canonical hashes are announced as stored.
+func (c *blockCache) register(i int32, h uint64) bool {
 	if _, ok := c.byHash[h]; ok {
-		return
+		return false
 	}
 	c.byHash[h] = i
 	c.blocks[i].hash, c.blocks[i].hashed = h, true
+	return true
+}
+
+// reset empties the prefix cache, as vLLM's reset_prefix_cache: every
+// hash is forgotten, including those of blocks in use (their sequences
+// go on; their blocks are no longer found), and the CPU tier is emptied.
+// It records one AllBlocksCleared.
+func (c *blockCache) reset() {
+	for i := range c.blocks {
+		c.blocks[i].hashed = false
+	}
+	clear(c.byHash)
+	if c.cpu != nil {
+		c.cpu.reset()
+	}
+	if c.ev != nil {
+		c.ev.cleared()
+	}
+}
+
+// cpuTier is a CPU copy of KV blocks by content hash with the semantics of
+// vLLM's OffloadingConnector with its LRU manager (vllm/v1/kv_offload,
+// --kv-offloading-size): every block that becomes full and computed on
+// the GPU is also stored in CPU memory (write-through, asynchronous in
+// vLLM, so free here), the least recently used block is evicted when the
+// tier is full, and a request whose prefix misses on the GPU loads the
+// blocks that follow from the CPU instead of computing them. With ev set
+// it records a BlockStored (medium CPU, no parent, no tokens, as the
+// connector announces them) for stored blocks and a BlockRemoved (medium
+// CPU) for evicted ones. Engine goroutine only.
+type cpuTier struct {
+	size int
+	lru  *simplelru.LRU[uint64, struct{}]
+	ev   *kvEvents
+	run  int // index in ev.list of the BlockStored being filled, -1: none
+}
+
+func newCPUTier(blocks int, ev *kvEvents) *cpuTier {
+	t := &cpuTier{size: blocks, ev: ev, run: -1}
+	t.reset()
+	return t
+}
+
+// reset empties the tier without recording removals.
+func (t *cpuTier) reset() {
+	t.lru, _ = simplelru.NewLRU[uint64, struct{}](t.size, t.evicted)
+}
+
+func (t *cpuTier) evicted(h uint64, _ struct{}) {
+	if t.ev != nil {
+		t.run = -1 // stores after this removal go in a new event
+		t.ev.removed(h, mediumCPU)
+	}
+}
+
+// lookup reports whether the tier holds h, making it the most recently used.
+func (t *cpuTier) lookup(h uint64) bool {
+	_, ok := t.lru.Get(h)
+	return ok
+}
+
+// store offloads the blocks of hashes (a run of one sequence's newly
+// computed blocks) and returns how many were not in the tier already; those
+// it had are made most recently used. As vLLM's LRU manager prepares a
+// store, it evicts room for the new blocks first (a BlockRemoved each),
+// then records one BlockStored of them.
+func (t *cpuTier) store(hashes []uint64) (stored int) {
+	for _, h := range hashes {
+		if !t.lookup(h) {
+			stored++
+		}
+	}
+	if stored == 0 {
+		return 0
+	}
+	for over := t.lru.Len() + stored - t.size; over > 0; over-- {
+		t.lru.RemoveOldest()
+	}
+	t.run = -1
+	for _, h := range hashes {
+		if t.lru.Contains(h) {
+			continue
+		}
+		t.lru.Add(h, struct{}{}) // evicts only when the run outgrows the tier
+		if t.ev == nil {
+			continue
+		}
+		if t.run < 0 {
+			t.run = t.ev.stored(kvEvent{medium: mediumCPU})
+		}
+		t.ev.list[t.run].hashes = append(t.ev.list[t.run].hashes, h)
+	}
+	return stored
 }
 
 // hasher computes chained block hashes: key(i) = xxh3(key(i-1) ‖ tokens of

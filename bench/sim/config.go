@@ -4,9 +4,11 @@
 // bootstrap rooms) and behaves like one GPU-bound engine in time
 // (continuous batching, a chained-hash prefix cache with LRU eviction, a
 // memory-bandwidth decode model), by default Llama-3.1-8B on one H100 and
-// otherwise one of the named engine profiles (Profiles). Tests, benchmarks
-// and the demo run many cheap pods of it in one process; see New,
-// StartFleet and bench/cmd/kvsim.
+// otherwise one of the named engine profiles (Profiles). Optionally it
+// publishes KV-cache events over ZeroMQ as vLLM does and keeps a CPU KV
+// tier as vLLM's OffloadingConnector does (Config.KVEventsPort,
+// Config.CPUBlocks). Tests, benchmarks and the demo run many cheap pods of
+// it in one process; see New, StartFleet and bench/cmd/kvsim.
 package sim
 
 import (
@@ -174,6 +176,48 @@ type Config struct {
 	// TPSize is reported as tp_size in kv_transfer_params; default 1.
 	TPSize int
 
+	// KVEventsPort is the port of the pod's KV-cache event publisher, like
+	// vLLM's --kv-events-config '{"enable_kv_cache_events": true,
+	// "publisher": "zmq", "endpoint": "tcp://*:5557"}': a ZeroMQ PUB socket
+	// on KVEventsHost sending one msgpack batch of BlockStored,
+	// BlockRemoved and AllBlocksCleared events per engine step that has
+	// any (kvevents.go). 0 (the default) publishes nothing; -1 binds a free
+	// port (see Pod.KVEventsAddr). StartFleet and Profile.Configs give pod
+	// i of a fleet port+i, as kvsim gives pod i HTTP port+i.
+	KVEventsPort int
+	// KVEventsReplayPort is the port of the replay ROUTER socket (vLLM's
+	// replay_endpoint), which sends a client the buffered batches from the
+	// sequence number it asks for on, of the last 10,000 (vLLM's
+	// buffer_steps). 0 (the default) is off, -1 a free port (see
+	// Pod.KVEventsReplayAddr); it needs KVEventsPort. Pod i of a fleet
+	// gets port+i.
+	KVEventsReplayPort int
+	// KVEventsHost is the address the KV event sockets bind; default
+	// 127.0.0.1 (vLLM binds tcp://*).
+	KVEventsHost string
+	// KVEventsTopic is the first frame of every event message; default ""
+	// like vLLM's. "{addr}" in it is replaced by the host:port the pod
+	// serves HTTP on (its first listener) and "{model}" by Model, so
+	// "kv@{addr}@{model}" is llm-d's kv@<pod-ip>:<port>@<model>.
+	KVEventsTopic string
+	// KVEventsArrayEncoding encodes batches and events as positional
+	// msgpack arrays with the event's type first (vLLM's encoding before
+	// mid-2026) instead of maps with a "type" key.
+	KVEventsArrayEncoding bool
+
+	// CPUBlocks is the capacity in blocks of a CPU KV tier with the
+	// semantics of vLLM's OffloadingConnector (--kv-offloading-size, or
+	// kv_connector_extra_config num_cpu_blocks): every block computed on
+	// the GPU is also stored in CPU memory, LRU-evicted, and a prefix
+	// that misses on the GPU is loaded back from the CPU at CPUBandwidth
+	// instead of computed (cache.go, cpuTier). 0 (the default) is off.
+	CPUBlocks int
+	// CPUBandwidth is the GPU↔CPU KV copy rate of the CPU tier in
+	// bytes/s; default 25e9, what pinned-memory copies reach over PCIe
+	// Gen4 x16 (32 GB/s raw; Gen5 doubles it): ≈ 5.2 µs per token at 128
+	// KiB per token, against 50 µs per token of prefill compute.
+	CPUBandwidth float64
+
 	// Faults is the initial fault set; the admin API and SetFaults change it.
 	Faults Faults
 
@@ -254,6 +298,8 @@ func (c *Config) fill() {
 	setStr(&c.SideChannelHost, "127.0.0.1")
 	setD(&c.BootstrapWaitTimeout, 30*time.Second)
 	setInt(&c.TPSize, 1)
+	setStr(&c.KVEventsHost, "127.0.0.1")
+	setF(&c.CPUBandwidth, 25e9)
 	if c.Faults.ErrorStatus == 0 {
 		c.Faults.ErrorStatus = 500
 	}
@@ -300,10 +346,18 @@ func (c *Config) Validate() error {
 		return bad("side channel port %d outside [0, 65535]", c.SideChannelPort)
 	case c.WeightBytes < 0 || c.KVBytesPerToken < 0:
 		return bad("byte sizes must not be negative")
-	case c.MemBandwidth <= 0 || c.PrefillTokensPerSec <= 0 || c.KVTransferBandwidth <= 0:
+	case c.MemBandwidth <= 0 || c.PrefillTokensPerSec <= 0 || c.KVTransferBandwidth <= 0 || c.CPUBandwidth <= 0:
 		return bad("rates must be positive")
 	case c.TPSize < 1:
 		return bad("tp size %d < 1", c.TPSize)
+	case c.KVEventsPort < -1 || c.KVEventsPort > 65535 || c.KVEventsReplayPort < -1 || c.KVEventsReplayPort > 65535:
+		return bad("KV events ports %d and %d outside [-1, 65535]", c.KVEventsPort, c.KVEventsReplayPort)
+	case c.KVEventsReplayPort != 0 && c.KVEventsPort == 0:
+		return bad("KV events replay port %d without a KV events port", c.KVEventsReplayPort)
+	case c.KVEventsReplayPort > 0 && c.KVEventsReplayPort == c.KVEventsPort:
+		return bad("KV events port and replay port are both %d", c.KVEventsPort)
+	case c.CPUBlocks < 0:
+		return bad("CPU blocks %d < 0", c.CPUBlocks)
 	}
 	return c.Faults.validate()
 }
@@ -331,6 +385,25 @@ func (c *Config) StepCost(prefillTokens, contextTokens int) time.Duration {
 // prefill pod.
 func (c *Config) TransferCost(tokens int) time.Duration {
 	return c.KVTransferLatency + secs(float64(tokens)*c.KVBytesPerToken/c.KVTransferBandwidth)
+}
+
+// CPUTransferCost returns the modelled time to copy tokens tokens of KV
+// between the CPU tier and the GPU, either way.
+func (c *Config) CPUTransferCost(tokens int) time.Duration {
+	return secs(float64(tokens) * c.KVBytesPerToken / c.CPUBandwidth)
+}
+
+// forPod returns c as pod i of a fleet runs it: Seed+i, and the KV event
+// ports +i when they are set (> 0), so that pods on one host do not clash.
+func (c Config) forPod(i int) Config {
+	c.Seed += uint64(i)
+	if c.KVEventsPort > 0 {
+		c.KVEventsPort += i
+	}
+	if c.KVEventsReplayPort > 0 {
+		c.KVEventsReplayPort += i
+	}
+	return c
 }
 
 func secs(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }

@@ -86,6 +86,8 @@ type seq struct {
 	numComputed int
 	blocks      []int32
 	hashes      []uint64 // chained hashes of the leading full, computed blocks
+	cpuBlocks   int      // blocks after the GPU hit that match loads from the CPU tier
+	fromCPU     bool     // back from a CPU load, whose admission counted the lookup
 	cached      int      // reported cached tokens (first admission)
 	admitted    bool
 	remoteDone  bool
@@ -120,10 +122,12 @@ type kvHold struct {
 type evKind uint8
 
 const (
-	evRequest evKind = iota
-	evLoaded         // a KV pull finished (ok or not)
-	evRelease        // a hold was pulled: release its blocks
-	evNudge          // something was cancelled
+	evRequest   evKind = iota
+	evLoaded           // a KV pull finished (ok or not)
+	evRelease          // a hold was pulled: release its blocks
+	evNudge            // something was cancelled
+	evCPULoaded        // a load from the CPU tier finished (or its request was cancelled)
+	evReset            // reset the prefix cache, then close done
 )
 
 type event struct {
@@ -133,6 +137,7 @@ type event struct {
 	seq  *seq
 	ok   bool
 	hold *kvHold
+	done chan struct{}
 }
 
 type scheduled struct {
@@ -156,6 +161,14 @@ type engine struct {
 	// nor, for a pull that waits for a concurrent prefill, before transfer
 	// (wall) after the prefill pod answered.
 	startPull func(s *seq, ready time.Time, transfer time.Duration)
+	// startCPULoad starts a tracked goroutine that posts evCPULoaded for s
+	// at the wall time ready (the modelled end of its copy from the CPU
+	// tier), or once s's request is cancelled.
+	startCPULoad func(s *seq, ready time.Time)
+	// kv publishes ev's events at the end of every step; both nil when KV
+	// events are off.
+	kv *kvPublisher
+	ev *kvEvents
 
 	mu          sync.Mutex
 	inbox       []event
@@ -188,12 +201,20 @@ type engine struct {
 func newEngine(cfg *Config, start time.Time, done <-chan struct{}) *engine {
 	t := time.NewTimer(time.Hour)
 	t.Stop()
-	return &engine{
+	e := &engine{
 		cfg: cfg, scale: cfg.TimeScale, startWall: start, done: done,
 		vocab: uint32(cfg.VocabSize), holds: make(map[string]*kvHold), rooms: make(map[uint64]*room),
 		wake: make(chan struct{}, 1), cache: newBlockCache(cfg.NumGPUBlocks), timer: t,
 		toks: make([]uint32, cfg.BlockSize),
 	}
+	if cfg.KVEventsPort != 0 {
+		e.ev = &kvEvents{}
+		e.cache.ev = e.ev
+	}
+	if cfg.CPUBlocks > 0 {
+		e.cache.cpu = newCPUTier(cfg.CPUBlocks, e.ev)
+	}
+	return e
 }
 
 func (e *engine) modelOf(w time.Time) time.Duration {
@@ -253,6 +274,7 @@ func (e *engine) run() {
 		prefill, ctxTokens := e.schedule()
 		e.publishGauges()
 		if len(e.batch) == 0 {
+			e.flushKV()
 			idle = true
 			if !e.sleepIdle() {
 				return
@@ -271,6 +293,7 @@ func (e *engine) run() {
 		e.modelNow, prevStart, prevEnd = end, start, end
 		e.modelClock.Store(int64(end))
 		info.DecodeSeqs = e.apply(end)
+		e.flushKV()
 		e.steps.Add(1)
 		if e.cfg.OnStep != nil {
 			e.cfg.OnStep(info)
@@ -338,7 +361,38 @@ func (e *engine) handle(ev *event, idle bool, prevStart, prevEnd time.Duration) 
 		e.loaded(ev.seq, ev.ok)
 	case evRelease:
 		e.cache.releaseAll(ev.hold.blocks)
+	case evCPULoaded:
+		e.cpuLoaded(ev.seq)
+	case evReset:
+		e.cache.reset()
+		close(ev.done)
 	}
+}
+
+// flushKV hands the events collected since the last flush to the publisher
+// as one batch: one per engine step that has any, as vLLM publishes.
+func (e *engine) flushKV() {
+	if e.kv == nil || len(e.ev.list) == 0 {
+		return
+	}
+	e.kv.publish(time.Now(), e.ev.take())
+}
+
+// cpuLoaded finishes a load from the CPU tier: the loaded blocks count as
+// computed and get their hashes on the GPU again (BlockStored, medium GPU),
+// and the sequence waits at the head of the queue to compute the rest.
+func (e *engine) cpuLoaded(s *seq) {
+	e.loading--
+	if s.req.cancelled.Load() {
+		e.finish(s, "abort", e.modelNow)
+		e.publish(s)
+		return
+	}
+	s.numComputed += s.cpuBlocks * e.cfg.BlockSize
+	s.cpuBlocks, s.fromCPU = 0, true
+	e.commit(s)
+	s.state = stWaiting
+	e.waiting = append([]*seq{s}, e.waiting...)
 }
 
 // loaded finishes a KV pull: on success the prompt (all but its last token,
@@ -474,13 +528,34 @@ func (e *engine) schedule() (prefill, ctxTokens int) {
 				break
 			}
 			e.grow(s, need)
-			e.admitStats(s)
+			e.admitStats(s, true)
 			e.m.extQueries.Add(float64(len(s.prompt) - 1 - s.numComputed))
 			e.removeWaiting(i)
 			s.state = stLoading
 			e.loading++
 			cost := e.cfg.TransferCost(len(s.prompt) - 1 - s.numComputed)
 			e.startPull(s, e.wallOf(e.modelNow+cost), time.Duration(float64(cost)/e.scale))
+			continue
+		}
+		if s.cpuBlocks > 0 {
+			// vLLM's OffloadingConnector: the blocks after the GPU hit that
+			// the CPU tier holds are loaded asynchronously into newly
+			// allocated GPU blocks, and the request waits for them
+			// (WAITING_FOR_REMOTE_KVS) instead of computing them.
+			if s.cpuBlocks > e.cache.free {
+				e.unmatch(s, fresh)
+				break
+			}
+			e.prefixStats(s)
+			e.extStats(s)
+			e.grow(s, s.cpuBlocks)
+			e.removeWaiting(i)
+			s.state = stLoading
+			e.loading++
+			tokens := s.cpuBlocks * e.cfg.BlockSize
+			cost := e.cfg.CPUTransferCost(tokens)
+			e.m.offloaded(cpuToGPU, float64(tokens)*e.cfg.KVBytesPerToken, cost)
+			e.startCPULoad(s, e.wallOf(e.modelNow+cost))
 			continue
 		}
 		n := min(s.numTokens()-s.numComputed, budget)
@@ -490,7 +565,11 @@ func (e *engine) schedule() (prefill, ctxTokens int) {
 			break
 		}
 		e.grow(s, need)
-		e.admitStats(s)
+		if fresh && e.cache.cpu != nil && s.remote == nil {
+			e.extStats(s) // the CPU tier was queried and missed
+		}
+		e.admitStats(s, !s.fromCPU)
+		s.fromCPU = false
 		e.removeWaiting(i)
 		s.state = stRunning
 		e.running = append(e.running, s)
@@ -536,12 +615,15 @@ func (e *engine) grow(s *seq, need int) {
 }
 
 // match pins the longest cached prefix of s: whole blocks, never the last
-// token (vLLM always recomputes at least one token).
+// token (vLLM always recomputes at least one token). With a CPU tier it
+// also counts the blocks after the GPU hit that the tier holds (cpuBlocks),
+// unless s pulls its KV from a prefill pod.
 func (e *engine) match(s *seq) {
 	limit := (s.numTokens() - 1) / e.cfg.BlockSize
 	bs := e.cfg.BlockSize
 	parent := s.root
 	s.hashes = s.hashes[:0]
+	s.cpuBlocks = 0
 	toks := e.toks
 	for i := range limit {
 		for j := range bs {
@@ -550,6 +632,9 @@ func (e *engine) match(s *seq) {
 		h := e.hash.block(parent, toks)
 		b, ok := e.cache.lookup(h)
 		if !ok {
+			if e.cache.cpu != nil && s.remote == nil {
+				s.cpuBlocks = e.cpuMatch(s, i, h, limit)
+			}
 			break
 		}
 		e.cache.acquire(b)
@@ -560,19 +645,56 @@ func (e *engine) match(s *seq) {
 	s.numComputed = len(s.blocks) * bs
 }
 
+// cpuMatch returns how many consecutive blocks of s from block i (whose
+// hash is h) up to limit the CPU tier holds.
+func (e *engine) cpuMatch(s *seq, i int, h uint64, limit int) int {
+	bs := e.cfg.BlockSize
+	n := 0
+	for e.cache.cpu.lookup(h) {
+		n++
+		if i+n == limit {
+			break
+		}
+		for j := range bs {
+			e.toks[j] = s.tokenAt((i+n)*bs+j, e.vocab)
+		}
+		h = e.hash.block(h, e.toks)
+	}
+	return n
+}
+
 // unmatch undoes a match made in this scheduling attempt.
 func (e *engine) unmatch(s *seq, fresh bool) {
 	if !fresh {
 		return
 	}
 	e.cache.releaseAll(s.blocks)
-	s.blocks, s.hashes, s.numComputed = nil, s.hashes[:0], 0
+	s.blocks, s.hashes, s.numComputed, s.cpuBlocks = nil, s.hashes[:0], 0, 0
 }
 
-// admitStats counts a sequence's admission in the prefix-cache counters.
-func (e *engine) admitStats(s *seq) {
+// prefixStats counts an admission's GPU prefix-cache lookup
+// (vllm:prefix_cache_*).
+func (e *engine) prefixStats(s *seq) {
 	e.m.prefixQueries.Add(float64(s.numTokens()))
 	e.m.prefixHits.Add(float64(s.numComputed))
+}
+
+// extStats counts a fresh admission's query of the CPU tier as vLLM counts
+// a KV connector's (vllm:external_prefix_cache_*): the tokens the GPU did
+// not hold, and those of them the tier holds.
+func (e *engine) extStats(s *seq) {
+	e.m.extQueries.Add(float64(s.numTokens() - s.numComputed))
+	e.m.extHits.Add(float64(s.cpuBlocks * e.cfg.BlockSize))
+}
+
+// admitStats counts a sequence's admission: its prefix-cache lookup (unless
+// lookup is false: a sequence back from a CPU load, whose lookup was
+// counted when the load started, as vLLM counts none after an async load)
+// and, the first time, its cached tokens and queue time.
+func (e *engine) admitStats(s *seq, lookup bool) {
+	if lookup {
+		e.prefixStats(s)
+	}
 	if !s.admitted {
 		s.admitted = true
 		s.cached = s.numComputed
@@ -584,33 +706,68 @@ func (e *engine) admitStats(s *seq) {
 // blocks (their hashes stay cached, so the recompute mostly hits).
 func (e *engine) preempt(s *seq) {
 	e.cache.releaseAll(s.blocks)
-	s.blocks, s.hashes, s.numComputed = nil, s.hashes[:0], 0
+	s.blocks, s.hashes, s.numComputed, s.fromCPU = nil, s.hashes[:0], 0, false
 	s.state = stWaiting
 	e.waiting = append([]*seq{s}, e.waiting...)
 	e.m.preemptions.Inc()
 }
 
-// commit registers the hashes of blocks that became full and computed.
+// commit registers the hashes of blocks that became full and computed
+// (prompt and generated tokens alike), records them as stored (one
+// BlockStored per run of newly registered hashes, in chain order) and
+// stores them in the CPU tier.
 func (e *engine) commit(s *seq) {
 	bs := e.cfg.BlockSize
 	full := s.numComputed / bs
-	if len(s.hashes) >= full {
+	first := len(s.hashes)
+	if first >= full {
 		return
 	}
 	parent := s.root
-	if len(s.hashes) > 0 {
-		parent = s.hashes[len(s.hashes)-1]
+	if first > 0 {
+		parent = s.hashes[first-1]
 	}
 	toks := e.toks
-	for i := len(s.hashes); i < full; i++ {
+	run := -1 // index in e.ev.list of the BlockStored being filled
+	for i := first; i < full; i++ {
 		for j := range bs {
 			toks[j] = s.tokenAt(i*bs+j, e.vocab)
 		}
 		h := e.hash.block(parent, toks)
-		e.cache.register(s.blocks[i], h)
+		registered := e.cache.register(s.blocks[i], h)
+		if e.ev != nil {
+			switch {
+			case !registered:
+				run = -1 // another block holds h: announced already
+			case run < 0:
+				run = e.ev.stored(e.storedEvent(s, parent, i > 0))
+				fallthrough
+			default:
+				ev := &e.ev.list[run]
+				ev.hashes = append(ev.hashes, h)
+				ev.tokens = append(ev.tokens, toks...)
+			}
+		}
 		s.hashes = append(s.hashes, h)
 		parent = h
 	}
+	if e.cache.cpu != nil {
+		if n := e.cache.cpu.store(s.hashes[first:]); n > 0 {
+			bytes := float64(n*bs) * e.cfg.KVBytesPerToken
+			e.m.offloaded(gpuToCPU, bytes, e.cfg.CPUTransferCost(n*bs))
+		}
+	}
+}
+
+// storedEvent returns an empty BlockStored on the GPU for s's blocks after
+// parent (a chain root when hasParent is false).
+func (e *engine) storedEvent(s *seq, parent uint64, hasParent bool) kvEvent {
+	ev := kvEvent{medium: mediumGPU, parent: parent, hasParent: hasParent}
+	if s.lora != "" {
+		// vLLM numbers --lora-modules from 1 (lora_int_id).
+		ev.loraID, ev.lora = slices.Index(e.cfg.LoRAs, s.lora)+1, s.lora
+	}
+	return ev
 }
 
 // apply completes the step that ended at modelled time end: computed tokens

@@ -8,7 +8,8 @@ import (
 
 // BindFlags registers one flag per Config field on fs, with c's current
 // values (fill them with DefaultConfig first) as defaults. Role is bound as
-// a string by the caller (see ParseRole); OnStep has no flag.
+// a string by the caller (see ParseRole); OnStep has no flag. The KV event
+// ports are pod 0's: a fleet adds i for pod i (Profile.Configs).
 func (c *Config) BindFlags(fs *pflag.FlagSet) {
 	fs.StringVar(&c.Model, "model", c.Model, "served model name")
 	fs.StringSliceVar(&c.LoRAs, "lora-modules", c.LoRAs, "names of LoRA adapters loaded on the model (requests may name them; /v1/models lists them)")
@@ -42,6 +43,14 @@ func (c *Config) BindFlags(fs *pflag.FlagSet) {
 	fs.IntVar(&c.SideChannelPort, "side-channel-port", c.SideChannelPort, "port of the KV side channel and SGLang bootstrap server (SGLang: 8998; 0: a free port)")
 	fs.DurationVar(&c.BootstrapWaitTimeout, "bootstrap-wait-timeout", c.BootstrapWaitTimeout, "how long a prefill pod's bootstrap server waits for an unknown room (wall time)")
 	fs.IntVar(&c.TPSize, "tp-size", c.TPSize, "tp_size reported in kv_transfer_params")
+
+	fs.IntVar(&c.KVEventsPort, "kv-events-port", c.KVEventsPort, "port of a ZeroMQ PUB socket publishing KV-cache events (BlockStored, BlockRemoved, AllBlocksCleared) as vLLM's --kv-events-config (vLLM's endpoint: tcp://*:5557); pod i of a fleet binds port+i (0: off, -1: a free port)")
+	fs.IntVar(&c.KVEventsReplayPort, "kv-events-replay-port", c.KVEventsReplayPort, "port of a ZeroMQ ROUTER socket replaying the last 10,000 event batches from a requested sequence number, as vLLM's replay_endpoint; pod i binds port+i (0: off, -1: a free port)")
+	fs.StringVar(&c.KVEventsHost, "kv-events-host", c.KVEventsHost, "address the KV event sockets bind")
+	fs.StringVar(&c.KVEventsTopic, "kv-events-topic", c.KVEventsTopic, `topic frame of every KV event message (vLLM's default: ""); {addr} becomes the pod's HTTP host:port and {model} its model, so "kv@{addr}@{model}" is llm-d's kv@<ip>:<port>@<model>`)
+	fs.BoolVar(&c.KVEventsArrayEncoding, "kv-events-array-encoding", c.KVEventsArrayEncoding, "encode KV event batches as positional msgpack arrays, type tag first (vLLM before mid-2026), instead of maps with a \"type\" key")
+	fs.IntVar(&c.CPUBlocks, "cpu-blocks", c.CPUBlocks, "blocks of a CPU KV tier as vLLM's OffloadingConnector (--kv-offloading-size): computed blocks are copied to CPU memory (LRU) and a GPU prefix miss loads them back at --cpu-bandwidth instead of recomputing (0: off)")
+	fs.Float64Var(&c.CPUBandwidth, "cpu-bandwidth", c.CPUBandwidth, "GPU↔CPU KV copy rate of the CPU tier, bytes/s")
 
 	fs.Float64Var(&c.Faults.ErrorRate, "fault-error-rate", c.Faults.ErrorRate, "fraction of inference requests failed with --fault-error-status")
 	fs.IntVar(&c.Faults.ErrorStatus, "fault-error-status", c.Faults.ErrorStatus, "status of injected failures")

@@ -19,12 +19,12 @@ type Fleet struct {
 }
 
 // StartFleet starts n pods of cfg on 127.0.0.1:0; pod i gets Seed cfg.Seed+i
-// (and its own engine id).
+// (and its own engine id) and, when they are set, KV event ports
+// cfg.KVEventsPort+i and cfg.KVEventsReplayPort+i.
 func StartFleet(n int, cfg Config) (*Fleet, error) {
 	cfgs := make([]Config, n)
 	for i := range cfgs {
-		cfgs[i] = cfg
-		cfgs[i].Seed = cfg.Seed + uint64(i)
+		cfgs[i] = cfg.forPod(i)
 	}
 	return StartFleetOf(cfgs...)
 }

@@ -32,6 +32,30 @@ type podMetrics struct {
 	successAbort                   prometheus.Counter
 	ttft, itl, e2e, queue          prometheus.Histogram
 	kvFailed, kvExpired            prometheus.Counter
+
+	// kvEventsDropped is registered with KV events on, offload* with the
+	// CPU tier on; both are nil otherwise.
+	kvEventsDropped           prometheus.Counter
+	offloadBytes, offloadTime [2]prometheus.Counter  // by offloadDir
+	offloadSize               [2]prometheus.Observer // by offloadDir
+}
+
+// offloadDir is the transfer_type of vLLM's offloading metrics.
+type offloadDir int
+
+const (
+	gpuToCPU offloadDir = iota
+	cpuToGPU
+)
+
+// offloadBuckets are vLLM's vllm:kv_offload_size buckets, in bytes.
+var offloadBuckets = []float64{1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6}
+
+// offloaded counts one CPU-tier copy of bytes bytes that takes d (modelled).
+func (m *podMetrics) offloaded(dir offloadDir, bytes float64, d time.Duration) {
+	m.offloadBytes[dir].Add(bytes)
+	m.offloadTime[dir].Add(d.Seconds())
+	m.offloadSize[dir].Observe(bytes)
 }
 
 func newPodMetrics(cfg *Config, e *engine, start time.Time) *podMetrics {
@@ -118,6 +142,31 @@ func newPodMetrics(cfg *Config, e *engine, start time.Time) *podMetrics {
 		"Prefill KV holds released because no decode pod pulled them before the timeout.")
 	gaugeFunc("kvsim:kv_held_blocks", "KV blocks a prefill pod holds for decode pods that have not pulled them yet.",
 		func() float64 { return float64(e.nHeld.Load()) })
+
+	if cfg.KVEventsPort != 0 {
+		m.kvEventsDropped = counter("kvsim:kv_events_dropped_total",
+			"KV event batches dropped because the publisher's queue was full (their sequence numbers are skipped), plus batches a subscriber's full send queue dropped.")
+	}
+	if cfg.CPUBlocks > 0 {
+		// vLLM's OffloadingConnector metrics (OffloadPromMetrics), per
+		// transfer_type; times are modelled seconds.
+		dirs := []string{"GPU_to_CPU", "CPU_to_GPU"}
+		vec := func(name, help string) *prometheus.CounterVec {
+			v := prometheus.NewCounterVec(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: labels}, []string{"transfer_type"})
+			reg.MustRegister(v)
+			return v
+		}
+		bytes := vec("vllm:kv_offload_total_bytes_total", "Number of bytes offloaded by KV connector")
+		secs := vec("vllm:kv_offload_total_time_total", "Total time measured by all KV offloading operations")
+		size := prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "vllm:kv_offload_size",
+			Help: "Histogram of KV offload transfer size, in bytes.", ConstLabels: labels, Buckets: offloadBuckets}, []string{"transfer_type"})
+		reg.MustRegister(size)
+		for i, d := range dirs {
+			m.offloadBytes[i] = bytes.WithLabelValues(d)
+			m.offloadTime[i] = secs.WithLabelValues(d)
+			m.offloadSize[i] = size.WithLabelValues(d)
+		}
+	}
 	return m
 }
 

@@ -22,7 +22,8 @@ import (
 
 // Pod is one simulated vLLM server: an HTTP front end (fasthttp), one engine
 // loop goroutine, a KV side-channel listener (vLLM's NIXL side channel and
-// SGLang's bootstrap server in one) and its own Prometheus registry.
+// SGLang's bootstrap server in one), optionally a KV-cache event publisher
+// (kvevents.go), and its own Prometheus registry.
 // Create it with New, run it with Serve, stop it with Close. Methods are
 // safe for concurrent use.
 type Pod struct {
@@ -38,6 +39,7 @@ type Pod struct {
 	sidePort   int
 	pullTr     *http.Transport
 	pullClient *http.Client
+	kv         *kvPublisher // nil: KV events off
 	parsers    fastjson.ParserPool
 	ids        atomic.Uint64
 	stalled    atomic.Int64 // requests held by a stall fault
@@ -58,7 +60,7 @@ type Pod struct {
 }
 
 // New validates cfg and builds a pod; it opens the KV side-channel listener
-// but starts no goroutine until Serve.
+// and the KV event sockets but starts no goroutine until Serve.
 func New(cfg Config) (*Pod, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -81,6 +83,15 @@ func New(cfg Config) (*Pod, error) {
 	p.m = newPodMetrics(&p.cfg, p.eng, start)
 	p.eng.m = p.m
 	p.eng.startPull = p.startPull
+	p.eng.startCPULoad = p.startCPULoad
+	if cfg.KVEventsPort != 0 {
+		if p.kv, err = newKVPublisher(&p.cfg, p.m.kvEventsDropped); err != nil {
+			ln.Close()
+			cancel()
+			return nil, fmt.Errorf("sim: KV events: %w", err)
+		}
+		p.eng.kv = p.kv
+	}
 	p.faults = newFaultState(cfg.Faults, cfg.Seed)
 	p.srv = &fasthttp.Server{
 		Handler:               p.handle,
@@ -123,6 +134,9 @@ func (p *Pod) Serve(ln net.Listener) error {
 	if !p.started {
 		p.started = true
 		p.readyAt.Store(time.Now().Add(time.Duration(p.cfg.Faults.StartupDelay)).UnixNano())
+		if p.kv != nil {
+			p.kv.start(expandTopic(p.cfg.KVEventsTopic, ln.Addr().String(), p.cfg.Model))
+		}
 		p.wg.Add(2)
 		go func() {
 			defer p.wg.Done()
@@ -160,6 +174,9 @@ func (p *Pod) Close() error {
 		errs = append(errs, p.side.ShutdownWithContext(ctx))
 		p.sideLn.Close()
 		p.wg.Wait()
+		if p.kv != nil {
+			p.kv.close() // after the engine, its only producer
+		}
 		p.pullTr.CloseIdleConnections()
 		p.closeErr = errors.Join(errs...)
 	})
@@ -178,6 +195,63 @@ func (p *Pod) StartTime() time.Time { return p.start }
 // SideChannelAddr returns host:port of the KV side channel, which is also
 // the SGLang bootstrap server (bootstrap_port is its port).
 func (p *Pod) SideChannelAddr() string { return p.sideLn.Addr().String() }
+
+// KVEventsAddr returns host:port of the KV event PUB socket, or "" when KV
+// events are off (Config.KVEventsPort).
+func (p *Pod) KVEventsAddr() string {
+	if p.kv == nil {
+		return ""
+	}
+	return p.kv.addr()
+}
+
+// KVEventsReplayAddr returns host:port of the KV event replay socket, or ""
+// when it is off (Config.KVEventsReplayPort).
+func (p *Pod) KVEventsReplayAddr() string {
+	if p.kv == nil {
+		return ""
+	}
+	return p.kv.replayAddr()
+}
+
+// ResetPrefixCache empties the prefix cache, GPU and CPU tier, as vLLM's
+// POST /reset_prefix_cache does (also served here), and publishes
+// AllBlocksCleared. Blocks in use lose their hashes too; their requests go
+// on. It returns once the engine has done it, or with ctx's error, or
+// ErrClosed when the pod closes first; the pod must be serving.
+func (p *Pod) ResetPrefixCache(ctx context.Context) error {
+	done := make(chan struct{})
+	p.eng.post(event{kind: evReset, done: done})
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-p.done:
+		return ErrClosed
+	}
+}
+
+// startCPULoad starts the goroutine that posts evCPULoaded for s at the
+// wall time ready, when its modelled copy from the CPU tier ends, or at
+// once when its request is cancelled. Called by the engine goroutine.
+func (p *Pod) startCPULoad(s *seq, ready time.Time) {
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		at := ready
+		t := time.NewTimer(time.Until(ready))
+		defer t.Stop()
+		select {
+		case <-t.C:
+		case <-s.req.ctx.Done():
+			at = time.Now()
+		case <-p.done:
+			return
+		}
+		p.eng.post(event{kind: evCPULoaded, at: at, seq: s})
+	}()
+}
 
 // Registry returns the pod's own Prometheus registry (served at /metrics).
 func (p *Pod) Registry() *prometheus.Registry { return p.m.reg }
@@ -260,6 +334,10 @@ func (p *Pod) handle(ctx *fasthttp.RequestCtx) {
 	case "/tokenize":
 		if method(fasthttp.MethodPost) {
 			p.tokenize(ctx)
+		}
+	case "/reset_prefix_cache":
+		if method(fasthttp.MethodPost) && p.ResetPrefixCache(ctx) != nil {
+			writeError(ctx, &apiError{503, "ServiceUnavailableError", "The engine is shutting down."})
 		}
 	case "/sim/faults":
 		p.adminFaults(ctx)

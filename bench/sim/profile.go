@@ -197,14 +197,14 @@ func LookupProfile(name string) (Profile, error) {
 func (p Profile) Engine(i int) Engine { return p.Engines[i%len(p.Engines)] }
 
 // Configs returns the configs of a fleet of n pods of p: pod i is base with
-// its zero engine fields filled from p.Engine(i) (see Engine.Fill) and
-// Seed base.Seed+i, as StartFleet numbers seeds.
+// its zero engine fields filled from p.Engine(i) (see Engine.Fill), Seed
+// base.Seed+i and, when set, KV event ports base's +i, as StartFleet
+// numbers them.
 func (p Profile) Configs(n int, base Config) []Config {
 	cfgs := make([]Config, n)
 	for i := range cfgs {
-		cfgs[i] = base
+		cfgs[i] = base.forPod(i)
 		p.Engine(i).Fill(&cfgs[i])
-		cfgs[i].Seed = base.Seed + uint64(i)
 	}
 	return cfgs
 }

@@ -5,6 +5,13 @@
 //	kvsim --pods 4 --port 8100 --time-scale 10
 //	kvsim --pods 4 --prefill-pods 2 --role decode   # 2 prefill + 2 decode pods
 //	kvsim --pods 4 --profile slow-large             # Llama-3.1-70B on 4×A100 per pod (sim.Profiles)
+//
+// KV-cache events as vLLM's --kv-events-config publishes them, and a CPU KV
+// tier as its OffloadingConnector keeps one; pod i binds the event ports
+// +i, as it listens on --port+i:
+//
+//	kvsim --pods 4 --port 8100 --kv-events-port 5557 --kv-events-replay-port 5657 \
+//	      --kv-events-topic 'kv@{addr}@{model}' --cpu-blocks 100000
 package main
 
 import (

@@ -26,6 +26,9 @@ func TestRun(t *testing.T) {
 	}{
 		{name: "two pods", args: []string{"--pods", "2", "--port", "0", "--time-scale", "100", "--prefill-pods", "1"}, pods: 2},
 		{name: "mixed profile", args: []string{"--pods", "2", "--port", "0", "--time-scale", "100", "--profile", "mixed"}, pods: 2},
+		{name: "KV events and CPU tier", args: []string{"--pods", "2", "--port", "0", "--kv-events-port", "-1", "--kv-events-replay-port", "-1",
+			"--kv-events-topic", "kv@{addr}@{model}", "--cpu-blocks", "1000"}, pods: 2},
+		{name: "replay without events", args: []string{"--kv-events-replay-port", "5558"}, wantErr: "without a KV events port"},
 		{name: "bad role", args: []string{"--role", "both"}, wantErr: "unknown role"},
 		{name: "bad prefill count", args: []string{"--pods", "1", "--prefill-pods", "2"}, wantErr: "prefill-pods"},
 		{name: "bad config", args: []string{"--block-size", "-1"}, wantErr: "block size"},
@@ -103,5 +106,21 @@ func TestParseProfile(t *testing.T) {
 	}
 	if _, _, err := parse([]string{"--profile", "tpu"}); err == nil || !strings.Contains(err.Error(), "unknown profile") {
 		t.Errorf("unknown profile: %v", err)
+	}
+}
+
+// The KV event flags reach every pod; pod i binds the ports +i.
+func TestParseKVEvents(t *testing.T) {
+	_, cfgs, err := parse([]string{"--pods", "3", "--kv-events-port", "5557", "--kv-events-replay-port", "5657",
+		"--kv-events-host", "0.0.0.0", "--kv-events-topic", "kv@{addr}@{model}", "--kv-events-array-encoding",
+		"--cpu-blocks", "4096", "--cpu-bandwidth", "5e10"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, c := range cfgs {
+		if c.KVEventsPort != 5557+i || c.KVEventsReplayPort != 5657+i || c.KVEventsHost != "0.0.0.0" ||
+			c.KVEventsTopic != "kv@{addr}@{model}" || !c.KVEventsArrayEncoding || c.CPUBlocks != 4096 || c.CPUBandwidth != 5e10 {
+			t.Errorf("pod %d: %+v", i, c)
+		}
 	}
 }

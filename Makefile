@@ -36,7 +36,8 @@ bench:
 # crasher is kept under the package's testdata/fuzz/FuzzName/ as a seed.
 FUZZTIME ?= 30s
 FUZZ_TARGETS := ./proxy:FuzzParse ./proxy:FuzzRender ./proxy:FuzzNumScanner \
-	./discovery:FuzzParseEngine ./discovery:FuzzDNSAnswer ./prefix:FuzzHasher
+	./discovery:FuzzParseEngine ./discovery:FuzzDNSAnswer ./discovery:FuzzDecodeKVBatch \
+	./discovery:FuzzZMTP ./prefix:FuzzHasher
 fuzz:
 	@set -e; for t in $(FUZZ_TARGETS); do \
 	  pkg=$${t%%:*}; name=$${t#*:}; echo "== $$name ($$pkg, $(FUZZTIME))"; \

@@ -56,8 +56,9 @@ func newFlags(c *config) *proxy.Flags {
 	f := proxy.NewFlags("kvroute", "kvroute: a KV-cache-aware router for vLLM and SGLang.\n\nUsage: kvroute [flags]\n\n"+
 		"Every flag may also be set as KVROUTE_<FLAG> in the environment, e.g. KVROUTE_BACKENDS.\n")
 	g := f.Group
-	listen, backends, health, pfx, pd, upstream, ops := g("Listeners"), g("Backends and routing"), g("Health and engine metrics"),
-		g("Prefix-aware routing (--policy prefix)"), g("Prefill/decode disaggregation (with a decode pool)"), g("Upstream connections"), g("Operations")
+	listen, backends, health, pfx, kv, pd, upstream, ops := g("Listeners"), g("Backends and routing"), g("Health and engine metrics"),
+		g("Prefix-aware routing (--policy prefix)"), g("Engine KV-cache events (--policy prefix)"),
+		g("Prefill/decode disaggregation (with a decode pool)"), g("Upstream connections"), g("Operations")
 
 	listen.StringVar(&c.Listen, "listen", c.Listen, "address of the OpenAI-compatible API listener")
 	listen.StringVar(&c.AdminListen, "admin-listen", c.AdminListen, "address of the admin listener (/metrics, /livez, /readyz, /debug/pprof/)")
@@ -117,6 +118,12 @@ func newFlags(c *config) *proxy.Flags {
 	pfx.Float64Var(&c.Prefix.QueueCostSec, "prefix-queue-cost", c.Prefix.QueueCostSec, "prior seconds of wait per request queued in the engine, scraped (learned per endpoint as its mean prefill time or batch turnover; setting it pins it)")
 	pfx.Float64Var(&c.Prefix.KVCostSec, "prefix-kv-cost", c.Prefix.KVCostSec, "seconds of wait at a full KV cache (scraped usage 1.0), linear in usage")
 	pfx.Float64Var(&c.Prefix.HomeLoadFactor, "prefix-home-load-factor", c.Prefix.HomeLoadFactor, "no endpoint homes more than this × the mean number of recurring prefixes (a prefix is homed on its rendezvous winner unless that endpoint is full)")
+
+	kv.IntVar(&c.KVEventsPort, "kv-events-port", c.KVEventsPort, "subscribe to every endpoint's KV-cache events at tcp://<endpoint host>:PORT (vLLM --kv-events-config publisher zmq, endpoint tcp://*:5557; SGLang likewise), following discovery: the engines' stores, evictions and restarts then correct the prefix index (0: off)")
+	kv.StringVar(&c.KVEventsListen, "kv-events-listen", c.KVEventsListen, "bind a ZeroMQ SUB socket at HOST:PORT for publishers that dial in (e.g. the llm-d inference simulator's --zmq-endpoint); endpoints are told apart by the topic kv@<ip>:<port>@<model> (off when empty)")
+	kv.IntVar(&c.KVEventsReplayPort, "kv-events-replay-port", c.KVEventsReplayPort, "the engines' replay endpoint port (vLLM replay_endpoint): missed batches are asked for there; without it a gap drops the endpoint to learning until its next batch (0: off)")
+	kv.DurationVar(&c.KVEventsStaleAfter, "kv-events-stale-after", c.KVEventsStaleAfter, "an endpoint whose events stopped this long while it was sent requests falls back to learning until events resume (0: never)")
+	kv.Float64Var(&c.TokenizeRate, "tokenize-rate", c.TokenizeRate, "most POST /tokenize requests a second kvroute sends the engines, off the request path, to line each new prompt's bytes up with the tokens the events name (once per new prompt)")
 
 	pd.StringVar(&c.PDProtocol, "pd-protocol", c.PDProtocol, "prefill/decode handoff protocol with a decode pool: vllm (NixlConnector: a prefill leg, then its kv_transfer_params to the decode pod) or sglang (bootstrap room, both legs at once)")
 	pd.IntVar(&c.PDMinUncachedTokens, "pd-min-uncached-tokens", c.PDMinUncachedTokens, "vllm: a request on a decode pod gets a prefill leg only when its prompt tokens not cached there reach this (0: learned per decode pod: the tokens it prefills in one decode step plus half an index block, at least one block; 328 with the priors)")

@@ -3,7 +3,6 @@ package prefix
 import (
 	"encoding/binary"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/zeebo/xxh3"
@@ -46,10 +45,9 @@ type Truth struct {
 	stats      TruthStats
 
 	// The request path's side (NeedsLink), apart from the events' mutex so
-	// that applying a large batch never holds up a request: live counts
-	// the endpoints on engine truth; linkMu guards linked (a linked
-	// chain's deepest byte block) and pending (chains being tokenized).
-	live    atomic.Int32
+	// that applying a large batch never holds up a request: linkMu guards
+	// linked (a linked chain's deepest byte block) and pending (chains
+	// being tokenized).
 	linkMu  sync.Mutex
 	linked  twoGen[bool]
 	pending map[uint64]struct{}
@@ -276,7 +274,6 @@ func (t *Truth) Drop(id uint64) {
 	if v, ok := t.eps[id]; ok {
 		t.clearView(v)
 		delete(t.eps, id)
-		t.live.Add(-1)
 	}
 	t.index.SetTruth(id, false)
 }
@@ -309,14 +306,13 @@ func (t *Truth) Live(id uint64) (bool, time.Time) {
 
 // NeedsLink reports whether the chain hashes (a prompt's byte blocks)
 // should be tokenized: its deepest block is not linked, and no
-// tokenization of it is under way. A true answer marks it under way until
+// tokenization of it is under way. (It does not wait for an endpoint to be
+// on engine truth: the first request's answer may come before its
+// engine's events do.) A true answer marks it under way until
 // Link or Unlinked.
 func (t *Truth) NeedsLink(hashes []uint64) bool {
 	if len(hashes) == 0 {
 		return false
-	}
-	if t.live.Load() == 0 {
-		return false // no engine publishes: links would serve nothing
 	}
 	deepest := hashes[len(hashes)-1]
 	t.linkMu.Lock()
@@ -435,7 +431,6 @@ func (t *Truth) view(id uint64) *engineView {
 	if !ok {
 		v = &engineView{blocks: make(map[tierHash]heldBlock), held: make(map[uint64]uint16)}
 		t.eps[id] = v
-		t.live.Add(1)
 		t.index.SetTruth(id, true)
 	}
 	if v.stale {
@@ -494,7 +489,6 @@ func (t *Truth) overflow(id uint64, v *engineView) {
 	}
 	t.clearView(v)
 	delete(t.eps, id)
-	t.live.Add(-1)
 	t.index.SetTruth(id, false)
 	t.stats.Overflows++
 }

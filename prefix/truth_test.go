@@ -212,13 +212,9 @@ func TestTruthIndexModes(t *testing.T) {
 	}
 }
 
-func TestTruthNeedsLinkWithoutEvents(t *testing.T) {
+func TestTruthUnlinkedMayBeAskedAgain(t *testing.T) {
 	tr, _ := newTestTruth()
 	f := newTruthFixture(256, 6)
-	if tr.NeedsLink(f.hashes) {
-		t.Fatal("NeedsLink with no endpoint on events: tokenizing would serve nothing")
-	}
-	tr.Stored(1, 0, false, f.engine[:1], f.tokens[:16], 16, "", 0)
 	if !tr.NeedsLink(f.hashes) {
 		t.Fatal("NeedsLink = false")
 	}

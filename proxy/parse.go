@@ -200,7 +200,7 @@ func (s *reqState) parse(kind routing.Kind, body []byte, blockSize, maxBlocks in
 		return &badRequestError{msg: "request body must be a JSON object"}
 	}
 	r := &s.req
-	r.Kind = kind
+	r.Kind, r.Body = kind, body
 	s.root = v
 	s.clientKV = false
 	for _, k := range clientKVFields {

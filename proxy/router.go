@@ -86,6 +86,18 @@ type Config struct {
 	// byte-order marks to one normal form (outside code blocks).
 	NormalizePrompts bool
 
+	// Engine truth (the prefix policy): KV-cache events by dialing every
+	// endpoint's host at KVEventsPort and/or binding KVEventsListen, with
+	// replay at KVEventsReplayPort; an endpoint whose events stop for
+	// KVEventsStaleAfter while it is sent requests falls back to learning.
+	// TokenizeRate bounds the tokenize requests that link prompts to the
+	// events' tokens.
+	KVEventsPort       int
+	KVEventsListen     string
+	KVEventsReplayPort int
+	KVEventsStaleAfter time.Duration
+	TokenizeRate       float64
+
 	PrefixBlockBytes     int
 	PrefixMaxBlocks      int
 	PrefixCapacityBlocks int
@@ -184,6 +196,11 @@ func DefaultConfig() Config {
 		PrefixMaxEntries:     4_000_000,
 		PrefixTTL:            30 * time.Minute,
 		Prefix:               routing.DefaultPrefixParams(),
+
+		// vLLM publishes every engine step while it computes; an engine
+		// sent requests and silent for 30 s has lost its publisher.
+		KVEventsStaleAfter: 30 * time.Second,
+		TokenizeRate:       50,
 	}
 }
 
@@ -192,6 +209,23 @@ func (c *Config) policies() map[string]routing.NewPolicy {
 		return routing.Policies()
 	}
 	return c.Policies
+}
+
+// kvEvents reports whether c subscribes to engines' KV-cache events: a
+// port to dial every endpoint at, a listener, or a static backend naming
+// its publisher (#kv-events=PORT).
+func (c *Config) kvEvents() bool {
+	if c.KVEventsPort > 0 || c.KVEventsListen != "" {
+		return true
+	}
+	for _, urls := range [][]string{c.Backends, c.PrefillBackends, c.DecodeBackends} {
+		for _, u := range urls {
+			if strings.Contains(u, "kv-events=") {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // Validate reports every problem of c at once, naming the flags.
@@ -292,6 +326,17 @@ func (c *Config) Validate() error {
 			bad("%s must be between 0 and 1, got %v", r.name, r.v)
 		}
 	}
+	if c.KVEventsPort < 0 || c.KVEventsPort > 65535 || c.KVEventsReplayPort < 0 || c.KVEventsReplayPort > 65535 {
+		bad("--kv-events-port and --kv-events-replay-port must be in [0, 65535]")
+	}
+	if c.KVEventsListen != "" {
+		if _, _, err := net.SplitHostPort(c.KVEventsListen); err != nil {
+			bad("--kv-events-listen %q: want host:port", c.KVEventsListen)
+		}
+	}
+	if !(c.TokenizeRate > 0) || c.KVEventsStaleAfter < 0 {
+		bad("--tokenize-rate must be positive and --kv-events-stale-after not negative")
+	}
 	if c.OTLPEndpoint != "" {
 		if _, err := otlpURL(c.OTLPEndpoint); err != nil {
 			bad("--otlp-endpoint: %v", err)
@@ -313,6 +358,7 @@ type Router struct {
 	Prefix   *routing.Prefix // the prefix policy, nil under another policy
 	Registry *prometheus.Registry
 	tracing  *sdktrace.TracerProvider // nil without --otlp-endpoint
+	truth    *engineTruth             // nil without KV events
 }
 
 // NewRouter validates cfg and builds the router; it starts nothing. logger
@@ -380,6 +426,14 @@ func NewRouter(cfg Config, logger *zap.Logger) (*Router, error) {
 			return metrics.IndexSample{Endpoints: s.Endpoints, Hashes: s.Hashes, Entries: s.Entries,
 				Bytes: s.Bytes, Evictions: s.Evictions, Expiries: s.Expiries, Homes: r.Prefix.Homes(), Foreign: r.Prefix.Foreign()}
 		})
+	}
+	if cfg.kvEvents() {
+		if r.Prefix == nil {
+			return nil, fmt.Errorf("--kv-events-port and --kv-events-listen feed the prefix index: they need --policy prefix, not %q", cfg.Policy)
+		}
+		r.truth = newEngineTruth(&cfg, r.Pool, r.Prefix.Index(), logger.Named("kvevents"))
+		opt.Tokenizer = r.truth.tok
+		metrics.RegisterKVEvents(r.Registry, r.truth.sample)
 	}
 	if cfg.OTLPEndpoint != "" {
 		if r.tracing, err = newTracerProvider(cfg.OTLPEndpoint, cfg.OTLPSampleRatio, cfg.Version); err != nil {
@@ -450,7 +504,29 @@ func (r *Router) AdminHandler() http.Handler {
 		w.Header().Set("Content-Type", "application/json")
 		enc := json.NewEncoder(w)
 		enc.SetIndent("", "  ")
-		_ = enc.Encode(r.Fleet.Endpoints())
+		eps := r.Fleet.Endpoints()
+		if r.truth == nil {
+			_ = enc.Encode(eps)
+			return
+		}
+		type withTruth struct {
+			discovery.EndpointStatus
+			KVEvents endpointTruth `json:"kv_events"`
+		}
+		byURL := make(map[string]*discovery.Endpoint)
+		for _, e := range r.Pool.Load().Endpoints {
+			byURL[e.URL] = e
+		}
+		out := make([]withTruth, len(eps))
+		for i, s := range eps {
+			out[i].EndpointStatus = s
+			if e := byURL[s.URL]; e != nil {
+				out[i].KVEvents = r.truth.status(e)
+			} else {
+				out[i].KVEvents.Source = "learned"
+			}
+		}
+		_ = enc.Encode(out)
 	})
 	if r.Prefix != nil {
 		r.Server.HandleExplain(mux, r.Prefix)
@@ -470,6 +546,11 @@ func (r *Router) Run(ctx context.Context, api, admin net.Listener, drainTimeout 
 	fleetDone := make(chan struct{})
 	go func() { defer close(fleetDone); _ = r.Fleet.Run(fctx) }()
 	defer func() { stopFleet(); <-fleetDone }()
+	if r.truth != nil {
+		truthDone := make(chan struct{})
+		go func() { defer close(truthDone); r.truth.run(fctx) }()
+		defer func() { stopFleet(); <-truthDone }()
+	}
 
 	errc := make(chan error, 2)
 	go func() { errc <- r.Server.Serve(api) }()

@@ -134,6 +134,10 @@ type Options struct {
 	// Learner, when set, receives the engine's cached-token counts, read
 	// from response bodies as they stream past.
 	Learner Learner
+	// Tokenizer, when set, is offered every answered single-prompt
+	// completion or chat that engine truth has not linked yet (off the
+	// request path: the offer is a copy and never blocks).
+	Tokenizer *Tokenizer
 	// PD configures prefill/decode disaggregation.
 	PD PDOptions
 }
@@ -773,6 +777,10 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 		path: append(b.rec.path[:0], ctx.Path()...), model: append(b.rec.model[:0], st.req.Model...), ep: d.Endpoint, decision: d, prefix: b.learn,
 		pdDecision: st.pd.decision, prefilled: st.pd.answered, sent: st.pd.sent}
 	b.rec.span, st.span, b.rec.traceID = st.span, nil, st.traceID
+	if s.opt.Tokenizer != nil && b.scan && !st.pd.split && st.prompts == 1 && st.tokens == 0 &&
+		st.req.Kind != routing.KindResponses && d.Endpoint != nil {
+		s.opt.Tokenizer.Offer(d.Endpoint, adapterOf(d.Endpoint, st.req.Model), st.req.Hashes, st.req.PromptBytes, ctx.PostBody())
+	}
 	if st.pd.split || d.Endpoint != nil && d.Endpoint.Role == discovery.RolePrefill {
 		b.rec.prefill = st.pd.prefill.Endpoint
 	}

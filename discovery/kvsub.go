@@ -1,0 +1,1107 @@
+package discovery
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// Causes of KVSink.KVReset.
+const (
+	// KVResetRestart: the engine restarted (its sequence numbers went
+	// back): its cache is empty.
+	KVResetRestart = "restart"
+	// KVResetGap: batches were missed and replay could not fill the gap:
+	// what the engine holds is unknown.
+	KVResetGap = "gap"
+	// KVResetLost: the publisher went away (its connection dropped, or the
+	// endpoint left the pool): what the engine holds is unknown.
+	KVResetLost = "lost"
+)
+
+// KVSink receives a KVSubscriber's decoded batches. Calls for one endpoint
+// come from one goroutine at a time, in sequence order; calls for distinct
+// endpoints may come at once. The batch and its slices are the
+// subscriber's and reused once KVBatch returns: a sink copies what it
+// keeps. A slow sink delays reading that endpoint's events (its publisher
+// then drops at its high-water mark, and the loss shows as a gap); it
+// never touches the request path.
+type KVSink interface {
+	KVBatch(e *Endpoint, b *KVBatch)
+	// KVReset: what the sink learned from e's events is no longer known to
+	// be true: cause is one of KVResetRestart (the engine restarted: its
+	// cache is empty; sequence numbers went back), KVResetGap (a gap
+	// replay could not fill), KVResetLost (the publisher went away, e.g.
+	// the endpoint left).
+	KVReset(e *Endpoint, cause string)
+}
+
+// KVEventsConfig configures a KVSubscriber. With the zero value only
+// endpoints that name their publisher are subscribed to.
+type KVEventsConfig struct {
+	// Port, when not 0, is the dial mode: a SUB connection to
+	// tcp://<endpoint host>:Port for every endpoint of the pool (vLLM and
+	// SGLang bind tcp://*:5557 by default). An endpoint whose URL names its
+	// publisher (Endpoint.KVEventsPort, "#kv-events=PORT") is dialed at
+	// that port instead, whatever Port is.
+	Port int
+	// ReplayPort is the engines' replay ROUTER port (vLLM's
+	// --kv-events-config replay_endpoint, the llm-d simulator's
+	// --kv-events-replay-endpoint); 0: no replay, and a gap is a
+	// KVResetGap. The data-parallel rank r of a batch is asked at
+	// ReplayPort + r, as engines offset their ports by rank.
+	ReplayPort int
+	// Listen, when not "", is the bind mode: a listener at
+	// tcp://Listen ("host:port", "tcp://" optional) for publishers that
+	// dial in (the llm-d simulator's --zmq-endpoint). Their topic
+	// kv@<ip>:<port>@<model> names the endpoint, matched against the
+	// endpoints' Addr: bind mode needs endpoints addressed by IP, as DNS
+	// discovery gives them.
+	Listen string
+	// Topic is the subscription prefix; "" for all.
+	Topic string
+	// Ranks is the data-parallel ranks to dial per endpoint in dial mode,
+	// at port + rank (vLLM and SGLang offset a rank's publisher port by
+	// its rank); 0 or 1: one.
+	Ranks int
+}
+
+// Tuning of a KVSubscriber.
+const (
+	// kvReplayTimeout bounds one replay: connecting, asking and reading
+	// the missed batches (vLLM keeps the last 10,000; on a LAN they come
+	// in well under a second). The endpoint's events wait meanwhile.
+	kvReplayTimeout = 2 * time.Second
+	// kvDialTimeout bounds a TCP connect to a publisher or replay socket.
+	kvDialTimeout = 2 * time.Second
+	// kvHandshakeTimeout bounds the ZMTP handshake of a new connection.
+	kvHandshakeTimeout = 5 * time.Second
+	// kvBackoffMin and kvBackoffMax bound the wait between dials of an
+	// unreachable publisher, doubling from one to the other: a publisher
+	// that never comes costs a dial every 5 s.
+	kvBackoffMin = 100 * time.Millisecond
+	kvBackoffMax = 5 * time.Second
+	// kvMaxConns bounds the publishers connected at once in bind mode.
+	kvMaxConns = 4096
+	// kvMaxLoggedTopics bounds the unmatched topics remembered to log each
+	// once.
+	kvMaxLoggedTopics = 1024
+	// kvKeepEvents and kvKeepElems bound the decoded batch kept for reuse
+	// between batches (events, and hashes or tokens of one event).
+	kvKeepEvents = 4096
+	kvKeepElems  = 1 << 16
+)
+
+// KVSubscriber subscribes to the engines' KV-cache events over ZeroMQ
+// (vLLM's ZmqEventPublisher, SGLang's, the llm-d simulator's): in dial
+// mode to every endpoint of a Pool, in bind mode to the publishers that
+// dial in, or both. It decodes their batches, checks their sequence numbers
+// per endpoint and data-parallel rank, replays gaps from the engines'
+// replay sockets, and hands batches and resets to a KVSink.
+//
+// Sequence numbers. The first batch of a rank's stream (on a new
+// connection) sets the expectation; a batch with the expected number is
+// delivered; a greater number is a gap: the missed batches are asked from
+// the replay socket and delivered in order before it, and when replay is
+// off, fails or does not reach back, the sink gets KVResetGap before it; a
+// smaller number means the publisher's counter started over (vLLM counts
+// from 0, the llm-d simulator from 1): the sink gets KVResetRestart before
+// it. Nothing is delivered twice: a replay is done synchronously by the
+// goroutine reading the stream, only its batches from the expectation up
+// to (not including) the batch that showed the gap are delivered, and the
+// expectation then moves past that batch; a ZeroMQ connection delivers in
+// order, at most once, so on a live stream no smaller number can be an
+// echo of one delivered. A stream ends with its connection: the events of
+// the outage are unknown, so the sink gets KVResetLost (when it was
+// delivered anything since its last reset), and the next connection's
+// first batch sets a new expectation whatever its number, which also
+// covers an engine that restarted while disconnected.
+//
+// NewKVSubscriber starts nothing; Run does the work. Status and Stats are
+// safe for concurrent use.
+type KVSubscriber struct {
+	c    KVEventsConfig
+	pool *Pool
+	sink KVSink
+	log  *zap.Logger
+
+	topic   []byte // c.Topic
+	running atomic.Bool
+	wg      sync.WaitGroup
+
+	// pubAddr is the address of e's publisher of rank in dial mode; tests
+	// replace it before Run.
+	pubAddr func(ke *kvEndpoint, rank int) string
+	// bound receives the listener's address in bind mode (tests read it).
+	bound chan net.Addr
+
+	// mu guards eps, byAddr and loggedTopics; it is never held with a
+	// kvEndpoint's mu.
+	mu           sync.Mutex
+	eps          map[*Endpoint]*kvEndpoint
+	byAddr       map[string]*Endpoint // bind mode: an endpoint's Addr → it, for the current Set
+	loggedTopics map[string]struct{}
+
+	st kvCounters
+}
+
+// kvCounters are a KVSubscriber's totals.
+type kvCounters struct {
+	batches, stored, removed, cleared, decodeErrors atomic.Uint64
+	gaps, replays, replayed, unmatched              atomic.Uint64
+	resetRestart, resetGap, resetLost               atomic.Uint64
+	conns                                           atomic.Int64
+}
+
+// kvEndpoint is a KVSubscriber's state for one endpoint.
+type kvEndpoint struct {
+	e    *Endpoint
+	host string // e's host, for its publisher and replay addresses
+
+	// mu serialises the sink's calls for e and guards the fields below.
+	mu      sync.Mutex
+	streams map[int]*kvStream // by data-parallel rank
+	dirty   bool              // a batch was delivered since the last reset
+	gone    bool              // e left the pool: nothing more is delivered
+
+	// Dial mode: cancel stops e's dial loops; done is closed when they
+	// have ended.
+	cancel context.CancelFunc
+	done   chan struct{}
+
+	// For Status.
+	live                                                  atomic.Int32 // open publisher connections feeding e
+	lastEvent                                             atomic.Int64 // Unix ns of the last batch delivered
+	seq                                                   atomic.Int64 // of the last batch delivered; -1 before
+	batches, events, gaps, replayed, resets, decodeErrors atomic.Uint64
+}
+
+// kvStream is one rank's sequence expectation while its connection lasts.
+type kvStream struct{ next int64 }
+
+// KVStatus is a snapshot of one endpoint's event stream, for
+// /debug/endpoints and metrics.
+type KVStatus struct {
+	// Connected: a publisher connection for the endpoint is open (dial
+	// mode: connected; bind mode: a connected publisher has sent it a
+	// batch).
+	Connected bool `json:"connected"`
+	// LastEvent is when its last batch was delivered (zero: never).
+	LastEvent time.Time `json:"last_event,omitzero"`
+	// Batches and Events delivered (replayed ones included), gaps seen,
+	// batches recovered by replay, resets (all causes), batches that did
+	// not decode.
+	Batches      uint64 `json:"batches"`
+	Events       uint64 `json:"events"`
+	Gaps         uint64 `json:"gaps"`
+	Replayed     uint64 `json:"replayed"`
+	Resets       uint64 `json:"resets"`
+	DecodeErrors uint64 `json:"decode_errors"`
+	// Seq is the sequence number of the last batch delivered; -1 before
+	// the first.
+	Seq int64 `json:"seq"`
+}
+
+// KVStats are a KVSubscriber's totals since it was made.
+type KVStats struct {
+	// Batches delivered (replayed ones included), and their events by kind.
+	Batches uint64 `json:"batches"`
+	Stored  uint64 `json:"stored"`
+	Removed uint64 `json:"removed"`
+	Cleared uint64 `json:"cleared"`
+	// DecodeErrors counts messages dropped because they were not a
+	// well-formed batch ([topic, 8-byte seq, payload] with a payload
+	// DecodeKVBatch reads).
+	DecodeErrors uint64 `json:"decode_errors"`
+	// Gaps in sequence numbers, replay requests made, batches they
+	// recovered.
+	Gaps     uint64 `json:"gaps"`
+	Replays  uint64 `json:"replays"`
+	Replayed uint64 `json:"replayed"`
+	// Resets by cause (KVResetRestart, KVResetGap, KVResetLost).
+	Resets map[string]uint64 `json:"resets"`
+	// Unmatched counts bind-mode batches whose topic named no endpoint of
+	// the pool (dropped).
+	Unmatched uint64 `json:"unmatched"`
+	// Connections is the publisher connections open now.
+	Connections int64 `json:"connections"`
+}
+
+// NewKVSubscriber returns a subscriber of the events of pool's endpoints
+// (dial mode) or of the publishers dialing in (bind mode) for sink. It
+// starts nothing. A nil logger logs nothing.
+func NewKVSubscriber(c KVEventsConfig, pool *Pool, sink KVSink, logger *zap.Logger) *KVSubscriber {
+	if logger == nil {
+		logger = zap.NewNop()
+	}
+	s := &KVSubscriber{
+		c: c, pool: pool, sink: sink, log: logger.Named("kvevents"), topic: []byte(c.Topic),
+		bound:        make(chan net.Addr, 1),
+		eps:          make(map[*Endpoint]*kvEndpoint),
+		byAddr:       make(map[string]*Endpoint),
+		loggedTopics: make(map[string]struct{}),
+	}
+	s.pubAddr = s.defaultPubAddr
+	return s
+}
+
+// dialPort is the port e's publisher of rank 0 is dialed at; 0: e is not
+// dialed.
+func (s *KVSubscriber) dialPort(e *Endpoint) int {
+	if e.KVEventsPort > 0 {
+		return e.KVEventsPort
+	}
+	return s.c.Port
+}
+
+// defaultPubAddr is the address of ke's publisher of rank: its host at
+// its dial port + rank.
+func (s *KVSubscriber) defaultPubAddr(ke *kvEndpoint, rank int) string {
+	return net.JoinHostPort(ke.host, strconv.Itoa(s.dialPort(ke.e)+rank))
+}
+
+// validate checks the configuration.
+func (c KVEventsConfig) validate() error {
+	switch {
+	case c.Port < 0 || c.Port > 65535 || c.ReplayPort < 0 || c.ReplayPort > 65535:
+		return fmt.Errorf("%w: KV events ports must be in [0, 65535]", ErrBadConfig)
+	case c.Ranks < 0 || c.Ranks > maxDPRank:
+		return fmt.Errorf("%w: KV events ranks must be in [0, %d]", ErrBadConfig, maxDPRank)
+	case c.Port > 0 && c.Port+max(c.Ranks, 1)-1 > 65535:
+		return fmt.Errorf("%w: KV events port %d + %d ranks is beyond 65535", ErrBadConfig, c.Port, c.Ranks)
+	}
+	if c.Listen != "" {
+		if _, _, err := net.SplitHostPort(strings.TrimPrefix(c.Listen, "tcp://")); err != nil {
+			return fmt.Errorf("%w: KV events listen address %q: %v", ErrBadConfig, c.Listen, err)
+		}
+	}
+	return nil
+}
+
+// Run subscribes until ctx is done, then closes every connection, waits
+// for its goroutines and returns nil; after it returns the sink is not
+// called again. It returns an error at once when the configuration is
+// invalid or the bind-mode listener cannot be bound. With neither Port nor
+// Listen it still follows the pool, for endpoints that name their
+// publisher. It may be called once.
+func (s *KVSubscriber) Run(ctx context.Context) error {
+	if !s.running.CompareAndSwap(false, true) {
+		return ErrRunning
+	}
+	if err := s.c.validate(); err != nil {
+		return err
+	}
+	if s.c.Listen != "" {
+		var lc net.ListenConfig
+		ln, err := lc.Listen(ctx, "tcp", strings.TrimPrefix(s.c.Listen, "tcp://"))
+		if err != nil {
+			return fmt.Errorf("discovery: KV events listener: %w", err)
+		}
+		s.log.Info("listening for KV-event publishers", zap.Stringer("addr", ln.Addr()))
+		s.bound <- ln.Addr()
+		s.wg.Go(func() { s.serve(ctx, ln) })
+	}
+	if s.c.Port > 0 {
+		s.log.Info("subscribing to the endpoints' KV events", zap.Int("port", s.c.Port), zap.Int("ranks", max(s.c.Ranks, 1)))
+	}
+	for {
+		changed := s.pool.Changed()
+		s.reconcile(ctx, s.pool.Load())
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			s.wg.Wait()
+			return nil
+		}
+	}
+}
+
+// reconcile follows the pool's Set: an endpoint that left is retired
+// (its dial loops stopped, KVResetLost) before anything else, so that an
+// endpoint coming back starts anew after the sink was told; an endpoint
+// that appeared is dialed when it has a dial port.
+func (s *KVSubscriber) reconcile(ctx context.Context, set *Set) {
+	byAddr := make(map[string]*Endpoint, set.Len())
+	present := make(map[*Endpoint]struct{}, set.Len())
+	for _, e := range set.Endpoints {
+		present[e] = struct{}{}
+		if _, dup := byAddr[e.Addr]; !dup {
+			byAddr[e.Addr] = e
+		}
+	}
+	var gone, added []*kvEndpoint
+	s.mu.Lock()
+	s.byAddr = byAddr
+	for e, ke := range s.eps {
+		if _, ok := present[e]; !ok {
+			delete(s.eps, e)
+			gone = append(gone, ke)
+		}
+	}
+	for _, e := range set.Endpoints {
+		if s.eps[e] == nil && s.dialPort(e) > 0 {
+			ke := newKVEndpoint(e)
+			s.eps[e] = ke
+			added = append(added, ke)
+		}
+	}
+	s.mu.Unlock()
+	for _, ke := range gone {
+		s.retire(ctx, ke)
+	}
+	for _, ke := range added {
+		kctx, cancel := context.WithCancel(ctx)
+		ke.cancel, ke.done = cancel, make(chan struct{})
+		s.wg.Go(func() {
+			defer close(ke.done)
+			var wg sync.WaitGroup
+			for r := range min(max(s.c.Ranks, 1), 65536-s.dialPort(ke.e)) {
+				wg.Go(func() { s.dialLoop(kctx, ke, r) })
+			}
+			wg.Wait()
+		})
+	}
+}
+
+func newKVEndpoint(e *Endpoint) *kvEndpoint {
+	host, _, err := net.SplitHostPort(e.Addr)
+	if err != nil {
+		host = e.Addr
+	}
+	ke := &kvEndpoint{e: e, host: host, streams: make(map[int]*kvStream)}
+	ke.seq.Store(-1)
+	return ke
+}
+
+// retire ends an endpoint that left the pool: its dial loops stop (their
+// connections close at once; a sink call in progress finishes), and the
+// sink forgets what e's events said. It waits for a bind-mode replay of
+// e in progress, kvReplayTimeout at most.
+func (s *KVSubscriber) retire(ctx context.Context, ke *kvEndpoint) {
+	if ke.cancel != nil {
+		ke.cancel()
+		<-ke.done
+	}
+	ke.mu.Lock()
+	defer ke.mu.Unlock()
+	ke.gone = true
+	if ke.dirty && ctx.Err() == nil {
+		s.reset(ke, KVResetLost)
+	}
+	s.log.Debug("KV events: endpoint left", zap.String("endpoint", ke.e.URL))
+}
+
+// dialLoop keeps a SUB connection to ke's publisher of rank until ctx is
+// done, redialing after a backoff that doubles from kvBackoffMin to
+// kvBackoffMax while the publisher cannot be reached (or drops each
+// connection at once: the backoff starts over only after a connection
+// that lasted kvBackoffMax). An outage is logged once, when it starts,
+// and once when it ends.
+func (s *KVSubscriber) dialLoop(ctx context.Context, ke *kvEndpoint, rank int) {
+	addr := s.pubAddr(ke, rank)
+	kc := newKVConn(ke)
+	backoff := kvBackoffMin
+	down := false
+	for {
+		z, err := s.connect(ctx, addr, "SUB", "PUB", "XPUB")
+		if err == nil {
+			err = z.subscribe(s.c.Topic)
+			if err == nil {
+				if down {
+					s.log.Info("KV-event publisher reachable", zap.String("endpoint", ke.e.URL), zap.String("addr", addr))
+					down = false
+				}
+				start := time.Now()
+				ke.live.Add(1)
+				err = s.consume(ctx, kc, z)
+				ke.live.Add(-1)
+				s.connLost(ctx, kc)
+				if time.Since(start) >= kvBackoffMax {
+					backoff = kvBackoffMin
+				}
+			}
+			z.Close()
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		if !down {
+			s.log.Info("KV-event publisher unreachable or gone; redialing with backoff", zap.String("endpoint", ke.e.URL),
+				zap.String("addr", addr), zap.Error(err))
+			down = true
+		}
+		t := time.NewTimer(backoff)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		backoff = min(2*backoff, kvBackoffMax)
+	}
+}
+
+// connect dials addr and opens a ZMTP connection as a self socket.
+func (s *KVSubscriber) connect(ctx context.Context, addr, self string, peers ...string) (*zmtpConn, error) {
+	d := net.Dialer{Timeout: kvDialTimeout}
+	c, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	stop := context.AfterFunc(ctx, func() { c.Close() })
+	z, err := zmtpOpen(c, kvHandshakeTimeout, self, peers...)
+	stop()
+	if err == nil && ctx.Err() != nil {
+		err = ctx.Err()
+	}
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	return z, nil
+}
+
+// serve accepts publishers dialing in until ctx is done.
+func (s *KVSubscriber) serve(ctx context.Context, ln net.Listener) {
+	stop := context.AfterFunc(ctx, func() { ln.Close() })
+	defer stop()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	var conns atomic.Int32 // publishers connected, handshakes included
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			// Out of file descriptors and the like: wait a little.
+			s.log.Debug("KV events: accept failed", zap.Error(err))
+			t := time.NewTimer(kvBackoffMin)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return
+			case <-t.C:
+			}
+			continue
+		}
+		if conns.Add(1) > kvMaxConns {
+			conns.Add(-1)
+			c.Close()
+			continue
+		}
+		wg.Go(func() {
+			defer conns.Add(-1)
+			s.servePublisher(ctx, c)
+		})
+	}
+}
+
+// servePublisher reads one publisher that dialed in until it leaves or ctx
+// is done.
+func (s *KVSubscriber) servePublisher(ctx context.Context, c net.Conn) {
+	defer c.Close()
+	stop := context.AfterFunc(ctx, func() { c.Close() })
+	defer stop()
+	z, err := zmtpOpen(c, kvHandshakeTimeout, "SUB", "PUB", "XPUB")
+	if err != nil {
+		s.log.Debug("KV events: publisher handshake failed", zap.Stringer("remote", c.RemoteAddr()), zap.Error(err))
+		return
+	}
+	if err := z.subscribe(s.c.Topic); err != nil {
+		return
+	}
+	s.log.Debug("KV-event publisher connected", zap.Stringer("remote", c.RemoteAddr()))
+	kc := newKVConn(nil)
+	err = s.consume(ctx, kc, z)
+	s.connLost(ctx, kc)
+	s.log.Debug("KV-event publisher left", zap.Stringer("remote", c.RemoteAddr()), zap.Error(err))
+}
+
+// kvConn is one publisher connection's reading state, owned by its
+// goroutine (a dial loop keeps it across its connections).
+type kvConn struct {
+	dec *kvDecoder
+	// batch is the batch read; replayed a batch of a replay.
+	batch, replayed KVBatch
+	// fixed is the endpoint of a dial-mode connection; nil in bind mode,
+	// where the topic names it.
+	fixed *kvEndpoint
+	// fed is the streams the connection delivered to.
+	fed []kvFed
+	// warned: a bad message was logged on this connection.
+	warned bool
+}
+
+// kvFed is a stream a connection delivered to.
+type kvFed struct {
+	ke   *kvEndpoint
+	rank int
+}
+
+func newKVConn(fixed *kvEndpoint) *kvConn { return &kvConn{dec: newKVDecoder(), fixed: fixed} }
+
+// consume reads z's messages until it fails or ctx is done.
+func (s *KVSubscriber) consume(ctx context.Context, kc *kvConn, z *zmtpConn) error {
+	s.st.conns.Add(1)
+	defer s.st.conns.Add(-1)
+	stop := context.AfterFunc(ctx, func() { z.Close() })
+	defer stop()
+	for {
+		frames, n, err := z.readMsg()
+		if err != nil {
+			return err
+		}
+		if n != 3 || len(frames[1]) != 8 || int64(binary.BigEndian.Uint64(frames[1])) < 0 {
+			s.badMessage(kc, kc.fixed, fmt.Errorf("%w: a message of %d frames is not [topic, 8-byte sequence number, payload]", ErrKVEvents, n))
+			continue
+		}
+		topic, seq, payload := frames[0], int64(binary.BigEndian.Uint64(frames[1])), frames[2]
+		if !bytes.HasPrefix(topic, s.topic) {
+			continue // the publisher filters too
+		}
+		ke := kc.fixed
+		if ke == nil {
+			if ke = s.byTopic(topic); ke == nil {
+				continue
+			}
+		}
+		if err := kc.dec.decode(payload, &kc.batch); err != nil {
+			s.badMessage(kc, ke, err)
+			continue
+		}
+		s.handle(ctx, kc, ke, seq)
+		trimBatch(&kc.batch)
+	}
+}
+
+// badMessage counts a message that is not a batch, logging the first of
+// the connection.
+func (s *KVSubscriber) badMessage(kc *kvConn, ke *kvEndpoint, err error) {
+	s.st.decodeErrors.Add(1)
+	url := ""
+	if ke != nil {
+		ke.decodeErrors.Add(1)
+		url = ke.e.URL
+	}
+	if !kc.warned {
+		kc.warned = true
+		s.log.Warn("KV events: dropping a message that is not an event batch (logged once per connection)",
+			zap.String("endpoint", url), zap.Error(err))
+	}
+}
+
+// byTopic returns the endpoint a bind-mode topic kv@<ip>:<port>@<model>
+// names, or nil (counted, and logged once per topic).
+func (s *KVSubscriber) byTopic(topic []byte) *kvEndpoint {
+	addr := topic
+	if i := bytes.IndexByte(addr, '@'); i >= 0 {
+		addr = addr[i+1:]
+		if j := bytes.IndexByte(addr, '@'); j >= 0 {
+			addr = addr[:j]
+		}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.byAddr[string(addr)]
+	if e == nil {
+		// "::1:8000" (an IPv6 address as the simulator writes it).
+		if i := bytes.LastIndexByte(addr, ':'); i > 0 {
+			e = s.byAddr[net.JoinHostPort(string(addr[:i]), string(addr[i+1:]))]
+		}
+	}
+	if e == nil {
+		s.st.unmatched.Add(1)
+		if _, seen := s.loggedTopics[string(topic)]; !seen && len(s.loggedTopics) < kvMaxLoggedTopics {
+			s.loggedTopics[string(topic)] = struct{}{}
+			s.log.Info("KV events: topic names no endpoint of the pool; dropping its batches (logged once per topic)",
+				zap.ByteString("topic", topic))
+		}
+		return nil
+	}
+	ke := s.eps[e]
+	if ke == nil {
+		ke = newKVEndpoint(e)
+		s.eps[e] = ke
+	}
+	return ke
+}
+
+// handle applies the sequence rule (see KVSubscriber) to kc.batch, number
+// seq, of endpoint ke, and delivers it.
+func (s *KVSubscriber) handle(ctx context.Context, kc *kvConn, ke *kvEndpoint, seq int64) {
+	rank := kc.batch.DPRank
+	ke.mu.Lock()
+	defer ke.mu.Unlock()
+	if ke.gone {
+		return
+	}
+	if !slices.Contains(kc.fed, kvFed{ke, rank}) {
+		if kc.fixed == nil && !slices.ContainsFunc(kc.fed, func(f kvFed) bool { return f.ke == ke }) {
+			ke.live.Add(1)
+		}
+		kc.fed = append(kc.fed, kvFed{ke, rank})
+	}
+	st := ke.streams[rank]
+	switch {
+	case st == nil:
+		st = &kvStream{}
+		ke.streams[rank] = st
+	case seq == st.next:
+	case seq < st.next:
+		s.log.Info("KV events: sequence numbers went back; the engine restarted", zap.String("endpoint", ke.e.URL),
+			zap.Int("dp_rank", rank), zap.Int64("seq", seq), zap.Int64("expected", st.next))
+		s.reset(ke, KVResetRestart)
+	default:
+		s.st.gaps.Add(1)
+		ke.gaps.Add(1)
+		if !s.replay(ctx, kc, ke, rank, st, seq) {
+			s.log.Debug("KV events: missed batches", zap.String("endpoint", ke.e.URL), zap.Int("dp_rank", rank),
+				zap.Int64("from", st.next), zap.Int64("to", seq))
+			s.reset(ke, KVResetGap)
+		}
+	}
+	st.next = seq + 1
+	s.deliver(ke, seq, &kc.batch)
+}
+
+// deliver hands b, number seq, to the sink; ke.mu is held.
+func (s *KVSubscriber) deliver(ke *kvEndpoint, seq int64, b *KVBatch) {
+	var stored, removed, cleared uint64
+	for i := range b.Events {
+		switch b.Events[i].Kind {
+		case KVBlockStored:
+			stored++
+		case KVBlockRemoved:
+			removed++
+		case KVAllCleared:
+			cleared++
+		}
+	}
+	s.st.batches.Add(1)
+	s.st.stored.Add(stored)
+	s.st.removed.Add(removed)
+	s.st.cleared.Add(cleared)
+	ke.batches.Add(1)
+	ke.events.Add(uint64(len(b.Events)))
+	ke.seq.Store(seq)
+	ke.lastEvent.Store(time.Now().UnixNano())
+	ke.dirty = true
+	s.sink.KVBatch(ke.e, b)
+}
+
+// reset tells the sink to forget ke's events; ke.mu is held.
+func (s *KVSubscriber) reset(ke *kvEndpoint, cause string) {
+	switch cause {
+	case KVResetRestart:
+		s.st.resetRestart.Add(1)
+	case KVResetGap:
+		s.st.resetGap.Add(1)
+	case KVResetLost:
+		s.st.resetLost.Add(1)
+	}
+	ke.resets.Add(1)
+	ke.dirty = false
+	s.sink.KVReset(ke.e, cause)
+}
+
+// connLost ends the streams kc fed: their events while disconnected are
+// unknown (KVResetLost), and the next connection starts them anew.
+func (s *KVSubscriber) connLost(ctx context.Context, kc *kvConn) {
+	for i, f := range kc.fed {
+		ke := f.ke
+		ke.mu.Lock()
+		delete(ke.streams, f.rank)
+		if !ke.gone && ke.dirty && ctx.Err() == nil {
+			s.log.Info("KV events: publisher connection lost; forgetting the endpoint's events", zap.String("endpoint", ke.e.URL))
+			s.reset(ke, KVResetLost)
+		}
+		ke.mu.Unlock()
+		if kc.fixed == nil && !slices.ContainsFunc(kc.fed[:i], func(g kvFed) bool { return g.ke == ke }) {
+			ke.live.Add(-1)
+		}
+	}
+	kc.fed, kc.warned = kc.fed[:0], false
+}
+
+// replay asks ke's replay socket for rank's batches from st.next up to
+// (not including) to and delivers them in order, advancing st.next; it
+// reports whether st.next reached to. ke.mu is held (the endpoint's events
+// wait, at most kvReplayTimeout).
+func (s *KVSubscriber) replay(ctx context.Context, kc *kvConn, ke *kvEndpoint, rank int, st *kvStream, to int64) bool {
+	if s.c.ReplayPort <= 0 {
+		return false
+	}
+	s.st.replays.Add(1)
+	ctx, cancel := context.WithTimeout(ctx, kvReplayTimeout)
+	defer cancel()
+	addr := net.JoinHostPort(ke.host, strconv.Itoa(s.c.ReplayPort+rank))
+	z, err := s.connect(ctx, addr, "DEALER", "ROUTER")
+	if err != nil {
+		s.log.Debug("KV events: replay unreachable", zap.String("addr", addr), zap.Error(err))
+		return false
+	}
+	defer z.Close()
+	stop := context.AfterFunc(ctx, func() { z.Close() })
+	defer stop()
+	var from [8]byte
+	binary.BigEndian.PutUint64(from[:], uint64(st.next))
+	// A DEALER sends the empty delimiter a REQ would: vLLM's ROUTER reads
+	// [identity, "", start].
+	if err := z.send(nil, from[:]); err != nil {
+		return false
+	}
+	for {
+		frames, n, err := z.readMsg()
+		if err != nil {
+			s.log.Debug("KV events: replay failed", zap.String("addr", addr), zap.Error(err))
+			return false
+		}
+		if n > 0 && len(frames[0]) == 0 { // the delimiter
+			frames, n = frames[1:], n-1
+		}
+		var seqb, payload []byte
+		switch n {
+		case 2: // vLLM, SGLang: [seq, payload]
+			seqb, payload = frames[0], frames[1]
+		case 3: // the llm-d simulator: [topic, seq, payload]
+			seqb, payload = frames[1], frames[2]
+		default:
+			return false
+		}
+		if len(seqb) != 8 {
+			return false
+		}
+		seq := int64(binary.BigEndian.Uint64(seqb))
+		switch {
+		case seq == -1: // the end of the replay
+			return st.next == to
+		case seq < st.next || seq >= to:
+			continue // delivered already, or the batch being handled and later ones
+		case seq > st.next:
+			return false // the replay buffer does not reach back
+		}
+		if err := kc.dec.decode(payload, &kc.replayed); err != nil {
+			s.badMessage(kc, ke, err)
+			return false
+		}
+		s.st.replayed.Add(1)
+		ke.replayed.Add(1)
+		st.next = seq + 1
+		s.deliver(ke, seq, &kc.replayed)
+		trimBatch(&kc.replayed)
+	}
+}
+
+// trimBatch drops the slices of a batch too large to keep for reuse.
+func trimBatch(b *KVBatch) {
+	if cap(b.Events) > kvKeepEvents {
+		b.Events = nil
+		return
+	}
+	for i := range b.Events {
+		ev := &b.Events[i]
+		if cap(ev.BlockHashes) > kvKeepElems {
+			ev.BlockHashes = nil
+		}
+		if cap(ev.TokenIDs) > kvKeepElems {
+			ev.TokenIDs = nil
+		}
+	}
+}
+
+// Status returns a snapshot of e's event stream (zero with Seq -1 for an
+// endpoint the subscriber has no stream of).
+func (s *KVSubscriber) Status(e *Endpoint) KVStatus {
+	s.mu.Lock()
+	ke := s.eps[e]
+	s.mu.Unlock()
+	if ke == nil {
+		return KVStatus{Seq: -1}
+	}
+	st := KVStatus{
+		Connected: ke.live.Load() > 0,
+		Batches:   ke.batches.Load(), Events: ke.events.Load(), Gaps: ke.gaps.Load(),
+		Replayed: ke.replayed.Load(), Resets: ke.resets.Load(), DecodeErrors: ke.decodeErrors.Load(),
+		Seq: ke.seq.Load(),
+	}
+	if ns := ke.lastEvent.Load(); ns != 0 {
+		st.LastEvent = time.Unix(0, ns)
+	}
+	return st
+}
+
+// Stats returns the subscriber's totals.
+func (s *KVSubscriber) Stats() KVStats {
+	c := &s.st
+	return KVStats{
+		Batches: c.batches.Load(), Stored: c.stored.Load(), Removed: c.removed.Load(), Cleared: c.cleared.Load(),
+		DecodeErrors: c.decodeErrors.Load(), Gaps: c.gaps.Load(), Replays: c.replays.Load(), Replayed: c.replayed.Load(),
+		Resets: map[string]uint64{
+			KVResetRestart: c.resetRestart.Load(), KVResetGap: c.resetGap.Load(), KVResetLost: c.resetLost.Load(),
+		},
+		Unmatched: c.unmatched.Load(), Connections: c.conns.Load(),
+	}
+}
+
+// ZMTP 3.0 (rfc.zeromq.org/spec/23) with the NULL mechanism: the wire
+// protocol of ZeroMQ sockets (libzmq 4 under pyzmq in vLLM and SGLang,
+// go-zeromq/zmq4 in the llm-d simulator), as much of it as a SUB and a
+// DEALER need. kvroute speaks it itself rather than through zmq4's sockets
+// so that nothing a peer sends can crash or grow it: zmq4 panics on an
+// unknown peer socket type and on malformed handshake metadata, sizes a
+// frame's buffer from its 64-bit length on the wire, and leaks a reader
+// goroutine when a socket is closed with messages unread. Here every
+// connection is one goroutine's net.Conn, every length is checked before
+// anything is allocated, and closing the conn ends everything.
+
+// errZMTP is wrapped by the errors of a peer that breaks the protocol.
+var errZMTP = errors.New("discovery: ZMTP protocol error")
+
+// Frame flags.
+const (
+	zmtpMore    = 0x01
+	zmtpLong    = 0x02
+	zmtpCommand = 0x04
+)
+
+const (
+	zmtpGreetingLen = 64
+	// zmtpMaxCommand bounds a command (the peer's READY carries its socket
+	// type and identity, a few dozen bytes).
+	zmtpMaxCommand = 4 << 10
+	// kvMaxMessage bounds one message. A batch is one engine step's
+	// events: a 128k-token prefill stores 8k blocks of 16 tokens, about
+	// 0.7 MB of msgpack; 16 MiB leaves room for many at once.
+	kvMaxMessage = 16 << 20
+	// kvMaxFrames is the frames of a message kept: three for an event
+	// batch [topic, seq, payload], four for a replayed one from the llm-d
+	// simulator [delimiter, topic, seq, payload]; further frames are read
+	// and dropped.
+	kvMaxFrames = 4
+	// kvKeepBuffer is the largest message buffer kept for the next
+	// message; a larger one is dropped once used.
+	kvKeepBuffer = 1 << 20
+)
+
+// zmtpConn is one ZMTP connection after its handshake, owned by one
+// goroutine (Close may be called from any).
+type zmtpConn struct {
+	c      net.Conn
+	r      *bufio.Reader
+	w      []byte // the message being written
+	buf    []byte // the message read, its frames back to back
+	ends   [kvMaxFrames]int
+	frames [kvMaxFrames][]byte
+}
+
+// zmtpOpen performs the ZMTP 3.0 NULL handshake on c as a socket of type
+// self, accepting a peer of one of the types peers, within timeout. On
+// error the caller still owns c.
+func zmtpOpen(c net.Conn, timeout time.Duration, self string, peers ...string) (*zmtpConn, error) {
+	if err := c.SetDeadline(time.Now().Add(timeout)); err != nil {
+		return nil, err
+	}
+	z := &zmtpConn{c: c, r: bufio.NewReaderSize(c, 64<<10)}
+	// Our greeting (signature, version 3.0, NULL, not as-server), then our
+	// READY at once: the peer reads them in order.
+	var g [zmtpGreetingLen]byte
+	g[0], g[9], g[10], g[11] = 0xff, 0x7f, 3, 0
+	copy(g[12:32], "NULL")
+	z.w = append(z.w[:0], g[:]...)
+	z.w = appendReady(z.w, self)
+	if _, err := c.Write(z.w); err != nil {
+		return nil, err
+	}
+	peer, err := z.readHandshake()
+	if err != nil {
+		return nil, err
+	}
+	if !slices.Contains(peers, peer) {
+		return nil, fmt.Errorf("%w: peer is a %q socket, want %s", errZMTP, peer, strings.Join(peers, " or "))
+	}
+	if err := c.SetDeadline(time.Time{}); err != nil {
+		return nil, err
+	}
+	return z, nil
+}
+
+// appendReady appends a READY command announcing socket type t.
+func appendReady(w []byte, t string) []byte {
+	body := len("\x05READY") + 1 + len("Socket-Type") + 4 + len(t)
+	w = append(w, zmtpCommand, byte(body)) // short: well under 256 bytes
+	w = append(w, "\x05READY"...)
+	w = append(w, byte(len("Socket-Type")))
+	w = append(w, "Socket-Type"...)
+	w = binary.BigEndian.AppendUint32(w, uint32(len(t)))
+	return append(w, t...)
+}
+
+// readHandshake reads the peer's greeting and READY and returns its socket
+// type.
+func (z *zmtpConn) readHandshake() (string, error) {
+	var g [zmtpGreetingLen]byte
+	if _, err := io.ReadFull(z.r, g[:]); err != nil {
+		return "", err
+	}
+	switch {
+	case g[0] != 0xff || g[9]&1 != 1:
+		return "", fmt.Errorf("%w: not a ZeroMQ peer (signature % x)", errZMTP, g[:10])
+	case g[10] < 3:
+		return "", fmt.Errorf("%w: peer speaks ZMTP %d.%d, want 3", errZMTP, g[10], g[11])
+	case string(bytes.TrimRight(g[12:32], "\x00")) != "NULL":
+		return "", fmt.Errorf("%w: peer wants security mechanism %q, want NULL", errZMTP, bytes.TrimRight(g[12:32], "\x00"))
+	}
+	flags, size, err := z.header()
+	if err != nil {
+		return "", err
+	}
+	if flags != zmtpCommand && flags != zmtpCommand|zmtpLong || size > zmtpMaxCommand {
+		return "", fmt.Errorf("%w: handshake frame with flags %#x and %d bytes, want a READY command", errZMTP, flags, size)
+	}
+	body := make([]byte, size)
+	if _, err := io.ReadFull(z.r, body); err != nil {
+		return "", err
+	}
+	if len(body) == 0 || 1+int(body[0]) > len(body) {
+		return "", fmt.Errorf("%w: malformed command", errZMTP)
+	}
+	name, props := string(body[1:1+body[0]]), body[1+body[0]:]
+	switch name {
+	case "READY":
+	case "ERROR":
+		return "", fmt.Errorf("%w: peer refused the handshake: %q", errZMTP, props)
+	default:
+		return "", fmt.Errorf("%w: %q command in the handshake, want READY", errZMTP, name)
+	}
+	var peer string
+	for len(props) > 0 {
+		kl := int(props[0])
+		if 1+kl+4 > len(props) {
+			return "", fmt.Errorf("%w: truncated READY property", errZMTP)
+		}
+		k := props[1 : 1+kl]
+		vl := binary.BigEndian.Uint32(props[1+kl:])
+		props = props[1+kl+4:]
+		if uint64(vl) > uint64(len(props)) {
+			return "", fmt.Errorf("%w: truncated READY property", errZMTP)
+		}
+		if strings.EqualFold(string(k), "Socket-Type") {
+			peer = string(props[:vl])
+		}
+		props = props[vl:]
+	}
+	return peer, nil
+}
+
+// header reads a frame header.
+func (z *zmtpConn) header() (flags byte, size uint64, err error) {
+	if flags, err = z.r.ReadByte(); err != nil {
+		return 0, 0, err
+	}
+	if flags&^(zmtpMore|zmtpLong|zmtpCommand) != 0 {
+		return 0, 0, fmt.Errorf("%w: frame flags %#x", errZMTP, flags)
+	}
+	if flags&zmtpLong == 0 {
+		b, err := z.r.ReadByte()
+		return flags, uint64(b), err
+	}
+	var b [8]byte
+	if _, err := io.ReadFull(z.r, b[:]); err != nil {
+		return 0, 0, err
+	}
+	return flags, binary.BigEndian.Uint64(b[:]), nil
+}
+
+// readMsg reads the next message, skipping commands between messages
+// (ZMTP 3.1 heartbeats and the like). It returns the first kvMaxFrames
+// frames, valid until the next call, and the message's number of frames.
+// A message over kvMaxMessage bytes is an error: the connection cannot go
+// on.
+func (z *zmtpConn) readMsg() (frames [][]byte, n int, err error) {
+	if cap(z.buf) > kvKeepBuffer {
+		z.buf = nil
+	}
+	z.buf = z.buf[:0]
+	for {
+		flags, size, err := z.header()
+		if err != nil {
+			return nil, 0, err
+		}
+		if flags&zmtpCommand != 0 {
+			if n > 0 || flags&zmtpMore != 0 || size > zmtpMaxCommand {
+				return nil, 0, fmt.Errorf("%w: command frame with flags %#x and %d bytes inside a message", errZMTP, flags, size)
+			}
+			if _, err := z.r.Discard(int(size)); err != nil {
+				return nil, 0, err
+			}
+			continue
+		}
+		if size > uint64(kvMaxMessage-len(z.buf)) {
+			return nil, 0, fmt.Errorf("%w: message over %d bytes", errZMTP, kvMaxMessage)
+		}
+		if n < kvMaxFrames {
+			at := len(z.buf)
+			z.buf = slices.Grow(z.buf, int(size))[:at+int(size)]
+			if _, err := io.ReadFull(z.r, z.buf[at:]); err != nil {
+				return nil, 0, err
+			}
+			z.ends[n] = len(z.buf)
+		} else if _, err := z.r.Discard(int(size)); err != nil {
+			return nil, 0, err
+		}
+		n++
+		if flags&zmtpMore == 0 {
+			break
+		}
+	}
+	kept := min(n, kvMaxFrames)
+	at := 0
+	for i := range kept {
+		z.frames[i] = z.buf[at:z.ends[i]:z.ends[i]]
+		at = z.ends[i]
+	}
+	return z.frames[:kept], n, nil
+}
+
+// send writes one message of the given frames.
+func (z *zmtpConn) send(frames ...[]byte) error {
+	z.w = z.w[:0]
+	for i, f := range frames {
+		var flags byte
+		if i < len(frames)-1 {
+			flags = zmtpMore
+		}
+		if len(f) > 255 {
+			z.w = append(z.w, flags|zmtpLong)
+			z.w = binary.BigEndian.AppendUint64(z.w, uint64(len(f)))
+		} else {
+			z.w = append(z.w, flags, byte(len(f)))
+		}
+		z.w = append(z.w, f...)
+	}
+	_, err := z.c.Write(z.w)
+	return err
+}
+
+// subscribe sends a SUB's subscription to topic (a prefix; "" for all),
+// as a message: ZMTP 3.0's form, which every later peer accepts.
+func (z *zmtpConn) subscribe(topic string) error {
+	return z.send(append([]byte{1}, topic...))
+}
+
+// Close closes the connection; safe from any goroutine.
+func (z *zmtpConn) Close() error { return z.c.Close() }

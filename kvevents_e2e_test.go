@@ -1,0 +1,133 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvroute/kvroute/bench/sim"
+	"github.com/kvroute/kvroute/proxy"
+	"github.com/kvroute/kvroute/routing"
+)
+
+// kvEventsBackends returns the fleet's URLs, each with its pod's KV-event
+// publisher port (#kv-events=PORT: the pods share 127.0.0.1).
+func kvEventsBackends(t *testing.T, fleet *sim.Fleet) []string {
+	t.Helper()
+	var out []string
+	for i := range fleet.Len() {
+		_, port, err := net.SplitHostPort(fleet.Pod(i).KVEventsAddr())
+		if err != nil {
+			t.Fatalf("pod %d publishes no KV events: %v", i, err)
+		}
+		out = append(out, fleet.URL(i)+"#kv-events="+port)
+	}
+	return out
+}
+
+// explainRoute asks the admin listener how it would route a completion of
+// prompt: the matched blocks and cache source per endpoint URL.
+func (r *faultRig) explainRoute(prompt string) map[string]routing.Term {
+	r.t.Helper()
+	resp, err := r.hc.Post("http://"+r.admin+"/debug/route?path=/v1/completions", "application/json",
+		strings.NewReader(faultBody(r.model, prompt, 1, false)))
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var out struct {
+		Endpoints []routing.Term `json:"endpoints"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
+		r.t.Fatal(err)
+	}
+	terms := make(map[string]routing.Term)
+	for _, t := range out.Endpoints {
+		terms[t.Endpoint] = t
+	}
+	return terms
+}
+
+// TestKVEventsEngineTruth: kvroute subscribed to two simulated pods' KV
+// events (vLLM's wire format) learns which pod holds a prompt from the
+// engine (a store, linked through one tokenize request), and forgets it
+// there when the engine clears its cache or evicts it for other clients'
+// prompts, which kvroute never saw.
+func TestKVEventsEngineTruth(t *testing.T) {
+	faultLeakCheck(t)
+	cfg := faultSimConfig()
+	cfg.KVEventsPort = -1
+	cfg.NumGPUBlocks = 256 // 4,096 tokens: five 2 KiB prompts overflow it
+	fleet := startFaultFleet(t, 2, cfg)
+	r := startFaultRig(t, kvEventsBackends(t, fleet), cfg.Model, func(c *proxy.Config) {
+		c.ScrapeInterval = 100 * time.Millisecond
+	})
+	prompt := strings.Repeat("Engines announce what they cache; kvroute listens. ", 170) // 8.5 KiB: 8 index blocks
+	if res := r.do(prompt, 2, false); !res.completed() {
+		t.Fatalf("first request: %v", res)
+	}
+	// The pod that computed it announces the blocks; kvroute tokenizes the
+	// prompt once and links them: that pod is warm on engine truth.
+	var warm string
+	defer func() {
+		if warm == "" {
+			for _, n := range []string{"kvroute_kv_truth_confirmed_total", "kvroute_kv_event_batches_total", "kvroute_kv_truth_links", "kvroute_kv_truth_orphan_blocks_total"} {
+				t.Logf("%s %v", n, r.metric(n))
+			}
+			t.Logf("tokenize ok %v error %v dropped %v", r.metric("kvroute_tokenize_requests_total", "outcome=ok"), r.metric("kvroute_tokenize_requests_total", "outcome=error"), r.metric("kvroute_tokenize_requests_total", "outcome=dropped"))
+			t.Logf("route %+v", r.explainRoute(prompt))
+		}
+	}()
+	r.waitFor("the prompt confirmed by engine truth", func() bool {
+		if r.metric("kvroute_kv_truth_confirmed_total") == 0 || r.metric("kvroute_tokenize_requests_total", "outcome=ok") != 1 {
+			return false
+		}
+		for u, term := range r.explainRoute(prompt) {
+			if term.MatchedBlocks >= 8 && term.CacheSource == "events" {
+				warm = u
+			}
+		}
+		return warm != ""
+	})
+	pod := 0
+	if fleet.URL(1) == warm {
+		pod = 1
+	}
+
+	// The engine empties its cache: within a second its prompt is gone
+	// from kvroute's view.
+	if err := fleet.Pod(pod).ResetPrefixCache(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	cleared := time.Now()
+	r.waitFor("the cleared cache seen", func() bool { return r.explainRoute(prompt)[warm].MatchedBlocks == 0 })
+	if d := time.Since(cleared); d > 3*time.Second {
+		t.Errorf("the cleared cache was seen after %s, want within a second", d)
+	} else {
+		t.Logf("cleared cache seen after %s", d.Round(time.Millisecond))
+	}
+
+	// Computed there again, then evicted by other clients' prompts sent to
+	// the pod directly: the removals drop it from kvroute's view.
+	direct := func(p string) {
+		resp, err := http.Post(fleet.URL(pod)+"/v1/completions", "application/json", bytes.NewReader([]byte(faultBody(cfg.Model, p, 1, false))))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+	}
+	direct(prompt)
+	r.waitFor("the prompt stored again", func() bool { return r.explainRoute(prompt)[warm].MatchedBlocks >= 8 })
+	for i := range 6 {
+		direct(strings.Repeat(string(rune('a'+i))+"nother client's prompt fills the cache. ", 200))
+	}
+	r.waitFor("the evicted prompt dropped", func() bool { return r.explainRoute(prompt)[warm].MatchedBlocks < 8 })
+	if r.metric("kvroute_kv_truth_dropped_total") == 0 || r.metric("kvroute_kv_events_total", "kind=removed") == 0 {
+		t.Fatal("no removal counted")
+	}
+}

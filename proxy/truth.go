@@ -141,7 +141,7 @@ type endpointTruth struct {
 	// "learned" otherwise.
 	Source string `json:"source"`
 	// LastEvent is when its last event was applied.
-	LastEvent *time.Time          `json:"last_event,omitempty"`
+	LastEvent *time.Time         `json:"last_event,omitempty"`
 	Stream    discovery.KVStatus `json:"stream"`
 }
 

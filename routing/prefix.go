@@ -314,7 +314,7 @@ type Term struct {
 	// "events" (its engine's KV events confirm and evict them) or
 	// "learned" (the router's own routing history).
 	CacheSource string `json:"cache_source,omitempty"`
-	Skipped         string  `json:"skipped,omitempty"`
+	Skipped     string `json:"skipped,omitempty"`
 }
 
 // decide returns the decision; terms, when not nil, receives each

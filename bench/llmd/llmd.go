@@ -172,22 +172,34 @@ type Settings struct {
 	TimeFactorUnderLoad float64
 	// Seed seeds the simulator's random draws (--seed).
 	Seed uint64
+	// ZMQEndpoint is where the simulator's KV events publisher dials
+	// (--zmq-endpoint, "tcp://host:port"); "" is DefaultZMQEndpoint.
+	ZMQEndpoint string `json:",omitempty"`
 }
+
+// DefaultZMQEndpoint is where a pod's KV events go unless
+// Settings.ZMQEndpoint says otherwise: the simulator's default, where
+// nobody need listen.
+const DefaultZMQEndpoint = "tcp://127.0.0.1:5557"
 
 // Args returns the simulator's command line for s listening on port:
 // the dummy tokenizer (a word or punctuation piece per token, nothing to
-// download), the prefix KV cache on (its events dial the default
-// tcp://127.0.0.1:5557, where nobody need listen), the per-token latency
-// calculator.
+// download), the prefix KV cache on (its events dial s.ZMQEndpoint, by
+// default tcp://127.0.0.1:5557, where nobody need listen), the per-token
+// latency calculator.
 func (s Settings) Args(port int) []string {
 	d := func(v time.Duration) string { return v.String() }
+	zmq := s.ZMQEndpoint
+	if zmq == "" {
+		zmq = DefaultZMQEndpoint
+	}
 	args := []string{
 		"--model", s.Model, "--force-dummy-tokenizer", "--port", strconv.Itoa(port),
 		"--max-model-len", strconv.Itoa(s.MaxModelLen), "--max-num-seqs", strconv.Itoa(s.MaxNumSeqs),
 		"--enable-kvcache", "--block-size", strconv.Itoa(s.BlockSize), "--kv-cache-size", strconv.Itoa(s.KVBlocks),
 		"--latency-calculator", "per-token", "--prefill-overhead", d(s.PrefillOverhead),
 		"--prefill-time-per-token", d(s.PrefillPerToken), "--inter-token-latency", d(s.InterTokenLatency),
-		"--seed", strconv.FormatUint(s.Seed, 10), "--zmq-endpoint", "tcp://127.0.0.1:5557",
+		"--seed", strconv.FormatUint(s.Seed, 10), "--zmq-endpoint", zmq,
 	}
 	if s.TimeFactorUnderLoad > 1 {
 		args = append(args, "--time-factor-under-load", strconv.FormatFloat(s.TimeFactorUnderLoad, 'f', 3, 64))

@@ -66,6 +66,7 @@ func (sc *Scenario) llmdSettings(cfgs []sim.Config) []llmd.Settings {
 	out := make([]llmd.Settings, len(cfgs))
 	for i, c := range cfgs {
 		out[i] = LLMDSettings(c, prompt, output)
+		out[i].ZMQEndpoint = sc.zmqEndpoint
 	}
 	return out
 }

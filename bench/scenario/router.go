@@ -8,8 +8,10 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	dto "github.com/prometheus/client_model/go"
@@ -49,6 +51,12 @@ type Policy struct {
 	// the pods (rounded, at least one, and one decode pod left) serve
 	// prefill, the rest decode (PDLayouts).
 	PrefillShare float64
+	// Events: the policy's router subscribes to the pods' KV-cache events
+	// (engine truth): kvroute's prefix policy through its own
+	// --kv-events flags, a peer whose picker is a discovery.KVSink (the
+	// precise llm-d scorer) through a subscriber StartRouter runs beside
+	// the router. runPolicy turns the pods' publishers on for it.
+	Events bool
 }
 
 // router returns the name of p in the router's policy table.
@@ -91,8 +99,25 @@ func optInPolicies() []Policy {
 		About:     "kvroute's prefix policy with --normalize-prompts",
 		Configure: func(c *proxy.Config) { c.NormalizePrompts = true }},
 		{Name: FixedAffinity, Direct: true,
-			About: "no router: the client sends prefix group g (else session g) straight to pod g mod n"}}
+			About: "no router: the client sends prefix group g (else session g) straight to pod g mod n"},
+		{Name: PrefixEvents, Router: "prefix", Events: true,
+			About: "kvroute's prefix policy fed by the engines' KV events"},
+		{Name: PrefixEvents + "-3-replicas", Router: "prefix", Events: true, Replicas: 3,
+			About: "three independent kvroute replicas (prefix fed by KV events), a random third of the traffic each"},
+		{Name: LLMDPrecise, Events: true,
+			About: "llm-d precise prefix-cache scoring: prefix 2, KV 1, queue 1, max score, fed by KV events, tokenizing every request (emulated)"},
+	}
 }
+
+// OptInPolicies returns the policies that run only where a scenario or the
+// caller names them (kvbench --policies).
+func OptInPolicies() []Policy { return optInPolicies() }
+
+// The opt-in policies fed by the engines' KV events (Policy.Events).
+const (
+	PrefixEvents = "prefix-events"
+	LLMDPrecise  = "llm-d-precise"
+)
 
 // FixedAffinity is the client that routes straight to the pods with
 // balanced, fixed affinity, the reference for a finite cache (the pressure
@@ -122,6 +147,7 @@ func policyTable(engines []sim.Config) map[string]routing.NewPolicy {
 		}
 		return p
 	}
+	t[LLMDPrecise] = func(routing.PolicyConfig) routing.Picker { return peers.NewPrecise(policySeed) }
 	return t
 }
 
@@ -260,6 +286,22 @@ type Router struct {
 	rt   *proxy.Router
 	stop context.CancelFunc
 	done chan error
+	// subDone closes when the KV-event subscriber feeding a peer's picker
+	// (Policy.Events) has stopped; nil without one. peerBatches counts the
+	// batches it handed the picker.
+	subDone     chan struct{}
+	peerBatches atomic.Int64
+}
+
+// countingSink counts the KV-event batches handed to a sink.
+type countingSink struct {
+	discovery.KVSink
+	n *atomic.Int64
+}
+
+func (c countingSink) KVBatch(e *discovery.Endpoint, b *discovery.KVBatch) {
+	c.n.Add(1)
+	c.KVSink.KVBatch(e, b)
 }
 
 // StartRouter starts kvroute on 127.0.0.1:0 in front of backends with the
@@ -270,24 +312,85 @@ type Router struct {
 // p.Configure. engines are the simulated pods' configurations (nil when
 // the backends are not simulated pods), for the peers calibrated per
 // deployment. Stop it with Close.
+//
+// With p.Events the backends may name their publishers
+// ("#kv-events=PORT") and p.Configure may set the router's KV-event flags:
+// kvroute's prefix policy subscribes itself; for another policy those are
+// taken off the router's configuration (kvroute feeds only its prefix
+// index) and, when its picker is a discovery.KVSink, a subscriber of the
+// same settings feeds it until Close.
 func StartRouter(p Policy, backends []string, engines []sim.Config) (*Router, error) {
 	cfg := routerConfig(p, backends, engines)
 	lg, err := routerLog(&cfg, p.Name)
 	if err != nil {
 		return nil, err
 	}
+	events := discovery.KVEventsConfig{Port: cfg.KVEventsPort, ReplayPort: cfg.KVEventsReplayPort, Listen: cfg.KVEventsListen}
+	var named []string // backends naming their publishers, when taken off cfg
+	if p.Events && p.router() != "prefix" {
+		cfg.KVEventsPort, cfg.KVEventsReplayPort, cfg.KVEventsListen = 0, 0, ""
+		for i, b := range cfg.Backends {
+			if u, _, ok := strings.Cut(b, "#"); ok {
+				if named == nil {
+					named = slices.Clone(cfg.Backends)
+					cfg.Backends = slices.Clone(cfg.Backends)
+				}
+				cfg.Backends[i] = u
+			}
+		}
+	}
 	rt, err := proxy.NewRouter(cfg, lg)
 	if err != nil {
 		return nil, err
+	}
+	r := &Router{rt: rt, done: make(chan error, 1)}
+	var sub *discovery.KVSubscriber
+	if sink, ok := rt.Picker.(discovery.KVSink); ok && p.Events && rt.Prefix == nil {
+		pool := rt.Pool
+		if named != nil {
+			// The router's endpoints do not name their publishers: the
+			// subscriber follows the same endpoints (the same IDs, from
+			// the URLs) as configured.
+			if pool, err = staticPool(named); err != nil {
+				return nil, err
+			}
+		}
+		sub = discovery.NewKVSubscriber(events, pool, countingSink{sink, &r.peerBatches}, lg.Named("kvevents"))
+	} else if p.Events && rt.Prefix == nil {
+		return nil, fmt.Errorf("%w: policy %s takes no KV events", ErrConfig, p.Name)
 	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, err
 	}
 	ctx, stop := context.WithCancel(context.Background())
-	r := &Router{URL: "http://" + ln.Addr().String(), rt: rt, stop: stop, done: make(chan error, 1)}
+	r.URL, r.stop = "http://"+ln.Addr().String(), stop
+	if sub != nil {
+		r.subDone = make(chan struct{})
+		go func() {
+			defer close(r.subDone)
+			if err := sub.Run(ctx); err != nil {
+				lg.Error("KV-event subscriber", zap.Error(err))
+			}
+		}()
+	}
 	go func() { r.done <- rt.Run(ctx, ln, nil, routerShutdownGrace) }()
 	return r, nil
+}
+
+// staticPool returns a pool of the endpoints of urls (role mixed).
+func staticPool(urls []string) (*discovery.Pool, error) {
+	eps := make([]*discovery.Endpoint, len(urls))
+	for i, u := range urls {
+		e, err := discovery.NewEndpoint(u, discovery.RoleMixed)
+		if err != nil {
+			return nil, err
+		}
+		eps[i] = e
+	}
+	pool := &discovery.Pool{}
+	pool.Publish(eps)
+	return pool, nil
 }
 
 // Learned is what a router learned of one pod (discovery.Costs).
@@ -382,8 +485,20 @@ func (r *Router) Index() string {
 		sumBy(mfs, "kvroute_prefix_index_entries", "")[""], sumBy(mfs, "kvroute_prefix_index_evictions_total", "")[""])
 }
 
-// Close drains the router (in-flight streams get 10 s) and waits for it.
+// Close drains the router (in-flight streams get 10 s) and waits for it
+// and its KV-event subscriber.
 func (r *Router) Close() error {
 	r.stop()
-	return <-r.done
+	err := <-r.done
+	if r.subDone != nil {
+		<-r.subDone
+	}
+	return err
+}
+
+// KVEventBatches returns the KV-event batches the router's policy was fed:
+// kvroute_kv_event_batches_total of its own subscriber, or those handed
+// to a peer's picker (0 without events).
+func (r *Router) KVEventBatches() int {
+	return int(sumBy(r.gather(), "kvroute_kv_event_batches_total", "")[""]) + int(r.peerBatches.Load())
 }

@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"runtime"
 	"strings"
@@ -23,6 +24,7 @@ import (
 	"github.com/kvroute/kvroute/bench/load"
 	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/bench/workload"
+	"github.com/kvroute/kvroute/proxy"
 )
 
 // ErrConfig is wrapped by every configuration error.
@@ -62,6 +64,10 @@ type Scenario struct {
 	// Policies names the policies compared when the caller picks none
 	// (RunOptions.Policies nil); nil: every policy of Policies().
 	Policies []string `json:"policies,omitempty"`
+
+	// zmqEndpoint, when set, is where llm-d pods publish their KV events
+	// (a policy's router listening there; runPolicy sets it).
+	zmqEndpoint string
 }
 
 // FleetDescriptor is the part of a scenario's sim.Config worth recording:
@@ -236,6 +242,9 @@ func Run(ctx context.Context, sc Scenario, opt RunOptions) (*Report, error) {
 		if opt.Log != nil && seen.index != "" {
 			fmt.Fprintf(opt.Log, "%s: %s %s\n", sc.Name, p.Name, seen.index)
 		}
+		if opt.Log != nil && seen.kvBatches > 0 {
+			fmt.Fprintf(opt.Log, "%s: %s was fed %d KV-event batches\n", sc.Name, p.Name, seen.kvBatches)
+		}
 		if err != nil {
 			return rep, fmt.Errorf("scenario %s, policy %s: %w", sc.Name, p.Name, err)
 		}
@@ -277,6 +286,9 @@ type routerState struct {
 	// index describes the routers' decisions and indexes (Router.Index),
 	// one replica after the other.
 	index string
+	// kvBatches is the KV-event batches the routers' policies were fed
+	// (Router.KVEventBatches).
+	kvBatches int
 }
 
 // runPolicy runs one policy of sc on a fresh fleet and router.
@@ -289,6 +301,28 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 		return nil, seen, fmt.Errorf("%w: %s: disaggregated layouts run on %s only", ErrConfig, p.Name, EngineKVSim)
 	}
 	p.layOut(cfgs)
+	var zmq string // llm-d: where the pods' publishers dial, the router listening
+	if p.Events {
+		if p.Direct || p.PrefillShare > 0 {
+			return nil, seen, fmt.Errorf("%w: %s: KV events need a router in front of mixed pods", ErrConfig, p.Name)
+		}
+		switch sc.engineName() {
+		case EngineKVSim:
+			for i := range cfgs {
+				cfgs[i].KVEventsPort = -1 // a free port each
+			}
+		case EngineLLMD:
+			if p.Replicas > 1 {
+				return nil, seen, fmt.Errorf("%w: %s: the llm-d simulator publishes its KV events to one subscriber, not %d router replicas", ErrConfig, p.Name, p.Replicas)
+			}
+			if zmq, err = freeLoopback(); err != nil {
+				return nil, seen, err
+			}
+		}
+	}
+	if zmq != "" {
+		sc.zmqEndpoint = "tcp://" + zmq
+	}
 	fleet, err := startFleet(ctx, &sc, cfgs, opt.LLMDBinary)
 	if err != nil {
 		return nil, seen, err
@@ -313,6 +347,12 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 		return res, seen, err
 	}
 	front, backends := p, fleet.URLs()
+	if p.Events {
+		if backends, err = eventBackends(fleet, zmq, &p); err != nil {
+			return nil, seen, err
+		}
+		front = p
+	}
 	var replicas []*Router // the policy's routers when it has several
 	if p.Replicas > 1 {
 		// Independent replicas, each its own router and state over the
@@ -321,7 +361,7 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 		// router pods would.
 		backends = nil
 		for i := 0; i < p.Replicas; i++ {
-			inner, err := StartRouter(p, fleet.URLs(), cfgs)
+			inner, err := StartRouter(p, backends, cfgs)
 			if err != nil {
 				return nil, seen, err
 			}
@@ -345,6 +385,7 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 		var idx []string
 		for _, r := range replicas {
 			seen.nearMisses += r.NearMisses()
+			seen.kvBatches += r.KVEventBatches()
 			if s := r.Index(); s != "" {
 				idx = append(idx, s)
 			}
@@ -354,6 +395,47 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 	lc.BaseURL = rt.URL
 	res, err = load.Run(ctx, lc)
 	return res, seen, err
+}
+
+// eventBackends returns the backends of p's routers when p.Events: on
+// kvsim the pods' URLs naming their publishers ("#kv-events=PORT"); on
+// llm-d the URLs as they are, p's routers listening at zmq for the pods'
+// publishers (p.Configure extended to set KVEventsListen).
+func eventBackends(fleet engineFleet, zmq string, p *Policy) ([]string, error) {
+	urls := fleet.URLs()
+	if zmq != "" {
+		prev := p.Configure
+		p.Configure = func(c *proxy.Config) {
+			if prev != nil {
+				prev(c)
+			}
+			c.KVEventsListen = zmq
+		}
+		return urls, nil
+	}
+	f, ok := fleet.(*sim.Fleet)
+	if !ok {
+		return nil, fmt.Errorf("%w: %s: KV events on this engine are not wired", ErrConfig, p.Name)
+	}
+	out := make([]string, len(urls))
+	for i, u := range urls {
+		_, port, err := net.SplitHostPort(f.Pod(i).KVEventsAddr())
+		if err != nil {
+			return nil, fmt.Errorf("scenario: pod %d publishes no KV events: %w", i, err)
+		}
+		out[i] = u + "#kv-events=" + port
+	}
+	return out, nil
+}
+
+// freeLoopback returns 127.0.0.1:port, a port free a moment ago.
+func freeLoopback() (string, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", err
+	}
+	defer ln.Close()
+	return ln.Addr().String(), nil
 }
 
 // policyNamed returns the entry of Policies() called name.

@@ -116,7 +116,8 @@ func newFlags(o *options) *proxy.Flags {
 		scenario.EngineLLMD+" under --out/"+scenario.EngineLLMD+"/…")
 	sc.StringVar(&o.llmdBin, "llmd-binary", "", "the llm-d simulator's binary (default $"+llmd.EnvBinary+", else bin/"+llmd.BinaryName+" decompressed from ../shared/engines)")
 	sc.StringSliceVar(&o.policies, "policies", nil, "policies to compare (default all: "+strings.Join(policyNames(), ", ")+"; the demo, near-identical and lora their own; the matrix "+
-		strings.Join(matrixPolicyNames(), ", ")+")")
+		strings.Join(matrixPolicyNames(), ", ")+"); opt in: "+strings.Join(names(scenario.OptInPolicies()), ", ")+
+		" ("+scenario.PrefixEvents+"* and "+scenario.LLMDPrecise+" fed by the pods' KV events; on "+scenario.EngineLLMD+" one router, no replicas)")
 	sc.BoolVar(&o.full, "full", false, "published sizes (SGLang/llm-d/vLLM presets) instead of the few-minute defaults")
 	sc.IntVar(&o.pods, "pods", 0, "simulated pods per fleet (0: 8)")
 	sc.Float64Var(&o.timeScale, "time-scale", 0, "simulated time runs this many times faster than real time (0: each scenario's; direct mode: the target kvsim's --time-scale, so latencies are reported in modelled time)")

@@ -1,0 +1,44 @@
+package scenario
+
+import (
+	"context"
+	"testing"
+
+	"github.com/kvroute/kvroute/bench/load"
+	"github.com/kvroute/kvroute/bench/sim"
+	"github.com/kvroute/kvroute/bench/workload"
+)
+
+// The policies fed by the engines' KV events, on a tiny kvsim fleet: every
+// request completes, and each policy was fed the pods' events.
+func TestEventsPolicies(t *testing.T) {
+	sc := Scenario{
+		Name: "tiny-events", Pods: 2,
+		Sim: sim.Config{TimeScale: 50, NumGPUBlocks: 256, Seed: 1},
+		Workload: workload.Config{Kind: workload.KindSharedPrefix, Seed: 4, Groups: 4, PromptsPerGroup: 4,
+			SystemTokens: 256, QuestionTokens: 32, OutputTokens: 16},
+		Load: load.Load{Stages: []load.Stage{{Rate: 20, Requests: 16}}},
+	}
+	sc.describeFleet()
+	wl, err := sc.Workload.Build()
+	if err != nil {
+		t.Fatal(err)
+	}
+	pols, err := SelectPolicies([]string{PrefixEvents, LLMDPrecise})
+	if err != nil || len(pols) != 2 {
+		t.Fatalf("policies %v: %v", pols, err)
+	}
+	for _, p := range pols {
+		res, seen, err := runPolicy(context.Background(), sc, wl, p, RunOptions{})
+		if err != nil {
+			t.Fatalf("%s: %v", p.Name, err)
+		}
+		if res.Summary.Completed != 16 || res.Summary.Failed != 0 {
+			t.Errorf("%s: completed %d, failed %d %v", p.Name, res.Summary.Completed, res.Summary.Failed, res.Summary.Errors)
+		}
+		if seen.kvBatches == 0 {
+			t.Errorf("%s: the policy was fed no KV-event batches", p.Name)
+		}
+		t.Logf("%s: %d KV-event batches; %s", p.Name, seen.kvBatches, seen.index)
+	}
+}

@@ -431,7 +431,7 @@ func NewRouter(cfg Config, logger *zap.Logger) (*Router, error) {
 		if r.Prefix == nil {
 			return nil, fmt.Errorf("--kv-events-port and --kv-events-listen feed the prefix index: they need --policy prefix, not %q", cfg.Policy)
 		}
-		r.truth = newEngineTruth(&cfg, r.Pool, r.Prefix.Index(), logger.Named("kvevents"))
+		r.truth = newEngineTruth(&cfg, r.Pool, r.Prefix.Index(), logger)
 		opt.Tokenizer = r.truth.tok
 		metrics.RegisterKVEvents(r.Registry, r.truth.sample)
 	}

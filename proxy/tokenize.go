@@ -41,7 +41,6 @@ type Tokenizer struct {
 	rate    float64
 	timeout time.Duration
 	clients sync.Map // endpoint Addr → *fasthttp.HostClient
-	parsers fastjson.ParserPool
 
 	ok, failed, dropped atomic.Uint64
 }
@@ -154,8 +153,8 @@ func (t *Tokenizer) Run(ctx context.Context) {
 	<-ctx.Done()
 }
 
-// errTokenize is wrapped by a tokenize request's failures.
-var errTokenize = errors.New("proxy: tokenize failed")
+// ErrTokenize is wrapped by a tokenize request's failures.
+var ErrTokenize = errors.New("proxy: tokenize failed")
 
 func (t *Tokenizer) do(j *tokenizeJob) {
 	tokens, err := t.tokenize(j)
@@ -171,34 +170,49 @@ func (t *Tokenizer) do(j *tokenizeJob) {
 // tokenize posts j's body to its endpoint's /tokenize and returns the
 // tokens.
 func (t *Tokenizer) tokenize(j *tokenizeJob) ([]uint32, error) {
+	return Tokenize(t.client(j.ep), j.ep, j.body, t.timeout)
+}
+
+// Doer sends one HTTP request (fasthttp's Client and HostClient).
+type Doer interface {
+	DoTimeout(req *fasthttp.Request, resp *fasthttp.Response, timeout time.Duration) error
+}
+
+// tokenizeParsers parse the engines' /tokenize answers.
+var tokenizeParsers fastjson.ParserPool
+
+// Tokenize posts body (a completion's or a chat's request body, as
+// vLLM's POST /tokenize takes it) to ep's /tokenize through c, within
+// timeout, and returns the engine's token ids.
+func Tokenize(c Doer, ep *discovery.Endpoint, body []byte, timeout time.Duration) ([]uint32, error) {
 	req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
 	defer fasthttp.ReleaseRequest(req)
 	defer fasthttp.ReleaseResponse(resp)
-	req.SetRequestURI(j.ep.URL + "/tokenize")
+	req.SetRequestURI(ep.URL + "/tokenize")
 	req.Header.SetMethod(fasthttp.MethodPost)
 	req.Header.SetContentType("application/json")
-	req.SetBodyRaw(j.body)
-	if err := t.client(j.ep).DoTimeout(req, resp, t.timeout); err != nil {
-		return nil, fmt.Errorf("%w: %w", errTokenize, err)
+	req.SetBodyRaw(body)
+	if err := c.DoTimeout(req, resp, timeout); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrTokenize, err)
 	}
 	if resp.StatusCode() != fasthttp.StatusOK {
-		return nil, fmt.Errorf("%w: status %d", errTokenize, resp.StatusCode())
+		return nil, fmt.Errorf("%w: status %d", ErrTokenize, resp.StatusCode())
 	}
-	p := t.parsers.Get()
-	defer t.parsers.Put(p)
+	p := tokenizeParsers.Get()
+	defer tokenizeParsers.Put(p)
 	v, err := p.ParseBytes(resp.Body())
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", errTokenize, err)
+		return nil, fmt.Errorf("%w: %w", ErrTokenize, err)
 	}
 	arr, err := v.Get("tokens").Array()
 	if err != nil {
-		return nil, fmt.Errorf("%w: no tokens: %w", errTokenize, err)
+		return nil, fmt.Errorf("%w: no tokens: %w", ErrTokenize, err)
 	}
 	tokens := make([]uint32, len(arr))
 	for i, a := range arr {
 		n, err := a.Uint64()
 		if err != nil || n > 1<<32-1 {
-			return nil, fmt.Errorf("%w: token %d is not a token id", errTokenize, i)
+			return nil, fmt.Errorf("%w: token %d is not a token id", ErrTokenize, i)
 		}
 		tokens[i] = uint32(n)
 	}

@@ -30,7 +30,7 @@ type engineTruth struct {
 }
 
 func newEngineTruth(cfg *Config, pool *discovery.Pool, index *prefix.Index, logger *zap.Logger) *engineTruth {
-	t := &engineTruth{pool: pool, staleAfter: cfg.KVEventsStaleAfter, logger: logger, seen: make(map[uint64]uint64),
+	t := &engineTruth{pool: pool, staleAfter: cfg.KVEventsStaleAfter, logger: logger.Named("kvevents"), seen: make(map[uint64]uint64),
 		truth: prefix.NewTruth(index, prefix.TruthConfig{BlockBytes: cfg.PrefixBlockBytes})}
 	t.tok = NewTokenizer(t.truth, TokenizerConfig{Rate: cfg.TokenizeRate})
 	t.sub = discovery.NewKVSubscriber(discovery.KVEventsConfig{Port: cfg.KVEventsPort, ReplayPort: cfg.KVEventsReplayPort,

@@ -1,19 +1,17 @@
 package peers
 
 import (
-	"errors"
-	"fmt"
 	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/valyala/fasthttp"
-	"github.com/valyala/fastjson"
 	"github.com/zeebo/xxh3"
 
 	"github.com/kvroute/kvroute/discovery"
 	"github.com/kvroute/kvroute/prefix"
+	"github.com/kvroute/kvroute/proxy"
 	"github.com/kvroute/kvroute/routing"
 )
 
@@ -105,9 +103,8 @@ type Precise struct {
 	// TokenizeTimeout bounds one /tokenize call on the request path.
 	TokenizeTimeout time.Duration
 
-	client  *fasthttp.Client
-	parsers fastjson.ParserPool
-	cache   tokenCache
+	client *fasthttp.Client
+	cache  tokenCache
 
 	// blockSize is the tokens per block, from the events.
 	blockSize atomic.Int64
@@ -365,9 +362,6 @@ func (v *preciseView) match(keys []uint64) (blocks int, weighted float64) {
 	return blocks, weighted
 }
 
-// errPreciseTokenize is wrapped by a failed tokenization.
-var errPreciseTokenize = errors.New("peers: tokenize failed")
-
 // tokenize returns the engine's tokens of r's body, asked of e (or the
 // cache); nil when r is not a completions or chat request, or the call
 // failed (the prefix then scores 0, as in llm-d).
@@ -389,38 +383,7 @@ func (p *Precise) tokenize(r *routing.Request, e *discovery.Endpoint) []uint32 {
 
 // fetchTokens posts body to e's /tokenize and returns the tokens.
 func (p *Precise) fetchTokens(e *discovery.Endpoint, body []byte) ([]uint32, error) {
-	req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
-	defer fasthttp.ReleaseRequest(req)
-	defer fasthttp.ReleaseResponse(resp)
-	req.SetRequestURI(e.URL + "/tokenize")
-	req.Header.SetMethod(fasthttp.MethodPost)
-	req.Header.SetContentType("application/json")
-	req.SetBodyRaw(body)
-	if err := p.client.DoTimeout(req, resp, p.TokenizeTimeout); err != nil {
-		return nil, fmt.Errorf("%w: %w", errPreciseTokenize, err)
-	}
-	if resp.StatusCode() != fasthttp.StatusOK {
-		return nil, fmt.Errorf("%w: status %d", errPreciseTokenize, resp.StatusCode())
-	}
-	jp := p.parsers.Get()
-	defer p.parsers.Put(jp)
-	v, err := jp.ParseBytes(resp.Body())
-	if err != nil {
-		return nil, fmt.Errorf("%w: %w", errPreciseTokenize, err)
-	}
-	arr, err := v.Get("tokens").Array()
-	if err != nil {
-		return nil, fmt.Errorf("%w: no tokens: %w", errPreciseTokenize, err)
-	}
-	tokens := make([]uint32, len(arr))
-	for i, a := range arr {
-		n, err := a.Uint64()
-		if err != nil || n > 1<<32-1 {
-			return nil, fmt.Errorf("%w: token %d is not a token id", errPreciseTokenize, i)
-		}
-		tokens[i] = uint32(n)
-	}
-	return tokens, nil
+	return proxy.Tokenize(p.client, e, body, p.TokenizeTimeout)
 }
 
 // tokenCache maps body hashes to their tokens, bounded in tokens: entries

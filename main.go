@@ -123,6 +123,7 @@ func newFlags(c *config) *proxy.Flags {
 	kv.StringVar(&c.KVEventsListen, "kv-events-listen", c.KVEventsListen, "bind a ZeroMQ SUB socket at HOST:PORT for publishers that dial in (e.g. the llm-d inference simulator's --zmq-endpoint); endpoints are told apart by the topic kv@<ip>:<port>@<model> (off when empty)")
 	kv.IntVar(&c.KVEventsReplayPort, "kv-events-replay-port", c.KVEventsReplayPort, "the engines' replay endpoint port (vLLM replay_endpoint): missed batches are asked for there; without it a gap drops the endpoint to learning until its next batch (0: off)")
 	kv.DurationVar(&c.KVEventsStaleAfter, "kv-events-stale-after", c.KVEventsStaleAfter, "an endpoint whose events stopped this long while it was sent requests falls back to learning until events resume (0: never)")
+	kv.BoolVar(&c.KVEventsTiers, "kv-events-tiers", c.KVEventsTiers, "count blocks the engines offloaded to CPU memory or storage (an event's medium) as cached: a hit there costs a load, not a recompute (false: GPU blocks only)")
 	kv.Float64Var(&c.TokenizeRate, "tokenize-rate", c.TokenizeRate, "most POST /tokenize requests a second kvroute sends the engines, off the request path, to line each new prompt's bytes up with the tokens the events name (once per new prompt)")
 
 	pd.StringVar(&c.PDProtocol, "pd-protocol", c.PDProtocol, "prefill/decode handoff protocol with a decode pool: vllm (NixlConnector: a prefill leg, then its kv_transfer_params to the decode pod) or sglang (bootstrap room, both legs at once)")

@@ -97,6 +97,9 @@ type Config struct {
 	KVEventsReplayPort int
 	KVEventsStaleAfter time.Duration
 	TokenizeRate       float64
+	// KVEventsTiers counts blocks the events place in CPU or storage
+	// tiers as held (false: the GPU's alone).
+	KVEventsTiers bool
 
 	PrefixBlockBytes     int
 	PrefixMaxBlocks      int
@@ -201,6 +204,7 @@ func DefaultConfig() Config {
 		// sent requests and silent for 30 s has lost its publisher.
 		KVEventsStaleAfter: 30 * time.Second,
 		TokenizeRate:       50,
+		KVEventsTiers:      true,
 	}
 }
 

@@ -23,6 +23,7 @@ type engineTruth struct {
 	tok        *Tokenizer
 	pool       *discovery.Pool
 	staleAfter time.Duration
+	tiers      bool // apply CPU and storage tiers' events (Config.KVEventsTiers)
 	logger     *zap.Logger
 
 	mu   sync.Mutex
@@ -30,7 +31,7 @@ type engineTruth struct {
 }
 
 func newEngineTruth(cfg *Config, pool *discovery.Pool, index *prefix.Index, logger *zap.Logger) *engineTruth {
-	t := &engineTruth{pool: pool, staleAfter: cfg.KVEventsStaleAfter, logger: logger.Named("kvevents"), seen: make(map[uint64]uint64),
+	t := &engineTruth{pool: pool, staleAfter: cfg.KVEventsStaleAfter, tiers: cfg.KVEventsTiers, logger: logger.Named("kvevents"), seen: make(map[uint64]uint64),
 		truth: prefix.NewTruth(index, prefix.TruthConfig{BlockBytes: cfg.PrefixBlockBytes})}
 	t.tok = NewTokenizer(t.truth, TokenizerConfig{Rate: cfg.TokenizeRate})
 	t.sub = discovery.NewKVSubscriber(discovery.KVEventsConfig{Port: cfg.KVEventsPort, ReplayPort: cfg.KVEventsReplayPort,
@@ -42,6 +43,9 @@ func newEngineTruth(cfg *Config, pool *discovery.Pool, index *prefix.Index, logg
 func (t *engineTruth) KVBatch(e *discovery.Endpoint, b *discovery.KVBatch) {
 	for i := range b.Events {
 		ev := &b.Events[i]
+		if ev.Tier != discovery.TierGPU && !t.tiers {
+			continue
+		}
 		switch ev.Kind {
 		case discovery.KVBlockStored:
 			t.truth.Stored(e.ID, ev.Parent, ev.HasParent, ev.BlockHashes, ev.TokenIDs, ev.BlockSize, ev.LoRA, uint8(ev.Tier))

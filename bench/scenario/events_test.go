@@ -42,3 +42,30 @@ func TestEventsPolicies(t *testing.T) {
 		t.Logf("%s: %d KV-event batches; %s", p.Name, seen.kvBatches, seen.index)
 	}
 }
+
+// The tiers scenario: the pressure-2x workload on pods with a CPU tier of
+// twice their GPU KV, the tier-blind and tier-aware engine truth among its
+// policies, and kvsim only.
+func TestTiersScenario(t *testing.T) {
+	sc, ok := Lookup(Preset{Seed: 1}, SharedPrefixTiers)
+	if !ok {
+		t.Fatal("no tiers scenario")
+	}
+	cfgs, err := sc.PodConfigs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, c := range cfgs {
+		if c.CPUBlocks != tiersCPUShare*c.NumGPUBlocks || c.CPUBlocks == 0 {
+			t.Fatalf("pod %d: %d CPU blocks for %d GPU blocks", i, c.CPUBlocks, c.NumGPUBlocks)
+		}
+	}
+	if _, err := SelectPolicies(sc.Policies); err != nil {
+		t.Fatal(err)
+	}
+	sc.Engine = EngineLLMD
+	p, _ := SelectPolicies([]string{PrefixEvents})
+	if _, _, err := runPolicy(context.Background(), sc, nil, p[0], RunOptions{}); err == nil {
+		t.Fatal("the tiers scenario ran on the llm-d simulator, which has no CPU tier")
+	}
+}

@@ -103,3 +103,25 @@ func multiTurnPressure(p Preset, x int) Scenario {
 		SLO: load.SLO{TTFT: 2000, TPOT: 100}, Policies: pressurePolicies,
 	}
 }
+
+// tiersCPUShare is the CPU tier's size in the tiers scenario, in GPU KVs:
+// with the working set at twice the GPU's, GPU + CPU hold it once and a
+// half.
+const tiersCPUShare = 2
+
+// sharedPrefixTiers is shared-prefix-pressure-2x on pods with a CPU tier
+// (vLLM's offloading) of tiersCPUShare × their GPU KV: evicted prefixes
+// stay on CPU and load back at PCIe speed, for a router that knows they are
+// there. It compares kvroute's engine truth with tiers (prefix-events)
+// and without (prefix-events-gpu-only), the learned index, llm-d's precise
+// scorer, least-request and fixed affinity. bench/sim only: the llm-d
+// simulator has no CPU tier.
+func sharedPrefixTiers(p Preset) Scenario {
+	sc := sharedPrefixPressure(p, 2)
+	sc.Name = SharedPrefixTiers
+	sc.Sim.CPUBlocks = tiersCPUShare * sc.Sim.NumGPUBlocks
+	sc.Description = fmt.Sprintf("Shared-prefix whose prefixes fill 2× the fleet's GPU KV (%d groups of 384 tokens, 12 prompts each, shuffled) "+
+		"on pods with a CPU tier of %d× their GPU KV: the working set fits GPU + CPU; kvsim only.", sc.Workload.Groups, tiersCPUShare)
+	sc.Policies = []string{LeastRequest, "prefix", PrefixEventsGPUOnly, PrefixEvents, LLMDPrecise, FixedAffinity}
+	return sc
+}

@@ -102,6 +102,9 @@ func optInPolicies() []Policy {
 			About: "no router: the client sends prefix group g (else session g) straight to pod g mod n"},
 		{Name: PrefixEvents, Router: "prefix", Events: true,
 			About: "kvroute's prefix policy fed by the engines' KV events"},
+		{Name: PrefixEventsGPUOnly, Router: "prefix", Events: true,
+			About:     "kvroute's prefix policy fed by the engines' KV events, CPU and storage tiers ignored (--kv-events-tiers=false)",
+			Configure: func(c *proxy.Config) { c.KVEventsTiers = false }},
 		{Name: PrefixEvents + "-3-replicas", Router: "prefix", Events: true, Replicas: 3,
 			About: "three independent kvroute replicas (prefix fed by KV events), a random third of the traffic each"},
 		{Name: LLMDPrecise, Events: true,
@@ -115,8 +118,9 @@ func OptInPolicies() []Policy { return optInPolicies() }
 
 // The opt-in policies fed by the engines' KV events (Policy.Events).
 const (
-	PrefixEvents = "prefix-events"
-	LLMDPrecise  = "llm-d-precise"
+	PrefixEvents        = "prefix-events"
+	PrefixEventsGPUOnly = "prefix-events-gpu-only"
+	LLMDPrecise         = "llm-d-precise"
 )
 
 // FixedAffinity is the client that routes straight to the pods with

@@ -297,6 +297,9 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 	if err != nil {
 		return nil, seen, err
 	}
+	if sc.Sim.CPUBlocks > 0 && sc.engineName() != EngineKVSim {
+		return nil, seen, fmt.Errorf("%w: %s: a CPU KV tier runs on %s only", ErrConfig, sc.Name, EngineKVSim)
+	}
 	if p.PrefillShare > 0 && sc.engineName() != EngineKVSim {
 		return nil, seen, fmt.Errorf("%w: %s: disaggregated layouts run on %s only", ErrConfig, p.Name, EngineKVSim)
 	}

@@ -62,6 +62,10 @@ const (
 	MultiTurnPressure1    = "multi-turn-pressure-1x"
 	MultiTurnPressure2    = "multi-turn-pressure-2x"
 	MultiTurnPressure4    = "multi-turn-pressure-4x"
+	// SharedPrefixTiers is shared-prefix-pressure-2x on pods with a CPU
+	// tier twice their GPU KV: the working set fits GPU + CPU, not GPU
+	// (pressure.go). Not part of Names: kvsim only.
+	SharedPrefixTiers = "shared-prefix-tiers-2x"
 	// Demo is a short shared-prefix comparison of four policies (see
 	// Lookup); it is not part of Names.
 	Demo = "demo"
@@ -83,6 +87,9 @@ func Lookup(p Preset, name string) (Scenario, bool) {
 	}
 	if sc, ok := pdScenario(p, name); ok {
 		return fit(p, sc), true
+	}
+	if name == SharedPrefixTiers {
+		return fit(p, sharedPrefixTiers(p)), true
 	}
 	for _, sc := range Builtin(p) {
 		if sc.Name == name {

@@ -331,15 +331,22 @@ func (t *Truth) NeedsLink(hashes []uint64) bool {
 // tokenizer's queue drops the rest; they are asked again when they recur).
 const maxPendingLinks = 1024
 
-// Unlinked ends a tokenization of hashes that failed; the chain may be
-// asked for again.
-func (t *Truth) Unlinked(hashes []uint64) {
+// Unlinked ends a tokenization of hashes that did not happen. With retry
+// (it was never sent: a full queue, a shutdown) the chain may be asked for
+// again at once; without (the engine failed it) not until it is forgotten
+// like a linked chain, so that an engine that cannot tokenize is not asked
+// for the same prompt on every request.
+func (t *Truth) Unlinked(hashes []uint64, retry bool) {
 	if len(hashes) == 0 {
 		return
 	}
+	deepest := hashes[len(hashes)-1]
 	t.linkMu.Lock()
-	delete(t.pending, hashes[len(hashes)-1])
-	t.linkMu.Unlock()
+	defer t.linkMu.Unlock()
+	delete(t.pending, deepest)
+	if !retry {
+		t.linked.put(deepest, false)
+	}
 }
 
 // Link learns how the byte blocks hashes of a prompt whose rendering is

@@ -212,15 +212,19 @@ func TestTruthIndexModes(t *testing.T) {
 	}
 }
 
-func TestTruthUnlinkedMayBeAskedAgain(t *testing.T) {
+func TestTruthUnlinked(t *testing.T) {
 	tr, _ := newTestTruth()
 	f := newTruthFixture(256, 6)
 	if !tr.NeedsLink(f.hashes) {
 		t.Fatal("NeedsLink = false")
 	}
-	tr.Unlinked(f.hashes)
+	tr.Unlinked(f.hashes, true)
 	if !tr.NeedsLink(f.hashes) {
-		t.Fatal("a failed tokenization may not be asked again")
+		t.Fatal("a tokenization never sent may not be asked again")
+	}
+	tr.Unlinked(f.hashes, false)
+	if tr.NeedsLink(f.hashes) {
+		t.Fatal("a tokenization the engine failed is asked again at once")
 	}
 }
 

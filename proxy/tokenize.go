@@ -23,8 +23,9 @@ type Linker interface {
 	// Link hands over the engine's tokens of a prompt whose rendering,
 	// promptBytes long, has the byte blocks hashes.
 	Link(lora string, hashes []uint64, promptBytes int, tokens []uint32)
-	// Unlinked ends a tokenization that failed.
-	Unlinked(hashes []uint64)
+	// Unlinked ends a tokenization that did not happen: retry when it
+	// was never sent (full queue, shutdown), not when the engine failed it.
+	Unlinked(hashes []uint64, retry bool)
 }
 
 // Tokenizer asks engines to tokenize prompts that were forwarded to them,
@@ -106,7 +107,7 @@ func (t *Tokenizer) Offer(ep *discovery.Endpoint, lora string, hashes []uint64, 
 	case t.jobs <- j:
 	default:
 		t.dropped.Add(1)
-		t.linker.Unlinked(j.hashes)
+		t.linker.Unlinked(j.hashes, true)
 	}
 }
 
@@ -141,7 +142,7 @@ func (t *Tokenizer) Run(ctx context.Context) {
 				case j := <-t.jobs:
 					select {
 					case <-ctx.Done():
-						t.linker.Unlinked(j.hashes)
+						t.linker.Unlinked(j.hashes, true)
 						return
 					case <-tick.C:
 					}
@@ -160,7 +161,7 @@ func (t *Tokenizer) do(j *tokenizeJob) {
 	tokens, err := t.tokenize(j)
 	if err != nil {
 		t.failed.Add(1)
-		t.linker.Unlinked(j.hashes)
+		t.linker.Unlinked(j.hashes, false)
 		return
 	}
 	t.ok.Add(1)

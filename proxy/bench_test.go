@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -14,6 +15,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/kvroute/kvroute/bench/sim"
+	"github.com/kvroute/kvroute/prefix"
 	"github.com/kvroute/kvroute/routing"
 )
 
@@ -79,6 +81,33 @@ func BenchmarkHopLatency(b *testing.B) {
 			b.ReportMetric(pct(v, 0.5), "kvroute-p50-µs")
 			b.ReportMetric(pct(v, 0.5)-pct(d, 0.5), "added-p50-µs")
 			b.ReportMetric(pct(v, 0.99)-pct(d, 0.99), "added-p99-µs")
+		})
+	}
+}
+
+// BenchmarkHopEngineTruth measures, in one run, the hop of kvroute
+// without and with engine truth's tokenizer on the request path (each
+// answered prompt checked for a link, a new one offered), one request at a
+// time, alternating, and reports both p50s and their difference. The
+// backend cannot tokenize, so a prompt is offered once and then only
+// checked: the steady state of a fleet whose prompts recur.
+func BenchmarkHopEngineTruth(b *testing.B) {
+	for _, size := range hopBodies {
+		b.Run(size.name, func(b *testing.B) {
+			backend := instantBackend(b)
+			opt := Options{Limits: Limits{MaxBodyBytes: 1 << 20}}
+			off := startProxy(b, routing.NewLeastRequest(nil), opt, backend)
+			truth := prefix.NewTruth(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1024}), prefix.TruthConfig{BlockBytes: 1024})
+			opt.Tokenizer = NewTokenizer(truth, TokenizerConfig{})
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan struct{})
+			go func() { defer close(done); opt.Tokenizer.Run(ctx) }()
+			b.Cleanup(func() { cancel(); <-done })
+			on := startProxy(b, routing.NewLeastRequest(nil), opt, backend)
+			x, y := alternate(b, size.path, size.body, off.url, on.url)
+			b.ReportMetric(pct(x, 0.5), "off-p50-µs")
+			b.ReportMetric(pct(y, 0.5), "on-p50-µs")
+			b.ReportMetric(pct(y, 0.5)-pct(x, 0.5), "on-minus-off-p50-µs")
 		})
 	}
 }

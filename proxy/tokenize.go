@@ -205,9 +205,13 @@ func Tokenize(c Doer, ep *discovery.Endpoint, body []byte, timeout time.Duration
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrTokenize, err)
 	}
-	arr, err := v.Get("tokens").Array()
+	tv := v.Get("tokens")
+	if tv == nil {
+		return nil, fmt.Errorf("%w: the answer has no tokens", ErrTokenize)
+	}
+	arr, err := tv.Array()
 	if err != nil {
-		return nil, fmt.Errorf("%w: no tokens: %w", ErrTokenize, err)
+		return nil, fmt.Errorf("%w: tokens: %w", ErrTokenize, err)
 	}
 	tokens := make([]uint32, len(arr))
 	for i, a := range arr {

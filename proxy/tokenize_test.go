@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"sync"
 	"testing"
@@ -10,6 +11,7 @@ import (
 	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/discovery"
 	"github.com/kvroute/kvroute/prefix"
+	"github.com/valyala/fasthttp"
 )
 
 // recordingLinker is prefix.Truth with its calls observed: it links, and
@@ -89,5 +91,28 @@ func TestTokenizerLinksWhatWasForwarded(t *testing.T) {
 	}
 	if tok.Stats().Failed != 1 || l.NeedsLink(other) {
 		t.Fatalf("a failed tokenization: stats %+v; the chain must not be asked for again at once", tok.Stats())
+	}
+}
+
+// TestTokenizeBadAnswers: whatever an engine answers to /tokenize is an
+// error or tokens, never a crash.
+func TestTokenizeBadAnswers(t *testing.T) {
+	for _, c := range []struct{ name, answer string }{
+		{"no tokens", completionResponse},
+		{"tokens not an array", `{"tokens":7}`},
+		{"a token not an id", `{"tokens":[1,-2]}`},
+		{"a token too large", `{"tokens":[4294967296]}`},
+		{"not JSON", `tokens`},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			ep, err := discovery.NewEndpoint(instantAnswer(t, c.answer), discovery.RoleMixed)
+			if err != nil {
+				t.Fatal(err)
+			}
+			toks, err := Tokenize(&fasthttp.HostClient{Addr: ep.Addr}, ep, []byte(`{"prompt":"x"}`), 5*time.Second)
+			if !errors.Is(err, ErrTokenize) {
+				t.Fatalf("tokens %v, err %v: want ErrTokenize", toks, err)
+			}
+		})
 	}
 }

@@ -9,8 +9,9 @@ import (
 	"github.com/kvroute/kvroute/bench/workload"
 )
 
-// The policies fed by the engines' KV events, on a tiny kvsim fleet: every
-// request completes, and each policy was fed the pods' events.
+// The policies fed by the engines' KV events, and replicas with and
+// without them, on a tiny kvsim fleet: every request completes, and each
+// policy with events was fed the pods' events.
 func TestEventsPolicies(t *testing.T) {
 	sc := Scenario{
 		Name: "tiny-events", Pods: 2,
@@ -24,8 +25,8 @@ func TestEventsPolicies(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pols, err := SelectPolicies([]string{PrefixEvents, LLMDPrecise})
-	if err != nil || len(pols) != 2 {
+	pols, err := SelectPolicies([]string{"prefix-3-replicas", PrefixEvents, PrefixEvents + "-3-replicas", LLMDPrecise})
+	if err != nil || len(pols) != 4 {
 		t.Fatalf("policies %v: %v", pols, err)
 	}
 	for _, p := range pols {
@@ -36,7 +37,7 @@ func TestEventsPolicies(t *testing.T) {
 		if res.Summary.Completed != 16 || res.Summary.Failed != 0 {
 			t.Errorf("%s: completed %d, failed %d %v", p.Name, res.Summary.Completed, res.Summary.Failed, res.Summary.Errors)
 		}
-		if seen.kvBatches == 0 {
+		if p.Events && seen.kvBatches == 0 {
 			t.Errorf("%s: the policy was fed no KV-event batches", p.Name)
 		}
 		t.Logf("%s: %d KV-event batches; %s", p.Name, seen.kvBatches, seen.index)

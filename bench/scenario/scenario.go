@@ -362,9 +362,10 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 		// fleet; in front of them a random-policy kvroute hands each a
 		// random share of the traffic, as a Service in front of several
 		// router pods would.
+		pods := backends
 		backends = nil
 		for i := 0; i < p.Replicas; i++ {
-			inner, err := StartRouter(p, backends, cfgs)
+			inner, err := StartRouter(p, pods, cfgs)
 			if err != nil {
 				return nil, seen, err
 			}

@@ -106,6 +106,7 @@ func newFlags(o *options) *proxy.Flags {
 		g("Workload (direct mode; lengths in tokens)"), g("Load (direct mode)"), g("Output and misc")
 
 	sc.StringSliceVar(&o.scenarios, "scenario", nil, "scenarios to run: "+strings.Join(scenario.Names(), ", ")+", all of them, demo (a short shared-prefix run of four policies), "+
+		scenario.SharedPrefixTiers+" (pressure 2x on pods with a CPU KV tier: engine truth with and without tiers; kvsim only), "+
 		strings.Join(scenario.PDNames(), ", ")+" (aggregated vs disaggregated fleets), or matrix ("+
 		strings.Join(scenario.MatrixScenarios(), ", ")+" on every profile, one table); default shared-prefix without --base-url")
 	sc.StringSliceVar(&o.profiles, "profile", nil, "engine profiles to run the scenarios on: "+strings.Join(sim.ProfileNames(), ", ")+

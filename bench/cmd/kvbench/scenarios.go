@@ -37,7 +37,7 @@ func newPlan(o *options) (*plan, error) {
 	if len(req) == 0 {
 		req = []string{scenario.SharedPrefix}
 	}
-	known := append(append(scenario.Names(), scenario.Demo), scenario.PDNames()...)
+	known := append(append(scenario.Names(), scenario.Demo, scenario.SharedPrefixTiers), scenario.PDNames()...)
 	for _, n := range req {
 		switch {
 		case n == "all":
@@ -47,8 +47,8 @@ func newPlan(o *options) (*plan, error) {
 		case slices.Contains(known, n):
 			pl.names = append(pl.names, n)
 		default:
-			return nil, fmt.Errorf("unknown scenario %q (want %s, all, %s, %s or %s)",
-				n, strings.Join(scenario.Names(), ", "), strings.Join(scenario.PDNames(), ", "), scenario.Demo, scenario.Matrix)
+			return nil, fmt.Errorf("unknown scenario %q (want %s, all, %s, %s, %s or %s)",
+				n, strings.Join(scenario.Names(), ", "), strings.Join(scenario.PDNames(), ", "), scenario.SharedPrefixTiers, scenario.Demo, scenario.Matrix)
 		}
 	}
 	pl.names = unique(pl.names)

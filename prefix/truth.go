@@ -46,8 +46,8 @@ type Truth struct {
 
 	// The request path's side (NeedsLink), apart from the events' mutex so
 	// that applying a large batch never holds up a request: linkMu guards
-	// linked (a linked chain's deepest byte block) and pending (chains
-	// being tokenized).
+	// linked (the deepest byte block of a chain linked, or that its engine
+	// could not tokenize) and pending (chains being tokenized).
 	linkMu  sync.Mutex
 	linked  twoGen[bool]
 	pending map[uint64]struct{}

@@ -301,15 +301,14 @@ func (s *KVSubscriber) Run(ctx context.Context) error {
 	if err := s.c.validate(); err != nil {
 		return err
 	}
+	var ln net.Listener
 	if s.c.Listen != "" {
 		var lc net.ListenConfig
-		ln, err := lc.Listen(ctx, "tcp", strings.TrimPrefix(s.c.Listen, "tcp://"))
-		if err != nil {
+		var err error
+		if ln, err = lc.Listen(ctx, "tcp", strings.TrimPrefix(s.c.Listen, "tcp://")); err != nil {
 			return fmt.Errorf("discovery: KV events listener: %w", err)
 		}
 		s.log.Info("listening for KV-event publishers", zap.Stringer("addr", ln.Addr()))
-		s.bound <- ln.Addr()
-		s.wg.Go(func() { s.serve(ctx, ln) })
 	}
 	if s.c.Port > 0 {
 		s.log.Info("subscribing to the endpoints' KV events", zap.Int("port", s.c.Port), zap.Int("ranks", max(s.c.Ranks, 1)))
@@ -317,6 +316,14 @@ func (s *KVSubscriber) Run(ctx context.Context) error {
 	for {
 		changed := s.pool.Changed()
 		s.reconcile(ctx, s.pool.Load())
+		if ln != nil {
+			// Publishers are served once the pool's endpoints are known:
+			// a batch read before that would be dropped as unmatched.
+			l := ln
+			ln = nil
+			s.bound <- l.Addr()
+			s.wg.Go(func() { s.serve(ctx, l) })
+		}
 		select {
 		case <-changed:
 		case <-ctx.Done():

@@ -104,7 +104,7 @@ bench-proxy: build
 	@command -v wrk >/dev/null && command -v nginx >/dev/null && command -v haproxy >/dev/null || \
 		apt-get install -y wrk nginx-light haproxy
 	$(GO) build -trimpath -o $(BIN)/kvhop ./bench/cmd/kvhop
-	./$(BIN)/kvhop --kvroute $(BIN)/kvroute --out bench/results/proxy
+	./$(BIN)/kvhop --kvroute $(BIN)/kvroute --kv-events --out bench/results/proxy
 	./$(BIN)/kvhop --kvroute $(BIN)/kvroute --streams 9800 --out bench/results/proxy
 
 # Soak (issue #12): SOAK_DURATION of mixed traffic (shared-prefix,

@@ -49,6 +49,9 @@ type Config struct {
 	// Kvroutes, when set, are further kvroute binaries measured as extra
 	// targets named "kvroute-<i>" (an A/B of builds in one run).
 	Kvroutes []string
+	// KVEvents adds the target EventsTarget (events.go): kvroute on engine
+	// truth, the backend publishing KV events and answering /tokenize.
+	KVEvents bool
 }
 
 // Case is one workload: a body, its path, a connection count, and
@@ -130,9 +133,10 @@ type backend struct {
 	full   []byte
 	event  []byte
 	events int
+	kv     *kvPub // nil unless Config.KVEvents
 }
 
-func startBackend(events int) (*backend, error) {
+func startBackend(events int, kvEvents bool) (*backend, error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, err
@@ -140,12 +144,33 @@ func startBackend(events int) (*backend, error) {
 	b := &backend{addr: ln.Addr().String(), events: events,
 		full:  []byte(`{"id":"cmpl-0","object":"text_completion","created":1700000000,"model":"m","choices":[{"index":0,"text":" a b c d e f g h i j k l m n o p","logprobs":null,"finish_reason":"length","stop_reason":null}],"usage":{"prompt_tokens":256,"total_tokens":272,"completion_tokens":16}}`),
 		event: []byte(`data: {"id":"cmpl-0","object":"text_completion","created":1700000000,"model":"m","choices":[{"index":0,"text":" word","logprobs":null,"finish_reason":null,"stop_reason":null}],"usage":null}` + "\n\n")}
+	if kvEvents {
+		text, err := promptText(chatBody(128 << 10))
+		if err == nil {
+			b.kv, err = startKVPub(fakeTokens(text)[:kvChainBlocks*kvBlockTokens])
+		}
+		if err != nil {
+			ln.Close()
+			return nil, err
+		}
+	}
 	b.srv = &fasthttp.Server{Handler: b.handle, NoDefaultDate: true, ReadBufferSize: 16 << 10, MaxRequestBodySize: 1 << 20}
 	go func() { _ = b.srv.Serve(ln) }()
 	return b, nil
 }
 
+func (b *backend) close() {
+	_ = b.srv.Shutdown()
+	if b.kv != nil {
+		b.kv.close()
+	}
+}
+
 func (b *backend) handle(ctx *fasthttp.RequestCtx) {
+	if string(ctx.Path()) == "/tokenize" {
+		tokenize(ctx)
+		return
+	}
 	if !bytes.Contains(ctx.PostBody(), []byte(`"stream":true`)) {
 		ctx.SetContentType("application/json")
 		ctx.SetBody(b.full)
@@ -245,7 +270,8 @@ func (p *proxyProc) stop() {
 
 // startProxy starts the named proxy in front of backend and waits until it
 // answers.
-func startProxy(ctx context.Context, name, kvroute, dir, backend string) (*proxyProc, error) {
+func startProxy(ctx context.Context, name, kvroute, dir string, be *backend) (*proxyProc, error) {
+	backend := be.addr
 	port, err := freePort()
 	if err != nil {
 		return nil, err
@@ -254,13 +280,17 @@ func startProxy(ctx context.Context, name, kvroute, dir, backend string) (*proxy
 		return strings.NewReplacer("{{dir}}", dir, "{{backend}}", backend, "{{port}}", strconv.Itoa(port)).Replace(tmpl)
 	}
 	switch name {
-	case "kvroute":
+	case "kvroute", EventsTarget:
 		admin, err := freePort()
 		if err != nil {
 			return nil, err
 		}
-		return startProxyArgs(ctx, name, dir, port, kvroute, "--listen", fmt.Sprintf("127.0.0.1:%d", port),
-			"--admin-listen", fmt.Sprintf("127.0.0.1:%d", admin), "--backends", "http://"+backend)
+		args := []string{"--listen", fmt.Sprintf("127.0.0.1:%d", port),
+			"--admin-listen", fmt.Sprintf("127.0.0.1:%d", admin), "--backends", "http://" + backend}
+		if name == EventsTarget {
+			args = append(args, "--kv-events-port", strconv.Itoa(be.kv.port))
+		}
+		return startProxyArgs(ctx, name, dir, port, kvroute, args...)
 	case "nginx":
 		conf := filepath.Join(dir, "nginx.conf")
 		if err := os.WriteFile(conf, []byte(fill(nginxConf)), 0o644); err != nil {
@@ -386,21 +416,24 @@ func parseWrk(out string) (Measure, error) {
 // Run measures every case against every target, cfg.Rounds times, and
 // returns the medians.
 func Run(ctx context.Context, cfg Config) (*Report, error) {
-	be, err := startBackend(cfg.Events)
+	targets := Targets
+	if cfg.Targets != nil {
+		targets = cfg.Targets
+	}
+	if cfg.KVEvents && !slices.Contains(targets, EventsTarget) {
+		targets = slices.Insert(slices.Clone(targets), min(2, len(targets)), EventsTarget)
+	}
+	be, err := startBackend(cfg.Events, slices.Contains(targets, EventsTarget))
 	if err != nil {
 		return nil, err
 	}
-	defer func() { _ = be.srv.Shutdown() }()
+	defer be.close()
 	procs := map[string]*proxyProc{}
 	defer func() {
 		for _, p := range procs {
 			p.stop()
 		}
 	}()
-	targets := Targets
-	if cfg.Targets != nil {
-		targets = cfg.Targets
-	}
 	for i := range cfg.Kvroutes {
 		targets = append(targets, fmt.Sprintf("kvroute-%d", i+1))
 	}
@@ -410,7 +443,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			i, _ := strconv.Atoi(n)
 			kind, bin = "kvroute", cfg.Kvroutes[i-1]
 		}
-		p, err := startProxy(ctx, kind, bin, cfg.Dir, be.addr)
+		p, err := startProxy(ctx, kind, bin, cfg.Dir, be)
 		if err != nil {
 			return nil, err
 		}

@@ -2,9 +2,16 @@ package hop
 
 import (
 	"context"
+	"net"
 	"os"
+	"regexp"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/kvroute/kvroute/proxy"
+	"github.com/valyala/fasthttp"
+	"go.uber.org/zap"
 )
 
 const wrkOutput = `Running 5s test @ http://127.0.0.1:8000
@@ -83,4 +90,82 @@ func TestHoldBackend(t *testing.T) {
 		t.Fatal(err)
 	}
 	closeAll(conns)
+}
+
+// The kvroute+events target's backend is one kvroute's engine truth
+// understands: its batches decode, its /tokenize links the chat case's
+// prompt, and the prompt's stores confirm it in the index (the
+// target's events reach the router's request path, not only its
+// subscriber).
+func TestEventsBackendFeedsEngineTruth(t *testing.T) {
+	be, err := startBackend(1, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.close()
+	cfg := proxy.DefaultConfig()
+	cfg.Backends = []string{"http://" + be.addr}
+	cfg.KVEventsPort = be.kv.port
+	rt, err := proxy.NewRouter(cfg, zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	api, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	admin, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- rt.Run(ctx, api, admin, time.Second) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	}()
+	body := chatBody(128 << 10)
+	metric := regexp.MustCompile(`(?m)^kvroute_kv_truth_confirmed_total (\d+)`)
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
+		req.SetRequestURI("http://" + api.Addr().String() + "/v1/chat/completions")
+		req.Header.SetMethod("POST")
+		req.Header.SetContentType("application/json")
+		req.SetBody(body)
+		err := fasthttp.DoTimeout(req, resp, 5*time.Second)
+		if err != nil || resp.StatusCode() != 200 {
+			t.Fatalf("completion: %v %d %s", err, resp.StatusCode(), resp.Body())
+		}
+		fasthttp.ReleaseRequest(req)
+		fasthttp.ReleaseResponse(resp)
+		_, m, err := fasthttp.Get(nil, "http://"+admin.Addr().String()+"/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c := metric.FindSubmatch(m); c != nil && string(c[1]) != "0" {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no block confirmed by the backend's events in 15 s; metrics:\n%s", grepLines(m, "kvroute_kv_", "kvroute_tokenize"))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// grepLines returns b's lines that start with any of prefixes.
+func grepLines(b []byte, prefixes ...string) string {
+	var out []string
+	for _, l := range strings.Split(string(b), "\n") {
+		for _, p := range prefixes {
+			if strings.HasPrefix(l, p) {
+				out = append(out, l)
+				break
+			}
+		}
+	}
+	return strings.Join(out, "\n")
 }

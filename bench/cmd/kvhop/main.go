@@ -35,8 +35,9 @@ func run(args []string) error {
 	dur := fs.Duration("duration", 5*time.Second, "length of one wrk measurement (whole seconds)")
 	events := fs.Int("events", 100, "SSE events per streamed answer")
 	only := fs.String("only", "", "comma-separated cases to run (NAME or NAME/CONNS, e.g. completion-1KiB/32); default all")
-	targets := fs.String("targets", "", "comma-separated targets (direct, kvroute, nginx, haproxy); default all")
+	targets := fs.String("targets", "", "comma-separated targets (direct, kvroute, nginx, haproxy, "+hop.EventsTarget+"); default all but "+hop.EventsTarget)
 	streams := fs.Int("streams", 0, "instead of the wrk run: hold this many SSE streams, then as many idle keep-alive connections, through kvroute and report its RSS per stream and per connection (two file descriptors each in kvroute)")
+	kvEvents := fs.Bool("kv-events", false, "also measure kvroute with engine truth on ("+hop.EventsTarget+"): the backend publishes KV events (≈ 3,500 a second) and answers /tokenize")
 	more := fs.String("kvroutes", "", "comma-separated further kvroute binaries, measured as kvroute-1, kvroute-2, ... (an A/B of builds)")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -59,7 +60,7 @@ func run(args []string) error {
 		return memory(ctx, abs, work, *streams, *out)
 	}
 	cfg := hop.Config{Kvroute: abs, Dir: work, Rounds: *rounds, Duration: *dur, Events: *events, Log: os.Stdout,
-		Only: list(*only), Targets: list(*targets)}
+		Only: list(*only), Targets: list(*targets), KVEvents: *kvEvents}
 	for _, b := range list(*more) {
 		a, err := filepath.Abs(b)
 		if err != nil {

@@ -530,15 +530,20 @@ func (r *Report) Markdown() string {
 			if row.Case.Stream {
 				rps += fmt.Sprintf(" (%.0fk events/s)", m.RPS*float64(r.Events)/1000)
 			}
-			added := "–"
-			if t != "direct" {
+			// Ratios to nginx and added latency over direct only where
+			// those targets ran.
+			vsNginx, added := "–", "–"
+			if _, ok := row.Targets["nginx"]; ok {
+				vsNginx = fmt.Sprintf("%.2f×", m.RPS/ng.RPS)
+			}
+			if _, ok := row.Targets["direct"]; ok && t != "direct" {
 				added = fmt.Sprintf("%+.0f µs", m.P50us-dir.P50us)
 				if row.Case.Stream {
 					added += fmt.Sprintf(" (%+.1f µs/event)", (m.P50us-dir.P50us)/float64(r.Events))
 				}
 			}
-			fmt.Fprintf(&b, "| %s | %d | %s | %s | %.2f× | %.0f µs | %s | %.0f µs | %d |\n", row.Case.Name, row.Case.Conns, t, rps,
-				m.RPS/ng.RPS, m.P50us, added, m.P99us, m.Errs)
+			fmt.Fprintf(&b, "| %s | %d | %s | %s | %s | %.0f µs | %s | %.0f µs | %d |\n", row.Case.Name, row.Case.Conns, t, rps,
+				vsNginx, m.P50us, added, m.P99us, m.Errs)
 		}
 	}
 	fmt.Fprintf(&b, "\nTools: %s.\n", strings.Join(r.Versions, "; "))

@@ -131,3 +131,52 @@ func TestKVEventsEngineTruth(t *testing.T) {
 		t.Fatal("no removal counted")
 	}
 }
+
+// TestKVEventsTiersCostALoad: a pod with a CPU tier (vLLM's offloading)
+// keeps a prompt the GPU evicted for other clients' prompts; kvroute shows
+// it still held there, as tokens to load rather than to compute, and its
+// wait there is below a recompute's.
+func TestKVEventsTiersCostALoad(t *testing.T) {
+	faultLeakCheck(t)
+	cfg := faultSimConfig()
+	cfg.KVEventsPort = -1
+	cfg.NumGPUBlocks = 256 // 4,096 tokens
+	cfg.CPUBlocks = 2048
+	fleet := startFaultFleet(t, 1, cfg)
+	r := startFaultRig(t, kvEventsBackends(t, fleet), cfg.Model, func(c *proxy.Config) {
+		c.ScrapeInterval = 100 * time.Millisecond
+	})
+	prompt := strings.Repeat("Offloaded blocks load faster than they compute. ", 180) // 8.6 KiB: 8 index blocks
+	if res := r.do(prompt, 2, false); !res.completed() {
+		t.Fatalf("first request: %v", res)
+	}
+	url := fleet.URL(0)
+	r.waitFor("the prompt confirmed on the GPU", func() bool {
+		term := r.explainRoute(prompt)[url]
+		return term.MatchedBlocks >= 8 && term.LoadedTokens == 0
+	})
+	onGPU := r.explainRoute(prompt)[url]
+	for i := range 6 {
+		resp, err := http.Post(url+"/v1/completions", "application/json",
+			bytes.NewReader([]byte(faultBody(cfg.Model, strings.Repeat(string(rune('a'+i))+"nother client's prompt fills the GPU. ", 200), 1, false))))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+	}
+	r.waitFor("the prompt held on CPU only", func() bool {
+		term := r.explainRoute(prompt)[url]
+		return term.MatchedBlocks >= 8 && term.LoadedTokens > 0
+	})
+	term := r.explainRoute(prompt)[url]
+	recompute := float64(term.LoadedTokens) / term.PrefillTokensPerSec
+	if load := float64(term.LoadedTokens) / term.LoadTokensPerSec; !(load < recompute) {
+		t.Fatalf("loading %d tokens costs %.4f s, recomputing them %.4f s", term.LoadedTokens, load, recompute)
+	}
+	if term.UncachedTokens != onGPU.UncachedTokens {
+		t.Errorf("uncached tokens %d on CPU, %d on GPU: the CPU copy should count as cached", term.UncachedTokens, onGPU.UncachedTokens)
+	}
+	if r.metric("kvroute_kv_truth_blocks", "tier=cpu") == 0 {
+		t.Error("no CPU block counted")
+	}
+}

@@ -41,6 +41,12 @@ type Costs struct {
 	// faster than the prefill rate, since part of what is pending is
 	// already computed when the request arrives.
 	PendingTokensPerSec float64 `json:"pending_tokens_per_sec"`
+	// LoadTokensPerSec is the rate at which the endpoint loads cached
+	// tokens held on a slower tier than the GPU (CPU memory, storage)
+	// instead of computing them: the slope of its TTFT in the tokens the
+	// policy expected it to load. LoadSpeedup × PrefillTokensPerSec until
+	// warmupSamples requests loaded some.
+	LoadTokensPerSec float64 `json:"load_tokens_per_sec"`
 	// FixedSec is the part of a TTFT that no load explains: the network,
 	// request parsing, tokenisation, the first engine step.
 	FixedSec float64 `json:"fixed_sec"`
@@ -92,6 +98,15 @@ const (
 	DefaultPriorPrefillTokensPerSec = 20000
 	DefaultCalibrationWindow        = 500
 )
+
+// LoadSpeedup is the prior of how much faster an engine loads a cached
+// token from its CPU tier than it computes one: a token's KV (128 KiB
+// for Llama-3.1-8B in bf16) crosses PCIe at ≈ 25 GB/s, ≈ 190,000 tokens
+// a second, against ≈ 20,000 tokens a second of prefill (vLLM's KV
+// offloading, docs.vllm.ai "KV cache offloading"; LMCache reports loads
+// several times faster than recompute). Each endpoint's own TTFTs correct
+// it (Costs.LoadTokensPerSec).
+const LoadSpeedup = 10
 
 func (c CalibrationConfig) withDefaults() CalibrationConfig {
 	c.PrefillTokensPerSec = orDefault(c.PrefillTokensPerSec, DefaultPriorPrefillTokensPerSec)
@@ -145,6 +160,9 @@ type calibrator struct {
 	// intervals with tokens); a stream gives both means of its row.
 	decodeSec, prefillTokens, stepSec float64
 	streamN, stepN                    int
+	// loadN counts the fitted samples that loaded tokens from a slower
+	// tier.
+	loadN int
 	// The running counts of the last saturated scrapes, a ring.
 	limits [limitWindow]int
 	limitN int
@@ -165,15 +183,16 @@ func newCalibrator(cfg CalibrationConfig, out *atomic.Pointer[Costs], fleet *fle
 	// about one sample of typical magnitude (2k tokens, a few requests in
 	// flight): a handful of samples outweighs it.
 	prior := tokenUnit / cfg.PrefillTokensPerSec
-	c.fit.init([features]float64{0, prior, prior, 0}, [features]float64{1, 4, 4, 1}, lambda)
+	c.fit.init([features]float64{0, prior, prior, 0, prior / LoadSpeedup}, [features]float64{1, 4, 4, 1, 4}, lambda)
 	return c
 }
 
 // observe adds one streamed response: its time to first byte ttfb and
-// from there to its end (decode), its own prompt tokens to compute (own),
-// the router's pending prefill tokens ahead of it when it was sent (ahead)
-// and the requests in flight before it (inFlight).
-func (c *calibrator) observe(ttfb, decode time.Duration, own, ahead, inFlight int64) {
+// from there to its end (decode), its own prompt tokens to compute (own)
+// and to load from a slower tier (loaded), the router's pending prefill
+// tokens ahead of it when it was sent (ahead) and the requests in flight
+// before it (inFlight).
+func (c *calibrator) observe(ttfb, decode time.Duration, own, loaded, ahead, inFlight int64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.streamN++
@@ -182,7 +201,10 @@ func (c *calibrator) observe(ttfb, decode time.Duration, own, ahead, inFlight in
 	// Past the batch limit a request also waits for a place in the batch,
 	// which the fit does not model: such samples would bias the rate.
 	if l := c.limit(minLimitSamples); l == 0 || inFlight < int64(l) {
-		c.fit.add([features]float64{1, float64(own) / tokenUnit, float64(ahead) / tokenUnit, float64(inFlight) / inFlightUnit}, ttfb.Seconds())
+		c.fit.add([features]float64{1, float64(own) / tokenUnit, float64(ahead) / tokenUnit, float64(inFlight) / inFlightUnit, float64(loaded) / tokenUnit}, ttfb.Seconds())
+		if loaded > 0 {
+			c.loadN++
+		}
 	}
 	c.publish()
 }
@@ -272,17 +294,22 @@ func (c *calibrator) publish() {
 	s := &Costs{
 		PrefillTokensPerSec: tokenUnit / min(max(th[1], lo), hi),
 		PendingTokensPerSec: tokenUnit / min(max(th[2], lo), hi),
-		FixedSec:            min(max(th[0], 0), maxFixedSec),
-		InFlightSec:         max(th[3], 0) / inFlightUnit,
-		DecodeStepSec:       c.stepSec,
-		DecodeSec:           c.decodeSec,
-		PrefillTokens:       c.prefillTokens,
-		BatchLimit:          c.limit(1),
-		PeakRunning:         int(min(c.peak, math.MaxInt32)),
-		TTFTSamples:         c.fit.n,
-		DecodeSamples:       c.streamN,
-		StepSamples:         c.stepN,
-		LimitSamples:        min(c.limitN, limitWindow),
+
+		FixedSec:      min(max(th[0], 0), maxFixedSec),
+		InFlightSec:   max(th[3], 0) / inFlightUnit,
+		DecodeStepSec: c.stepSec,
+		DecodeSec:     c.decodeSec,
+		PrefillTokens: c.prefillTokens,
+		BatchLimit:    c.limit(1),
+		PeakRunning:   int(min(c.peak, math.MaxInt32)),
+		TTFTSamples:   c.fit.n,
+		DecodeSamples: c.streamN,
+		StepSamples:   c.stepN,
+		LimitSamples:  min(c.limitN, limitWindow),
+	}
+	s.LoadTokensPerSec = s.PrefillTokensPerSec * LoadSpeedup
+	if c.loadN >= warmupSamples {
+		s.LoadTokensPerSec = tokenUnit / min(max(th[4], lo/LoadSpeedup), hi/LoadSpeedup)
 	}
 	if c.fleet != nil {
 		c.fleet.update(c, s)
@@ -388,8 +415,8 @@ func mean(m, x float64, n int) float64 {
 }
 
 // features are the fit's: 1, the request's own tokens, the tokens ahead of
-// it, the requests in flight.
-const features = 4
+// it, the requests in flight, the tokens it loads from a slower tier.
+const features = 5
 
 // regression is a least-squares fit of y ≈ θ·x over the features with
 // exponential forgetting (λ per sample), regularised toward a prior θ0 of

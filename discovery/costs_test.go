@@ -43,7 +43,7 @@ func feed(c *calibrator, truth engineTruth, n int, rng *rand.Rand) {
 		if rng.IntN(20) == 0 {
 			y *= 10 + 20*rng.Float64()
 		}
-		c.observe(time.Duration(y*float64(time.Second)), time.Second, own, ahead, inFlight)
+		c.observe(time.Duration(y*float64(time.Second)), time.Second, own, 0, ahead, inFlight)
 	}
 }
 
@@ -78,6 +78,37 @@ func TestCalibrationLearnsThePrefillRate(t *testing.T) {
 	}
 }
 
+// Where some requests load part of their prompt from a CPU tier, the fit
+// learns the load rate apart from the prefill rate: an engine that loads
+// 4× faster than it computes, against the prior's 10×; an engine whose
+// requests never load has LoadSpeedup × its learned prefill rate.
+func TestCalibrationLearnsTheLoadRate(t *testing.T) {
+	const rate, load = 20000.0, 80000.0
+	c, out := newTestCalibrator(rate)
+	rng := rand.New(rand.NewPCG(3, 4))
+	for range 400 {
+		own, loaded := int64(rng.IntN(2048)), int64(0)
+		if rng.IntN(2) == 0 {
+			loaded = int64(rng.IntN(8192))
+		}
+		inFlight := int64(rng.IntN(8))
+		y := (0.02 + float64(own)/rate + float64(loaded)/load + float64(inFlight)*0.0003) * (1 + 0.05*rng.NormFloat64())
+		c.observe(time.Duration(y*float64(time.Second)), time.Second, own, loaded, 0, inFlight)
+	}
+	got := out.Load()
+	if rel := math.Abs(got.LoadTokensPerSec-load) / load; rel > 0.15 {
+		t.Errorf("load rate %.0f tokens/s, truth %.0f (off by %.0f%%)", got.LoadTokensPerSec, load, 100*rel)
+	}
+	if rel := math.Abs(got.PrefillTokensPerSec-rate) / rate; rel > 0.1 {
+		t.Errorf("prefill rate %.0f tokens/s, truth %.0f", got.PrefillTokensPerSec, rate)
+	}
+	c, out = newTestCalibrator(rate)
+	feed(c, engineTruth{rate: 5000, fixed: 0.02, perFlight: 0.0003}, 300, rand.New(rand.NewPCG(1, 2)))
+	if got := out.Load(); got.LoadTokensPerSec != got.PrefillTokensPerSec*LoadSpeedup {
+		t.Errorf("no request loaded: load rate %.0f tokens/s, want %d× the prefill rate %.0f", got.LoadTokensPerSec, LoadSpeedup, got.PrefillTokensPerSec)
+	}
+}
+
 // Before any sample there is nothing; a first sample moves the estimate
 // only part of the way from the prior; nonsense stays within the bounds.
 func TestCalibrationColdStartAndBounds(t *testing.T) {
@@ -86,12 +117,12 @@ func TestCalibrationColdStartAndBounds(t *testing.T) {
 		t.Fatal("costs before any observation")
 	}
 	// One request of 2,000 tokens that took 2 s (1,000 tokens/s).
-	c.observe(2*time.Second, time.Second, 2000, 0, 0)
+	c.observe(2*time.Second, time.Second, 2000, 0, 0, 0)
 	if r := out.Load().PrefillTokensPerSec; r <= 1000 || r >= 20000 {
 		t.Errorf("after one sample the rate is %.0f: it should lie between the sample's and the prior's", r)
 	}
 	for range 500 { // a paused process: every TTFT an hour
-		c.observe(time.Hour, time.Second, 1000, 0, 0)
+		c.observe(time.Hour, time.Second, 1000, 0, 0, 0)
 	}
 	got := out.Load()
 	if got.PrefillTokensPerSec < 20000/rateBound*0.999 || got.FixedSec > maxFixedSec {
@@ -110,7 +141,7 @@ func TestCalibrationSkipsSamplesPastTheBatchLimit(t *testing.T) {
 	feed(c, truth, 200, rand.New(rand.NewPCG(3, 4)))
 	before := *out.Load()
 	for range 100 { // queued behind a full batch: a minute each
-		c.observe(time.Minute, time.Second, 100, 0, 20)
+		c.observe(time.Minute, time.Second, 100, 0, 0, 20)
 	}
 	after := out.Load()
 	if after.BatchLimit != 8 || after.TTFTSamples != before.TTFTSamples {
@@ -239,7 +270,7 @@ func TestUnmeasuredEndpointsUseTheFleetsMedian(t *testing.T) {
 	}
 	// The first decode time measured anywhere reaches the peers at once,
 	// not at their next scrape.
-	cs[0].observe(30*time.Millisecond, 2*time.Second, 300, 0, 0)
+	cs[0].observe(30*time.Millisecond, 2*time.Second, 300, 0, 0, 0)
 	for i := 1; i < len(cs); i++ {
 		if got := outs[i].Load(); got.DecodeSec != 2 || !slices.Contains(got.FromFleet, "decode_sec") || got.BatchLimit != []int{8, 16, 12}[i-1] {
 			t.Errorf("endpoint %d after a peer's first decode time: %+v", i, got)

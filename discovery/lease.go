@@ -23,6 +23,9 @@ type Lease struct {
 	// endpoint's pending prefill and in-flight requests before it.
 	start              time.Time
 	own, ahead, before int64
+	// loaded is the prompt tokens the policy expected the endpoint to
+	// load from a slower tier (Loading).
+	loaded int64
 	// firstByte is when a streamed response's first byte came (zero: not
 	// yet, or not streamed).
 	firstByte time.Time
@@ -63,6 +66,13 @@ func (l *Lease) FirstByte(streamed bool) {
 	if l.e.calib != nil && streamed {
 		l.firstByte = time.Now()
 	}
+}
+
+// Loading notes that the endpoint is expected to load tokens of the
+// prompt from a slower tier than the GPU (routing.Decision.Loaded), for the
+// TTFT observation.
+func (l *Lease) Loading(tokens int) {
+	l.loaded = int64(max(tokens, 0))
 }
 
 // AddPrefill adds tokens to the prompt the endpoint is to compute, before
@@ -135,11 +145,14 @@ func (e *Endpoint) AdaptersInFlight(dst []string) []string {
 func (l *Lease) Complete(computed int) {
 	if l.e != nil && !l.firstByte.IsZero() {
 		if c := l.e.calib; c != nil {
-			own := l.own
+			own, loaded := l.own, l.loaded
 			if computed >= 0 {
 				own = int64(computed)
+				// What the engine computed beyond the estimate was not
+				// loaded either: the slower tier had lost it.
+				loaded = max(0, loaded-max(0, own-l.own))
 			}
-			c.observe(l.firstByte.Sub(l.start), time.Since(l.firstByte), own, l.ahead, l.before)
+			c.observe(l.firstByte.Sub(l.start), time.Since(l.firstByte), own, loaded, l.ahead, l.before)
 		}
 	}
 	l.Release()

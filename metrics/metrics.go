@@ -41,9 +41,9 @@ type EndpointSample struct {
 // CostsSample is what an endpoint's calibration has learned (see
 // discovery.Costs); zero values are reported only once measured.
 type CostsSample struct {
-	PrefillTokensPerSec, FixedSec, DecodeStepSec, DecodeSec float64
-	BatchLimit                                              int
-	TTFTSamples, DecodeSamples, StepSamples, LimitSamples   int
+	PrefillTokensPerSec, LoadTokensPerSec, FixedSec, DecodeStepSec, DecodeSec float64
+	BatchLimit                                                                int
+	TTFTSamples, DecodeSamples, StepSamples, LimitSamples                     int
 }
 
 // Metrics is the set of kvroute's collectors. Safe for concurrent use.
@@ -464,6 +464,8 @@ var (
 		"Failed attempts on the endpoint (connection errors, timeouts, 5xx).", []string{"endpoint", "role"}, nil)
 	descPrefillRate = prometheus.NewDesc(Namespace+"_endpoint_prefill_tokens_per_second",
 		"Learned prefill rate of the endpoint: the slope of its TTFT in the prompt tokens to compute.", []string{"endpoint", "role"}, nil)
+	descLoadRate = prometheus.NewDesc(Namespace+"_endpoint_load_tokens_per_second",
+		"Learned rate at which the endpoint loads cached tokens held on a slower tier than the GPU (CPU, storage; engine KV events): the slope of its TTFT in those tokens, the prior until such loads are seen.", []string{"endpoint", "role"}, nil)
 	descFixed = prometheus.NewDesc(Namespace+"_endpoint_ttft_fixed_seconds",
 		"Learned part of the endpoint's TTFT that no load explains (network, tokenisation, first step).", []string{"endpoint", "role"}, nil)
 	descDecodeStep = prometheus.NewDesc(Namespace+"_endpoint_decode_step_seconds",
@@ -487,7 +489,7 @@ func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descEndpointFailures
 	ch <- descKVUsage
 	ch <- descDecodeKVUsage
-	for _, d := range []*prometheus.Desc{descPrefillRate, descFixed, descDecodeStep, descDecode, descBatchLimit, descCalibrationSamples} {
+	for _, d := range []*prometheus.Desc{descPrefillRate, descLoadRate, descFixed, descDecodeStep, descDecode, descBatchLimit, descCalibrationSamples} {
 		ch <- d
 	}
 }
@@ -509,6 +511,7 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 				ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, append([]string{s.URL, s.Role}, labels...)...)
 			}
 			gauge(descPrefillRate, c.PrefillTokensPerSec)
+			gauge(descLoadRate, c.LoadTokensPerSec)
 			gauge(descFixed, c.FixedSec)
 			gauge(descDecodeStep, c.DecodeStepSec)
 			gauge(descDecode, c.DecodeSec)

@@ -243,7 +243,7 @@ func TestEndpointCollector(t *testing.T) {
 	samples := []EndpointSample{
 		{URL: "http://10.0.0.1:8000", Role: "mixed", InFlight: 3, Requests: 40, Failures: 2},
 		{URL: "http://10.0.0.2:8000", Role: "prefill", InFlight: 0, Requests: 7, Failures: 0,
-			Costs: &CostsSample{PrefillTokensPerSec: 20000, FixedSec: 0.02, DecodeStepSec: 0.012, DecodeSec: 1.5,
+			Costs: &CostsSample{PrefillTokensPerSec: 20000, LoadTokensPerSec: 200000, FixedSec: 0.02, DecodeStepSec: 0.012, DecodeSec: 1.5,
 				BatchLimit: 64, TTFTSamples: 11, DecodeSamples: 12, StepSamples: 13, LimitSamples: 14}},
 	}
 	New(reg, testClasses, func(yield func(EndpointSample)) {
@@ -271,6 +271,7 @@ func TestEndpointCollector(t *testing.T) {
 	}
 	for name, want := range map[string]float64{
 		"kvroute_endpoint_prefill_tokens_per_second": 20000,
+		"kvroute_endpoint_load_tokens_per_second":    200000,
 		"kvroute_endpoint_ttft_fixed_seconds":        0.02,
 		"kvroute_endpoint_decode_step_seconds":       0.012,
 		"kvroute_endpoint_decode_seconds":            1.5,

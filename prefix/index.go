@@ -72,7 +72,11 @@ type lru struct {
 	// truth is set while the endpoint's engine publishes KV events
 	// (SetTruth): its evictions arrive as events, so Correct leaves its
 	// capacity alone and the LRU keeps truthHeadroom × cap.
-	truth      bool
+	truth bool
+	// lower are the hashes held here only on a slower tier (CPU memory,
+	// storage) according to the engine's events (SetLower): a request
+	// finds them cached but waits for them to load. nil until one is.
+	lower      map[uint64]struct{}
 	nodes      []node
 	head, tail int32
 	free       int32
@@ -115,7 +119,10 @@ type Match struct {
 	ID uint64
 	// Blocks is the number of leading blocks of the request held there.
 	Blocks int
-	slot   int32
+	// Lower is how many of those blocks are held there only on a slower
+	// tier (SetLower).
+	Lower int
+	slot  int32
 }
 
 // Match walks hashes from the first and appends to dst, for every endpoint
@@ -142,7 +149,7 @@ func (x *Index) Match(hashes []uint64, dst []Match) []Match {
 		if i == 0 {
 			for k, n := 0, int(t.slots[at].n); k < n; k++ {
 				r := t.owner(at, k)
-				dst = append(dst, Match{ID: x.slots[r.slot].id, Blocks: 1, slot: r.slot})
+				dst = append(dst, Match{ID: x.slots[r.slot].id, Blocks: 1, Lower: x.slots[r.slot].isLower(h), slot: r.slot})
 			}
 			continue
 		}
@@ -153,6 +160,7 @@ func (x *Index) Match(hashes []uint64, dst []Match) []Match {
 			}
 			if t.ownerOf(at, dst[j].slot) >= 0 {
 				dst[j].Blocks++
+				dst[j].Lower += x.slots[dst[j].slot].isLower(h)
 				alive = true
 			}
 		}
@@ -325,6 +333,29 @@ func (x *Index) Drop(id uint64, hashes ...uint64) int {
 	}
 	x.drops.Add(uint64(n))
 	return n
+}
+
+// SetLower marks endpoint id's claim on hash h as held only on a slower
+// tier than the GPU (lower), or on the GPU again; a hash id is not shown
+// holding is left alone. Forgetting the claim forgets the mark.
+func (x *Index) SetLower(id uint64, h uint64, lower bool) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	s, ok := x.slotOf[id]
+	if !ok {
+		return
+	}
+	l := x.slots[s]
+	if !lower {
+		delete(l.lower, h)
+		return
+	}
+	if at := x.owners.find(h); at >= 0 && x.owners.ownerOf(at, s) >= 0 {
+		if l.lower == nil {
+			l.lower = make(map[uint64]struct{})
+		}
+		l.lower[h] = struct{}{}
+	}
 }
 
 // Holds reports whether endpoint id is shown holding hash h.
@@ -517,8 +548,19 @@ func (l *lru) pushHead(key uint64) int32 {
 	return n
 }
 
+// isLower is 1 when l's hash h is held only on a slower tier, else 0.
+func (l *lru) isLower(h uint64) int {
+	if _, ok := l.lower[h]; ok {
+		return 1
+	}
+	return 0
+}
+
 func (l *lru) remove(n int32) {
 	nd := l.nodes[n]
+	if l.lower != nil {
+		delete(l.lower, nd.key)
+	}
 	if nd.prev != none {
 		l.nodes[nd.prev].next = nd.next
 	} else {

@@ -59,6 +59,34 @@ func TestMatchCountsLeadingBlocksPerEndpoint(t *testing.T) {
 	}
 }
 
+// SetLower marks claims as held on a slower tier: Match counts them among
+// the matched blocks, per endpoint; a claim not held is not marked, and a
+// claim forgotten forgets its mark.
+func TestSetLowerCountsInMatch(t *testing.T) {
+	x := NewIndex(IndexConfig{BlocksPerEndpoint: 8})
+	x.Record(1, []uint64{10, 11, 12})
+	x.Record(2, []uint64{10, 11})
+	x.SetLower(1, 11, true)
+	x.SetLower(1, 12, true)
+	x.SetLower(2, 12, true) // not held by 2: ignored
+	x.SetLower(3, 10, true) // unknown endpoint: ignored
+	got := map[uint64][2]int{}
+	for _, m := range x.Match([]uint64{10, 11, 12}, nil) {
+		got[m.ID] = [2]int{m.Blocks, m.Lower}
+	}
+	if got[1] != [2]int{3, 2} || got[2] != [2]int{2, 0} {
+		t.Fatalf("matches %v, want 1: 3 blocks 2 lower, 2: 2 blocks 0 lower", got)
+	}
+	x.SetLower(1, 12, false)
+	x.Drop(1, 11)
+	x.Record(1, []uint64{10, 11}) // held again: on the GPU until marked
+	for _, m := range x.Match([]uint64{10, 11, 12}, nil) {
+		if m.ID == 1 && (m.Blocks != 3 || m.Lower != 0) {
+			t.Fatalf("after unmarking and re-recording: %+v, want 3 blocks 0 lower", m)
+		}
+	}
+}
+
 func TestEvictionIsLRUAndTailFirst(t *testing.T) {
 	now := time.Unix(1000, 0)
 	x := NewIndex(IndexConfig{BlocksPerEndpoint: 10, Now: func() time.Time { now = now.Add(time.Second); return now }})

@@ -90,6 +90,7 @@ const DefaultTokenBlock = 16
 type engineView struct {
 	blocks map[tierHash]heldBlock // (engine hash, tier) → block
 	held   map[uint64]uint16      // token key → entries holding it (any tier)
+	gpu    map[uint64]uint16      // token key → GPU entries holding it
 	last   time.Time              // the last event applied
 	stale  bool                   // events stopped (Stale) until the next
 }
@@ -227,11 +228,15 @@ func (t *Truth) hold(id uint64, v *engineView, th tierHash, key uint64) {
 		t.blocks++
 		t.stats.Blocks[min(th.tier, 2)]++
 		v.held[key]++
+		if th.tier == 0 {
+			v.gpu[key]++
+		}
 	}
 	b.refs++
 	v.blocks[th] = b
 	if l, ok := t.links.get(key); ok && l.end {
 		t.index.Record(id, []uint64{l.bytes})
+		t.index.SetLower(id, l.bytes, v.gpu[key] == 0)
 		t.stats.Confirmed++
 	}
 }
@@ -411,6 +416,11 @@ func (t *Truth) Link(lora string, hashes []uint64, promptBytes int, tokens []uin
 		if len(chain) > 0 {
 			t.index.Record(id, chain)
 			t.stats.Confirmed += uint64(len(chain))
+			for i := range chain {
+				if v.gpu[keys[ends[i]]] == 0 {
+					t.index.SetLower(id, chain[i], true)
+				}
+			}
 		}
 	}
 }
@@ -436,7 +446,7 @@ func (t *Truth) view(id uint64) *engineView {
 	v, ok := t.eps[id]
 	now := t.now()
 	if !ok {
-		v = &engineView{blocks: make(map[tierHash]heldBlock), held: make(map[uint64]uint16)}
+		v = &engineView{blocks: make(map[tierHash]heldBlock), held: make(map[uint64]uint16), gpu: make(map[uint64]uint16)}
 		t.eps[id] = v
 		t.index.SetTruth(id, true)
 	}
@@ -470,7 +480,16 @@ func (t *Truth) release(id uint64, v *engineView, th tierHash, b heldBlock, all 
 	delete(v.blocks, th)
 	t.blocks--
 	t.stats.Blocks[min(th.tier, 2)]--
+	if th.tier == 0 {
+		if v.gpu[b.key]--; v.gpu[b.key] == 0 {
+			delete(v.gpu, b.key)
+		}
+	}
 	if v.held[b.key]--; v.held[b.key] > 0 {
+		if l, ok := t.links.get(b.key); ok && l.end && v.gpu[b.key] == 0 {
+			// Held on a slower tier only: still cached, but loaded.
+			t.index.SetLower(id, l.bytes, true)
+		}
 		return
 	}
 	delete(v.held, b.key)
@@ -486,6 +505,7 @@ func (t *Truth) clearView(v *engineView) {
 	t.blocks -= len(v.blocks)
 	clear(v.blocks)
 	clear(v.held)
+	clear(v.gpu)
 }
 
 // overflow drops endpoint id back to learning when its engine announced

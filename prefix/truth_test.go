@@ -108,6 +108,17 @@ func TestTruthLinkConfirmsOnlyWhatEveryEngineHolds(t *testing.T) {
 	}
 }
 
+// lowerOf returns how many of the leading index blocks of f endpoint id is
+// shown holding are held there only on a slower tier.
+func lowerOf(x *Index, id uint64, f truthFixture) int {
+	for _, m := range x.Match(f.hashes, nil) {
+		if m.ID == id {
+			return m.Lower
+		}
+	}
+	return 0
+}
+
 func TestTruthRefsAndTiers(t *testing.T) {
 	tr, x := newTestTruth()
 	f := newTruthFixture(256, 2) // 4 blocks
@@ -123,16 +134,46 @@ func TestTruthRefsAndTiers(t *testing.T) {
 	// Offloaded to CPU (announced as vLLM's offloading connector does: the
 	// GPU blocks' hashes, no tokens), then gone from the GPU: still held.
 	tr.Stored(ep, 0, false, f.engine[3:], nil, 16, "", 1)
+	if got := lowerOf(x, ep, f); got != 0 {
+		t.Fatalf("copied to CPU, still on the GPU: %d blocks lower, want 0", got)
+	}
 	tr.Removed(ep, f.engine[3:], 0)
 	if got := held(x, ep, f); got != 4 {
 		t.Fatalf("held on CPU only: held %d, want 4", got)
 	}
+	// ... but as a load, not a GPU hit.
+	if got := lowerOf(x, ep, f); got != 1 {
+		t.Fatalf("held on CPU only: %d blocks lower, want 1", got)
+	}
 	if st := tr.Stats(); st.Blocks[1] != 1 || st.Blocks[0] != 3 {
 		t.Fatalf("blocks by tier %v, want [3 1 0]", st.Blocks)
+	}
+	// Loaded back onto the GPU (a BlockStored with the tokens): a GPU hit
+	// again; and evicted once more.
+	tr.Stored(ep, f.engine[2], true, f.engine[3:], f.tokens[48:], 16, "", 0)
+	if got := lowerOf(x, ep, f); got != 0 {
+		t.Fatalf("back on the GPU: %d blocks lower, want 0", got)
+	}
+	tr.Removed(ep, f.engine[3:], 0)
+	if got := lowerOf(x, ep, f); got != 1 {
+		t.Fatalf("evicted again: %d blocks lower, want 1", got)
 	}
 	tr.Removed(ep, f.engine[3:], 1)
 	if got := held(x, ep, f); got != 3 {
 		t.Fatalf("gone from every tier: held %d, want 3", got)
+	}
+	if got := lowerOf(x, ep, f); got != 0 {
+		t.Fatalf("gone from every tier: %d blocks lower, want 0", got)
+	}
+	// A prompt linked after its blocks went to CPU is confirmed as lower.
+	g := newTruthFixture(128, 5) // 2 blocks
+	tr.Stored(ep, 0, false, g.engine, g.tokens, 16, "", 0)
+	tr.Stored(ep, 0, false, g.engine, nil, 16, "", 1)
+	tr.Removed(ep, g.engine, 0)
+	tr.NeedsLink(g.hashes)
+	tr.Link("", g.hashes, 128, g.tokens)
+	if h, l := held(x, ep, g), lowerOf(x, ep, g); h != 2 || l != 2 {
+		t.Fatalf("linked while on CPU only: held %d, %d lower, want 2 and 2", h, l)
 	}
 	if tr.Removed(ep, []uint64{99}, 0); tr.Stats().Unknown != 1 {
 		t.Fatal("a removal of a block never stored is not counted")

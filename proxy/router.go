@@ -398,7 +398,7 @@ func NewRouter(cfg Config, logger *zap.Logger) (*Router, error) {
 				s.KVUsage = st.KVUsage
 			}
 			if c := e.Costs(); c != nil {
-				s.Costs = &metrics.CostsSample{PrefillTokensPerSec: c.PrefillTokensPerSec, FixedSec: c.FixedSec,
+				s.Costs = &metrics.CostsSample{PrefillTokensPerSec: c.PrefillTokensPerSec, LoadTokensPerSec: c.LoadTokensPerSec, FixedSec: c.FixedSec,
 					DecodeStepSec: c.DecodeStepSec, DecodeSec: c.DecodeSec, BatchLimit: c.BatchLimit,
 					TTFTSamples: c.TTFTSamples, DecodeSamples: c.DecodeSamples, StepSamples: c.StepSamples,
 					LimitSamples: c.LimitSamples}

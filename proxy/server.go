@@ -430,6 +430,9 @@ loop:
 			own = 0 // the prefill endpoint computes the prompt
 		}
 		st.lease = ep.Acquire(own)
+		if !split {
+			st.lease.Loading(d.Loaded)
+		}
 		if m := ep.Models(); m != nil && m.Adapter(st.req.Model) {
 			st.lease.ForAdapter(st.req.Model) // the policy sees which adapters hold ep's slots
 		}

@@ -28,7 +28,7 @@ const (
 // token there:
 //
 //	wait = in-flight prefill tokens / pending rate + slot wait + foreign waiting × queue cost
-//	     + this request's uncached tokens / prefill rate
+//	     + this request's uncached tokens / prefill rate + its tokens on a slower tier / load rate
 //	     + (in-flight requests + foreign) × decode cost
 //	     + engine KV usage × KV cost
 //	     + [the request's LoRA adapter finds the engine's adapter slots held by others] × decode time
@@ -39,9 +39,12 @@ const (
 // foreign waiting ≤ engine waiting are queued) count only when freshly
 // scraped (else the router's own counters, exact and current, stand
 // alone), and the uncached tokens are the prompt
-// minus the prefix the index believes the endpoint holds. The constants are
-// the endpoint's own (discovery.Costs): its prefill rate (of its own
-// tokens, and of the pending tokens ahead) fitted to its TTFTs, its decode cost the engine's inter-token latency, its
+// minus the prefix the index believes the endpoint holds, of which those
+// its engine's KV events show on a CPU or storage tier only are loaded,
+// not computed. The constants are the endpoint's own (discovery.Costs):
+// its prefill and load rates (of its own tokens, and of the pending tokens
+// ahead) fitted to its TTFTs, its decode cost the engine's inter-token
+// latency, its
 // batch limit the most requests it ran while others waited, the queue cost
 // its mean prefill time or batch turnover; PrefixParams holds the priors
 // used until they are measured, and the values it pins.
@@ -285,12 +288,15 @@ func (p *Prefix) Learn(d Decision, promptBytes, enginePrompt, engineCached int) 
 
 // Term is one endpoint's side of a decision, for /debug/route.
 type Term struct {
-	Endpoint         string   `json:"endpoint"`
-	MatchedBlocks    int      `json:"matched_blocks"`
-	Warm             bool     `json:"warm"`
-	Home             bool     `json:"home"`
-	Idle             bool     `json:"idle"`
-	UncachedTokens   int      `json:"uncached_tokens"`
+	Endpoint       string `json:"endpoint"`
+	MatchedBlocks  int    `json:"matched_blocks"`
+	Warm           bool   `json:"warm"`
+	Home           bool   `json:"home"`
+	Idle           bool   `json:"idle"`
+	UncachedTokens int    `json:"uncached_tokens"`
+	// LoadedTokens are the matched tokens held there only on a slower
+	// tier (engine truth's CPU or storage copies): loaded, not computed.
+	LoadedTokens     int      `json:"loaded_tokens,omitempty"`
 	InFlightPrefill  int64    `json:"in_flight_prefill_tokens"`
 	InFlightRequests int64    `json:"in_flight_requests"`
 	EngineWaiting    *int64   `json:"engine_waiting,omitempty"`
@@ -300,6 +306,7 @@ type Term struct {
 	// priors) and, when measured, what was learned with its sample counts.
 	PrefillTokensPerSec float64          `json:"prefill_tokens_per_sec"`
 	PendingTokensPerSec float64          `json:"pending_tokens_per_sec"`
+	LoadTokensPerSec    float64          `json:"load_tokens_per_sec"`
 	DecodeCostSec       float64          `json:"decode_cost_sec"`
 	QueueCostSec        float64          `json:"queue_cost_sec"`
 	SlotCostSec         float64          `json:"slot_cost_sec"`
@@ -371,13 +378,13 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 			}
 			continue
 		}
-		matched := matchedBlocks(matches, e.ID)
+		matched, lower := matchedBlocks(matches, e.ID)
 		if hasHome && e.ID == homeID {
 			// Every replica sends the family's branches to their homes,
 			// which so hold the shared part too (or compute it once).
 			matched = max(matched, branch)
 		}
-		c := k.candidate(e, matched)
+		c := k.candidate(e, matched, lower)
 		if eng := c.load.eng; eng != nil {
 			engines += eng.Running + eng.Waiting
 			foreign += eng.Foreign()
@@ -424,14 +431,15 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	return d
 }
 
-// matchedBlocks returns the blocks matches credit endpoint id with.
-func matchedBlocks(matches []prefix.Match, id uint64) int {
+// matchedBlocks returns the blocks matches credit endpoint id with, and
+// how many of them it holds only on a slower tier.
+func matchedBlocks(matches []prefix.Match, id uint64) (blocks, lower int) {
 	for _, m := range matches {
 		if m.ID == id {
-			return m.Blocks
+			return m.Blocks, m.Lower
 		}
 	}
-	return 0
+	return 0, 0
 }
 
 // candidate is one endpoint's terms in a decision.
@@ -445,6 +453,7 @@ type candidate struct {
 	warm     bool    // matches at least MinMatchBlocks
 	score    uint64  // rendezvous score for the request's key
 	uncached int
+	loaded   int     // cached tokens to load from a slower tier
 	blocks   int     // matched blocks that count (0 below MinMatchBlocks)
 	loraWait float64 // the wait for a LoRA adapter slot, included in wait
 }
@@ -461,15 +470,18 @@ type costing struct {
 }
 
 // candidate reads e's load and applies the wait model for the request's
-// prompt, of which e holds matched blocks.
-func (k *costing) candidate(e *discovery.Endpoint, matched int) candidate {
+// prompt, of which e holds matched blocks, lower of them only on a slower
+// tier than the GPU (engine truth: they cost a load, not a recompute).
+func (k *costing) candidate(e *discovery.Endpoint, matched, lower int) candidate {
 	c := candidate{e: e, load: loadOf(e), score: rendezvous(k.key, e.ID), warm: matched >= k.prm.MinMatchBlocks}
 	if c.warm {
 		c.blocks = matched // a shorter match counts neither for warmth nor for cost
+		c.loaded = min(int(float64(min(lower, matched))*k.tokensPerBlock), k.promptTokens)
 	}
 	c.uncached = max(0, k.promptTokens-int(float64(c.blocks)*k.tokensPerBlock))
+	c.loaded = min(c.loaded, k.promptTokens-c.uncached)
 	c.rates = k.prm.ratesOf(c.load.costs, k.pinned)
-	c.wait, c.own, c.idle = k.prm.wait(c.load, c.rates, c.uncached)
+	c.wait, c.own, c.idle = k.prm.wait(c.load, c.rates, c.uncached, c.loaded)
 	if k.waitsForLoRASlot(e, c.load.eng) {
 		// The request waits, however free the batch, until one of the
 		// running adapters has no request left: about the time a request
@@ -512,7 +524,7 @@ func (k *costing) waitsForLoRASlot(e *discovery.Endpoint, eng *discovery.EngineS
 // term is c's side of the decision, for /debug/route.
 func (c candidate) term() Term {
 	t := Term{Endpoint: c.e.URL, MatchedBlocks: c.blocks, Warm: c.warm, Idle: c.idle,
-		UncachedTokens: c.uncached, InFlightPrefill: c.load.pending, InFlightRequests: c.load.inFlight,
+		UncachedTokens: c.uncached, LoadedTokens: c.loaded, LoadTokensPerSec: c.rates.load, InFlightPrefill: c.load.pending, InFlightRequests: c.load.inFlight,
 		WaitSec: c.wait, LoRASlotWaitSec: c.loraWait, Rendezvous: c.score, Learned: c.load.costs,
 		PrefillTokensPerSec: c.rates.prefill, PendingTokensPerSec: c.rates.pending, DecodeCostSec: c.rates.decode,
 		QueueCostSec: c.rates.queue, SlotCostSec: c.rates.slot, BatchLimit: c.rates.limit}
@@ -678,7 +690,7 @@ func (c candidate) beats(o candidate, tie float64) bool {
 }
 
 func (c candidate) decision(reason string, promptTokens int) Decision {
-	return Decision{Endpoint: c.e, Reason: reason, Prefill: c.uncached, MatchedBlocks: c.blocks,
+	return Decision{Endpoint: c.e, Reason: reason, Prefill: c.uncached, Loaded: c.loaded, MatchedBlocks: c.blocks,
 		Contended: c.load.pending > 0, PromptTokens: promptTokens}
 }
 

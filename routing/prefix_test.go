@@ -563,3 +563,39 @@ func TestShortGroupPrefixStaysTogether(t *testing.T) {
 		}
 	}
 }
+
+// A prefix held as deep on every endpoint, by one only on a slower tier
+// (engine truth's CPU copy), goes where it is on the GPU: the copy costs a
+// load, which /debug/route shows.
+func TestSlowerTierCostsALoad(t *testing.T) {
+	set := testSet(t, 2)
+	p := newTestPrefix(DefaultPrefixParams())
+	sys := system(6, 8*testBlock)
+	r := request(sys + "q")
+	for _, e := range set.Endpoints {
+		p.Index().Record(e.ID, r.Hashes)
+	}
+	first := p.Pick(r, set).Endpoint // equal waits: the rendezvous winner
+	for _, h := range r.Hashes {
+		p.Index().SetLower(first.ID, h, true)
+	}
+	r2 := request(sys + "q2")
+	d, terms := p.Explain(r2, set)
+	if d.Endpoint == first || d.Loaded != 0 {
+		t.Fatalf("%+v: went to the endpoint holding the prefix on CPU only", d)
+	}
+	for _, term := range terms {
+		if term.Endpoint == first.URL && (term.LoadedTokens == 0 || term.LoadTokensPerSec != term.PrefillTokensPerSec*discovery.LoadSpeedup) {
+			t.Fatalf("the CPU holder's term %+v: no load, or not at the prior rate", term)
+		}
+	}
+	// Where only the CPU holder holds it, the load beats a recompute.
+	for _, e := range set.Endpoints {
+		if e != first {
+			p.Index().Forget(e.ID)
+		}
+	}
+	if d := p.Pick(request(sys+"q3"), set); d.Endpoint != first || d.Loaded == 0 || d.Reason != ReasonWarm {
+		t.Fatalf("%+v: want the CPU holder, warm, loading", d)
+	}
+}

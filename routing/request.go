@@ -113,6 +113,10 @@ type Decision struct {
 	// (prompt minus the prefix it holds). The proxy adds it to the
 	// endpoint's InFlightPrefill until the first response byte.
 	Prefill int
+	// Loaded is the prompt tokens the endpoint is expected to load from a
+	// slower tier than the GPU rather than compute (engine truth's CPU and
+	// storage copies).
+	Loaded int
 	// MatchedBlocks is the prefix blocks the endpoint is believed to hold.
 	MatchedBlocks int
 	// Home is true when the endpoint is the home of the request's prefix

@@ -21,6 +21,7 @@ func loadOf(e *discovery.Endpoint) load {
 // fit does not model, so comparing endpoints by it would route by noise.
 type rates struct {
 	prefill float64 // uncached prompt tokens computed per second
+	load    float64 // cached tokens loaded from a slower tier per second
 	pending float64 // pending prefill tokens ahead drained per second
 	decode  float64 // seconds per request in flight
 	queue   float64 // seconds per request waiting in the engine
@@ -34,8 +35,8 @@ type rates struct {
 // ratesOf returns the constants for an endpoint whose learned costs are c
 // (nil: none yet), with pinned (p.pins()) kept at p's values.
 func (p *PrefixParams) ratesOf(c *discovery.Costs, pinned pins) rates {
-	r := rates{prefill: p.PrefillTokensPerSec, pending: p.PrefillTokensPerSec, decode: p.DecodeCostSec,
-		queue: p.QueueCostSec, limit: int64(p.BatchLimit), turnover: p.QueueCostSec}
+	r := rates{prefill: p.PrefillTokensPerSec, pending: p.PrefillTokensPerSec, load: p.PrefillTokensPerSec * discovery.LoadSpeedup,
+		decode: p.DecodeCostSec, queue: p.QueueCostSec, limit: int64(p.BatchLimit), turnover: p.QueueCostSec}
 	if c == nil {
 		return r
 	}
@@ -44,6 +45,10 @@ func (p *PrefixParams) ratesOf(c *discovery.Costs, pinned pins) rates {
 	}
 	if pinned&pinPrefill == 0 {
 		r.prefill, r.pending = c.PrefillTokensPerSec, c.PendingTokensPerSec
+		r.load = c.LoadTokensPerSec
+		if r.load <= 0 {
+			r.load = r.prefill * discovery.LoadSpeedup
+		}
 	}
 	if pinned&pinDecode == 0 && c.DecodeStepSec > 0 {
 		r.decode = c.DecodeStepSec
@@ -62,14 +67,15 @@ func (p *PrefixParams) ratesOf(c *discovery.Costs, pinned pins) rates {
 }
 
 // wait is the wait model of Prefix's doc comment: the seconds until a
-// request leaving uncached tokens to compute gets its first token on an
-// endpoint under load l with constants r. wait takes the larger of the
+// request leaving uncached tokens to compute, and loaded cached tokens to
+// load from a slower tier, gets its first token on an endpoint under load
+// l with constants r. wait takes the larger of the
 // router's and the engine's view of each term; own is the router's view
 // alone. idle reports whether the endpoint may take spills: nothing queued
 // there in either view, a free place in its batch, and KV room in the
 // engine's view.
-func (p *PrefixParams) wait(l load, r rates, uncached int) (wait, own float64, idle bool) {
-	prefill := float64(uncached) / r.prefill
+func (p *PrefixParams) wait(l load, r rates, uncached, loaded int) (wait, own float64, idle bool) {
+	prefill := float64(uncached)/r.prefill + float64(loaded)/r.load
 	queue := float64(l.pending) / r.pending
 	var slot float64
 	if r.limit > 0 && l.inFlight >= r.limit {

@@ -16,7 +16,7 @@ var slowEngine = discovery.Costs{PrefillTokensPerSec: 1000, PendingTokensPerSec:
 func TestLearnedRatesReplacePriors(t *testing.T) {
 	p := DefaultPrefixParams()
 	r := p.ratesOf(&slowEngine, p.pins())
-	want := rates{prefill: 1000, pending: 1500, decode: 0.03, queue: 1.5, slot: 0.75, limit: 4, turnover: 3}
+	want := rates{prefill: 1000, pending: 1500, load: 1000 * discovery.LoadSpeedup, decode: 0.03, queue: 1.5, slot: 0.75, limit: 4, turnover: 3}
 	if r != want {
 		t.Errorf("learned: %+v, want %+v", r, want)
 	}
@@ -161,11 +161,11 @@ func TestEngineViewAddsOnlyOtherClients(t *testing.T) {
 	p := DefaultPrefixParams()
 	r := p.ratesOf(&slowEngine, p.pins()) // 4 at a time, 0.75 s a place
 	own := load{inFlight: 1}
-	base, _, _ := p.wait(own, r, 1000)
+	base, _, _ := p.wait(own, r, 1000, 0)
 	// The scrape saw 3 running and 2 waiting, all of them this router's.
 	mine := own
 	mine.eng = &discovery.EngineStats{Running: 3, Waiting: 2, Routed: 5}
-	if w, _, _ := p.wait(mine, r, 1000); w != base {
+	if w, _, _ := p.wait(mine, r, 1000, 0); w != base {
 		t.Errorf("the router's own requests, since finished, counted again: wait %.3f, want %.3f", w, base)
 	}
 	// The same scrape with 5 of them other clients': they run (3 decode
@@ -173,7 +173,7 @@ func TestEngineViewAddsOnlyOtherClients(t *testing.T) {
 	theirs := own
 	theirs.eng = &discovery.EngineStats{Running: 3, Waiting: 2, Routed: 0}
 	want := base + 5*r.decode + 3*r.slot + 2*r.queue
-	if w, _, idle := p.wait(theirs, r, 1000); w < want-1e-9 || w > want+1e-9 || idle {
+	if w, _, idle := p.wait(theirs, r, 1000, 0); w < want-1e-9 || w > want+1e-9 || idle {
 		t.Errorf("other clients' requests: wait %.3f (idle %v), want %.3f and not idle", w, idle, want)
 	}
 }

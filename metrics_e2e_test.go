@@ -3,6 +3,8 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -119,6 +121,26 @@ func TestMetricsGolden(t *testing.T) {
 		resp.Body.Close()
 		if resp.StatusCode != c.code {
 			t.Fatalf("%s %s: %d %s, want %d", c.path, c.body[:min(40, len(c.body))], resp.StatusCode, b.String(), c.code)
+		}
+	}
+
+	// Whether a request is disaggregated depends on the pool its prompt's
+	// home is in (a hash of the pods' addresses, random ports): new long
+	// prompts until one went to the decode pool (each does with about
+	// even odds).
+	for i := 0; !strings.Contains(scrapeText(t, "http://"+addrs.Admin+"/metrics"), "kvroute_pd_decisions_total{"); i++ {
+		if i == 30 {
+			t.Fatal("30 new prompts and none went to the decode pool")
+		}
+		resp, err := http.Post(api+"/v1/completions", "application/json",
+			strings.NewReader(fmt.Sprintf(`{"model":"m","max_tokens":4,"prompt":"%d %s"}`, i, long)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("a new long prompt: %d", resp.StatusCode)
 		}
 	}
 

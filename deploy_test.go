@@ -36,6 +36,7 @@ import (
 	"sigs.k8s.io/kustomize/kyaml/filesys"
 	"sigs.k8s.io/yaml"
 
+	"github.com/kvroute/kvroute/app"
 	"github.com/kvroute/kvroute/proxy"
 )
 
@@ -548,7 +549,7 @@ func deployCheckKvroute(t *testing.T, b *deployBuild, w deployWorkload, leaf boo
 	if len(c.Command) > 0 {
 		fail("command %q overrides the image's entrypoint: use args", c.Command)
 	}
-	flags := newFlags(&config{Config: proxy.DefaultConfig()})
+	flags := newFlags(&config{Config: app.DefaultConfig()})
 	if err := flags.Parse(nil, io.Discard); err != nil {
 		t.Fatal(err)
 	}
@@ -573,7 +574,7 @@ func deployCheckKvroute(t *testing.T, b *deployBuild, w deployWorkload, leaf boo
 	}
 
 	// Graceful rollout: --shutdown-delay + --drain-timeout fit in the grace period.
-	flags = newFlags(&config{Config: proxy.DefaultConfig()})
+	flags = newFlags(&config{Config: app.DefaultConfig()})
 	if err := flags.Parse(c.Args, io.Discard); err != nil {
 		t.Fatal(err)
 	}
@@ -1063,7 +1064,7 @@ func TestDeployREADME(t *testing.T) {
 		t.Fatal(err)
 	}
 	text := string(data)
-	flags := newFlags(&config{Config: proxy.DefaultConfig()})
+	flags := newFlags(&config{Config: app.DefaultConfig()})
 	if err := flags.Parse(nil, io.Discard); err != nil {
 		t.Fatal(err)
 	}

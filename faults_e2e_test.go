@@ -15,12 +15,12 @@ import (
 
 	"github.com/miekg/dns"
 
+	"github.com/kvroute/kvroute/app"
 	"github.com/kvroute/kvroute/bench/sim"
-	"github.com/kvroute/kvroute/proxy"
 )
 
 // The fault suite (issue #12, item 4): simulated pods, a real kvroute
-// (proxy.NewRouter with DefaultConfig and static backends unless noted,
+// (app.New with DefaultConfig and static backends unless noted,
 // policy prefix), real HTTP clients, and one injected fault per test. Each
 // test checks that every request completed or got a clear error (a status
 // ≥ 400 with an OpenAI-style JSON error, or a stream visibly cut), that
@@ -181,7 +181,7 @@ func TestFaultStaleConnectionAfterPodClose(t *testing.T) {
 	faultLeakCheck(t)
 	cfg := faultSimConfig()
 	fleet := startFaultFleet(t, 2, cfg)
-	r := startFaultRig(t, fleet.URLs(), cfg.Model, func(c *proxy.Config) { c.Policy = "round-robin" })
+	r := startFaultRig(t, fleet.URLs(), cfg.Model, func(c *app.Config) { c.Policy = "round-robin" })
 	for i := range 2 {
 		if res := r.do(fmt.Sprintf("warm %d", i), 4, false); !res.completed() {
 			t.Fatalf("request %d: %v", i, res)
@@ -219,7 +219,7 @@ func TestFaultStallBeforeFirstByte(t *testing.T) {
 	cfg := faultSimConfig()
 	cfg.Faults.StallFirstByte = sim.Duration(faultGuard) // until the pods close
 	fleet := startFaultFleet(t, 2, cfg)
-	r := startFaultRig(t, fleet.URLs(), cfg.Model, func(c *proxy.Config) {
+	r := startFaultRig(t, fleet.URLs(), cfg.Model, func(c *app.Config) {
 		c.ResponseHeaderTimeout = 300 * time.Millisecond
 	})
 	stalled := func() int {
@@ -257,7 +257,7 @@ func TestFaultStallMidStream(t *testing.T) {
 	cfg := faultSimConfig()
 	fleet := startFaultFleet(t, 1, cfg)
 	relay := startFaultRelay(t, fleet.URL(0)[len("http://"):], 0)
-	r := startFaultRig(t, []string{relay.URL()}, cfg.Model, func(c *proxy.Config) {
+	r := startFaultRig(t, []string{relay.URL()}, cfg.Model, func(c *app.Config) {
 		c.StreamIdleTimeout = 300 * time.Millisecond
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), faultGuard)
@@ -348,7 +348,7 @@ func TestFaultErrorStorm(t *testing.T) {
 			t.Cleanup(func() { _ = fleet.Close() })
 			// A long cooldown: an ejected pod stays out for the whole test
 			// however slow the machine.
-			r := startFaultRig(t, fleet.URLs(), good.Model, func(c *proxy.Config) { c.EjectCooldown = time.Minute })
+			r := startFaultRig(t, fleet.URLs(), good.Model, func(c *app.Config) { c.EjectCooldown = time.Minute })
 			const n = 30
 			start := time.Now()
 			got := map[int]int{}
@@ -533,7 +533,7 @@ func TestFaultDNSGoneAndBack(t *testing.T) {
 	z.set(port(0), port(1))
 	z.start(t)
 	t.Cleanup(z.stop)
-	r := startFaultRig(t, nil, cfg.Model, func(c *proxy.Config) {
+	r := startFaultRig(t, nil, cfg.Model, func(c *app.Config) {
 		c.Service, c.DNSServer, c.DNSResolvConf = "vllm.llm.svc.cluster.local:http", z.addr, ""
 		c.DNSInterval = 200 * time.Millisecond
 	})

@@ -24,12 +24,12 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/kvroute/kvroute/app"
 	"github.com/kvroute/kvroute/bench/sim"
-	"github.com/kvroute/kvroute/proxy"
 )
 
 // The fault suite's harness: simulated pods (bench/sim), a real kvroute
-// (proxy.NewRouter, Router.Run on loopback listeners), net/http clients, the
+// (app.New, Router.Run on loopback listeners), net/http clients, the
 // admin /metrics, a TCP relay that counts and can freeze a pod's bytes, and
 // the checks every fault test ends with.
 
@@ -87,8 +87,8 @@ func startFaultFleet(t *testing.T, n int, cfg sim.Config) *sim.Fleet {
 // test talks to it with.
 type faultRig struct {
 	t      *testing.T
-	rt     *proxy.Router
-	cfg    proxy.Config
+	rt     *app.Router
+	cfg    app.Config
 	api    string // host:port of the API listener
 	admin  string // host:port of the admin listener
 	model  string
@@ -104,16 +104,16 @@ type faultRig struct {
 // startFaultRig starts kvroute (DefaultConfig, no access log, static
 // backends, then adjust) on 127.0.0.1:0 and waits until /readyz says ready.
 // It is stopped (drained) when the test ends, before the pods close.
-func startFaultRig(t *testing.T, backends []string, model string, adjust func(*proxy.Config)) *faultRig {
+func startFaultRig(t *testing.T, backends []string, model string, adjust func(*app.Config)) *faultRig {
 	t.Helper()
-	cfg := proxy.DefaultConfig()
+	cfg := app.DefaultConfig()
 	cfg.Backends = backends
 	cfg.AccessLog = false
 	if adjust != nil {
 		adjust(&cfg)
 	}
 	core, logs := observer.New(zap.WarnLevel)
-	rt, err := proxy.NewRouter(cfg, zap.New(core))
+	rt, err := app.New(cfg, zap.New(core))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -10,8 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvroute/kvroute/app"
 	"github.com/kvroute/kvroute/bench/sim"
-	"github.com/kvroute/kvroute/proxy"
 	"github.com/kvroute/kvroute/routing"
 )
 
@@ -64,7 +64,7 @@ func TestKVEventsEngineTruth(t *testing.T) {
 	cfg.KVEventsPort = -1
 	cfg.NumGPUBlocks = 256 // 4,096 tokens: five 2 KiB prompts overflow it
 	fleet := startFaultFleet(t, 2, cfg)
-	r := startFaultRig(t, kvEventsBackends(t, fleet), cfg.Model, func(c *proxy.Config) {
+	r := startFaultRig(t, kvEventsBackends(t, fleet), cfg.Model, func(c *app.Config) {
 		c.ScrapeInterval = 100 * time.Millisecond
 	})
 	prompt := strings.Repeat("Engines announce what they cache; kvroute listens. ", 170) // 8.5 KiB: 8 index blocks
@@ -143,7 +143,7 @@ func TestKVEventsTiersCostALoad(t *testing.T) {
 	cfg.NumGPUBlocks = 256 // 4,096 tokens
 	cfg.CPUBlocks = 2048
 	fleet := startFaultFleet(t, 1, cfg)
-	r := startFaultRig(t, kvEventsBackends(t, fleet), cfg.Model, func(c *proxy.Config) {
+	r := startFaultRig(t, kvEventsBackends(t, fleet), cfg.Model, func(c *app.Config) {
 		c.ScrapeInterval = 100 * time.Millisecond
 	})
 	prompt := strings.Repeat("Offloaded blocks load faster than they compute. ", 180) // 8.6 KiB: 8 index blocks

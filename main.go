@@ -20,7 +20,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
-	"github.com/kvroute/kvroute/proxy"
+	"github.com/kvroute/kvroute/app"
 	"github.com/kvroute/kvroute/routing"
 )
 
@@ -36,12 +36,12 @@ func main() {
 	}
 }
 
-// config is kvroute's whole configuration: the router's (proxy.Config)
+// config is kvroute's whole configuration: the router's (app.Config)
 // and the process's own. Every field is a flag, also settable as
 // KVROUTE_<FLAG> in the environment (flag name upper-cased, dashes as
 // underscores); a flag on the command line wins.
 type config struct {
-	proxy.Config
+	app.Config
 	Listen       string
 	AdminListen  string
 	DrainTimeout time.Duration
@@ -51,9 +51,9 @@ type config struct {
 }
 
 // newFlags binds c's fields to flags, in groups; each flag's default is
-// the field's value in c (proxy.DefaultConfig for the router's).
-func newFlags(c *config) *proxy.Flags {
-	f := proxy.NewFlags("kvroute", "kvroute: a KV-cache-aware router for vLLM and SGLang.\n\nUsage: kvroute [flags]\n\n"+
+// the field's value in c (app.DefaultConfig for the router's).
+func newFlags(c *config) *app.Flags {
+	f := app.NewFlags("kvroute", "kvroute: a KV-cache-aware router for vLLM and SGLang.\n\nUsage: kvroute [flags]\n\n"+
 		"Every flag may also be set as KVROUTE_<FLAG> in the environment, e.g. KVROUTE_BACKENDS.\n")
 	g := f.Group
 	listen, backends, health, pfx, kv, pd, upstream, ops := g("Listeners"), g("Backends and routing"), g("Health and engine metrics"),
@@ -153,7 +153,7 @@ func newFlags(c *config) *proxy.Flags {
 
 // parseConfig reads flags from args and the environment (getenv).
 func parseConfig(args []string, getenv func(string) string, usage io.Writer) (*config, error) {
-	c := &config{Config: proxy.DefaultConfig(), Listen: ":8000", AdminListen: ":9090",
+	c := &config{Config: app.DefaultConfig(), Listen: ":8000", AdminListen: ":9090",
 		DrainTimeout: 30 * time.Second, LogLevel: "info", LogFormat: "json"}
 	flags := newFlags(c)
 	if err := flags.Parse(args, usage); err != nil {
@@ -256,7 +256,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready cha
 	cfg.Version, cfg.Revision = bi.Version, bi.Revision
 	logger.Info("kvroute starting", zap.String("version", bi.Version), zap.String("revision", bi.Revision),
 		zap.String("goversion", bi.GoVersion))
-	router, err := proxy.NewRouter(cfg.Config, logger)
+	router, err := app.New(cfg.Config, logger)
 	if err != nil {
 		return err
 	}

@@ -209,7 +209,7 @@ func TestRetryableBodyIsNotDrainedWhole(t *testing.T) {
 // Defaults a production proxy has: a stream that stalls is closed, a
 // client's header and body must keep coming.
 func TestDefaultTimeouts(t *testing.T) {
-	d := DefaultConfig()
+	d := DefaultLimits()
 	if d.StreamIdleTimeout <= 0 || d.StreamIdleTimeout > 5*time.Minute || d.ClientHeaderTimeout <= 0 ||
 		d.ClientHeaderTimeout > time.Minute || d.ClientBodyTimeout <= 0 || d.MaxHeaderBytes < 8<<10 {
 		t.Fatalf("defaults: stream idle %s, client header %s, client body %s, header bytes %d",

@@ -108,6 +108,54 @@ type Limits struct {
 	MaxInFlightPerEndpoint int
 }
 
+// DefaultLimits returns the limits and timeouts kvroute runs with unless
+// configured otherwise (the flags' defaults); New takes a zero size from
+// them.
+func DefaultLimits() Limits {
+	return Limits{
+		MaxBodyBytes: 64 << 20,
+		Retries:      2,
+		// Dialing a pod on the cluster network takes milliseconds; 5 s
+		// covers a node under pressure without holding a request long
+		// on a dead address.
+		ConnectTimeout: 5 * time.Second,
+		// A non-streaming request answers only after the whole
+		// generation.
+		ResponseHeaderTimeout: 10 * time.Minute,
+		// A healthy engine streams a token every few tens of ms; its
+		// longest pause is recomputing a preempted sequence (a 100k-token
+		// context at 2k tokens/s: 50 s). Twice that, then the stream is
+		// presumed stalled (nginx's proxy_read_timeout is 60 s, Envoy's
+		// stream idle timeout 5 min).
+		StreamIdleTimeout:   2 * time.Minute,
+		UpstreamIdleTimeout: discovery.EngineIdleTimeout,
+		ClientIdleTimeout:   2 * time.Minute,
+		MaxConnsPerEndpoint: 4096,
+		// nginx's client_header_timeout and client_body_timeout.
+		ClientHeaderTimeout: 60 * time.Second,
+		ClientBodyTimeout:   60 * time.Second,
+		// Bearer tokens and cookies of 8 KiB occur; nginx accepts up to
+		// 4 × 8 KiB buffers, Envoy 60 KiB.
+		MaxHeaderBytes: 16 << 10,
+		// Llama 3.1's context; an engine's own limit may be lower, and
+		// it answers longer prompts with the same error.
+		MaxPromptTokens: 131072,
+		// Envoy's retry budget: 20% of requests, at least 3 retries.
+		RetryBudget:  0.2,
+		MinRetries:   3,
+		QueueTimeout: 5 * time.Second,
+		MaxQueue:     1024,
+	}
+}
+
+// Defaults of Options.BlockSize and Options.MaxBlocks.
+const (
+	// DefaultBlockBytes: 1 KiB of rendering ≈ 256 tokens.
+	DefaultBlockBytes = 1024
+	// DefaultMaxBlocks: 256 blocks cover ≈ 64k tokens.
+	DefaultMaxBlocks = 256
+)
+
 // Options configure a Server.
 type Options struct {
 	Limits
@@ -172,10 +220,15 @@ func New(opt Options) *Server {
 	if opt.Metrics == nil {
 		opt.Metrics = metrics.New(prometheus.NewRegistry(), Classes, nil)
 	}
-	// Zero values that cannot mean "no limit" take DefaultConfig's.
-	d := DefaultConfig()
-	for _, f := range []struct{ v, def *int }{{&opt.BlockSize, &d.PrefixBlockBytes}, {&opt.MaxBlocks, &d.PrefixMaxBlocks},
-		{&opt.MaxBodyBytes, &d.MaxBodyBytes}, {&opt.MaxConnsPerEndpoint, &d.MaxConnsPerEndpoint},
+	// Zero values that cannot mean "no limit" take the defaults.
+	d := DefaultLimits()
+	if opt.BlockSize <= 0 {
+		opt.BlockSize = DefaultBlockBytes
+	}
+	if opt.MaxBlocks <= 0 {
+		opt.MaxBlocks = DefaultMaxBlocks
+	}
+	for _, f := range []struct{ v, def *int }{{&opt.MaxBodyBytes, &d.MaxBodyBytes}, {&opt.MaxConnsPerEndpoint, &d.MaxConnsPerEndpoint},
 		{&opt.MaxHeaderBytes, &d.MaxHeaderBytes}, {&opt.MaxPromptTokens, &d.MaxPromptTokens}} {
 		if *f.v <= 0 {
 			*f.v = *f.def

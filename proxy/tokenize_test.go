@@ -8,10 +8,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/valyala/fasthttp"
+
 	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/discovery"
 	"github.com/kvroute/kvroute/prefix"
-	"github.com/valyala/fasthttp"
 )
 
 // recordingLinker is prefix.Truth with its calls observed: it links, and

@@ -9,9 +9,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvroute/kvroute/proxy"
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
+
+	"github.com/kvroute/kvroute/app"
 )
 
 const wrkOutput = `Running 5s test @ http://127.0.0.1:8000
@@ -114,10 +115,10 @@ func TestEventsBackendFeedsEngineTruth(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer be.close()
-	cfg := proxy.DefaultConfig()
+	cfg := app.DefaultConfig()
 	cfg.Backends = []string{"http://" + be.addr}
 	cfg.KVEventsPort = be.kv.port
-	rt, err := proxy.NewRouter(cfg, zap.NewNop())
+	rt, err := app.New(cfg, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}

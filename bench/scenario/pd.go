@@ -3,10 +3,10 @@ package scenario
 import (
 	"math"
 
+	"github.com/kvroute/kvroute/app"
 	"github.com/kvroute/kvroute/bench/load"
 	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/bench/workload"
-	"github.com/kvroute/kvroute/proxy"
 )
 
 // Prefill/decode disaggregation scenarios: one fleet of pods, the same
@@ -27,7 +27,7 @@ func PDNames() []string { return []string{PDLongPrompt, PDLongOutput, PDSelectiv
 // PDLayouts are the fleet layouts the PD scenarios compare. Names assume
 // the default 8 pods; on another fleet the shares hold.
 func PDLayouts() []Policy {
-	always := func(c *proxy.Config) { c.PDMinUncachedTokens = 1 }
+	always := func(c *app.Config) { c.PDMinUncachedTokens = 1 }
 	return []Policy{
 		{Name: "aggregated", Router: "prefix", About: "8 mixed pods: prefill and decode share each GPU"},
 		{Name: "pd-4p4d", Router: "prefix", PrefillShare: 0.5, About: "4 prefill + 4 decode pods, selective PD (default threshold)"},

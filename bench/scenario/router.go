@@ -17,16 +17,16 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap"
 
+	"github.com/kvroute/kvroute/app"
 	"github.com/kvroute/kvroute/bench/peers"
 	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/discovery"
-	"github.com/kvroute/kvroute/proxy"
 	"github.com/kvroute/kvroute/routing"
 )
 
 // The policies under comparison and the in-process kvroute the scenarios
-// run behind: the router main builds (proxy.NewRouter with
-// proxy.DefaultConfig), with the peers' policies added to its table and a
+// run behind: the router main builds (app.New with
+// app.DefaultConfig), with the peers' policies added to its table and a
 // policy's own settings (Policy.Configure) applied.
 
 // Policy is a routing policy under comparison.
@@ -42,7 +42,7 @@ type Policy struct {
 	// Configure, if set, adjusts the router's configuration for this
 	// policy after the benchmark's defaults (e.g. a peer's own engine
 	// metrics refresh).
-	Configure func(*proxy.Config)
+	Configure func(*app.Config)
 	// Direct runs no router: the client sends each prefix group straight
 	// to one pod, group g to pod g mod n (load.Config.Direct), the
 	// finite-cache reference.
@@ -83,7 +83,7 @@ func Policies() []Policy {
 			Router: "prefix", Replicas: 3},
 		{Name: "sglang-cache-aware", About: "SGLang router cache_aware (emulated)"},
 		{Name: "gie-blend", About: "GIE classic scorer blend, engine metrics every 50 ms (emulated)",
-			Configure: func(c *proxy.Config) { c.ScrapeInterval = gieMetricsInterval }},
+			Configure: func(c *app.Config) { c.ScrapeInterval = gieMetricsInterval }},
 		{Name: "llm-d-token-load", About: "llm-d token-load: prefix-cache-affinity filter, token-load scorer (emulated)"},
 	}
 }
@@ -97,14 +97,14 @@ const PrefixNormalized = "prefix-normalize-prompts"
 func optInPolicies() []Policy {
 	return []Policy{{Name: PrefixNormalized, Router: "prefix",
 		About:     "kvroute's prefix policy with --normalize-prompts",
-		Configure: func(c *proxy.Config) { c.NormalizePrompts = true }},
+		Configure: func(c *app.Config) { c.NormalizePrompts = true }},
 		{Name: FixedAffinity, Direct: true,
 			About: "no router: the client sends prefix group g (else session g) straight to pod g mod n"},
 		{Name: PrefixEvents, Router: "prefix", Events: true,
 			About: "kvroute's prefix policy fed by the engines' KV events"},
 		{Name: PrefixEventsGPUOnly, Router: "prefix", Events: true,
 			About:     "kvroute's prefix policy fed by the engines' KV events, CPU and storage tiers ignored (--kv-events-tiers=false)",
-			Configure: func(c *proxy.Config) { c.KVEventsTiers = false }},
+			Configure: func(c *app.Config) { c.KVEventsTiers = false }},
 		{Name: PrefixEvents + "-3-replicas", Router: "prefix", Events: true, Replicas: 3,
 			About: "three independent kvroute replicas (prefix fed by KV events), a random third of the traffic each"},
 		{Name: LLMDPrecise, Events: true,
@@ -243,8 +243,8 @@ func SelectPolicies(names []string) ([]Policy, error) {
 
 // routerConfig is the configuration StartRouter builds the router for p
 // from.
-func routerConfig(p Policy, backends []string, engines []sim.Config) proxy.Config {
-	cfg := proxy.DefaultConfig()
+func routerConfig(p Policy, backends []string, engines []sim.Config) app.Config {
+	cfg := app.DefaultConfig()
 	cfg.Backends, cfg.Policy, cfg.Policies = backends, p.router(), policyTable(engines)
 	if n := p.prefillPods(len(backends)); n > 0 {
 		cfg.Backends, cfg.PrefillBackends, cfg.DecodeBackends = nil, backends[:n], backends[n:]
@@ -263,7 +263,7 @@ func routerConfig(p Policy, backends []string, engines []sim.Config) proxy.Confi
 // log included: each request's endpoint, reason, home, matched blocks,
 // prefix key, prompt and cached tokens) as JSON in a file of its own there,
 // named for the policy and the start time, for diagnosing decisions.
-func routerLog(cfg *proxy.Config, policy string) (*zap.Logger, error) {
+func routerLog(cfg *app.Config, policy string) (*zap.Logger, error) {
 	dir := os.Getenv("KVBENCH_ACCESS_LOG")
 	if dir == "" {
 		return zap.NewNop(), nil
@@ -287,7 +287,7 @@ const routerShutdownGrace = 10 * time.Second
 type Router struct {
 	// URL is the router's base URL (http://127.0.0.1:port).
 	URL  string
-	rt   *proxy.Router
+	rt   *app.Router
 	stop context.CancelFunc
 	done chan error
 	// subDone closes when the KV-event subscriber feeding a peer's picker
@@ -343,7 +343,7 @@ func StartRouter(p Policy, backends []string, engines []sim.Config) (*Router, er
 			}
 		}
 	}
-	rt, err := proxy.NewRouter(cfg, lg)
+	rt, err := app.New(cfg, lg)
 	if err != nil {
 		return nil, err
 	}

@@ -20,11 +20,11 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvroute/kvroute/app"
 	"github.com/kvroute/kvroute/bench/llmd"
 	"github.com/kvroute/kvroute/bench/load"
 	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/bench/workload"
-	"github.com/kvroute/kvroute/proxy"
 )
 
 // ErrConfig is wrapped by every configuration error.
@@ -409,7 +409,7 @@ func eventBackends(fleet engineFleet, zmq string, p *Policy) ([]string, error) {
 	urls := fleet.URLs()
 	if zmq != "" {
 		prev := p.Configure
-		p.Configure = func(c *proxy.Config) {
+		p.Configure = func(c *app.Config) {
 			if prev != nil {
 				prev(c)
 			}

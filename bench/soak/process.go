@@ -23,7 +23,7 @@ import (
 )
 
 // kvroute's metrics the samples read (metrics/metrics.go, and the Go and
-// process collectors proxy.NewRouter registers).
+// process collectors app.New registers).
 const (
 	MetricGoroutines   = "go_goroutines"
 	MetricHeapInuse    = "go_memstats_heap_inuse_bytes"

@@ -29,13 +29,13 @@ import (
 
 	"github.com/spf13/pflag"
 
+	"github.com/kvroute/kvroute/app"
 	"github.com/kvroute/kvroute/bench/llmd"
 	"github.com/kvroute/kvroute/bench/load"
 	"github.com/kvroute/kvroute/bench/report"
 	"github.com/kvroute/kvroute/bench/scenario"
 	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/bench/workload"
-	"github.com/kvroute/kvroute/proxy"
 )
 
 func main() {
@@ -99,8 +99,8 @@ type options struct {
 	cpuProfile string
 }
 
-func newFlags(o *options) *proxy.Flags {
-	f := proxy.NewFlags("kvbench", usageHeader)
+func newFlags(o *options) *app.Flags {
+	f := app.NewFlags("kvbench", usageHeader)
 	g := f.Group
 	sc, tgt, wl, ld, out := g("Scenarios (simulated fleet behind an in-process kvroute)"), g("Target (direct mode)"),
 		g("Workload (direct mode; lengths in tokens)"), g("Load (direct mode)"), g("Output and misc")

@@ -1,4 +1,4 @@
-package proxy
+package app
 
 import (
 	"bufio"
@@ -17,11 +17,11 @@ import (
 	"github.com/kvroute/kvroute/discovery"
 )
 
-// startRouter runs the router main builds (NewRouter with cfg) on
+// startRouter runs the router main builds (New with cfg) on
 // 127.0.0.1:0 until the test ends and returns it with its base URL.
 func startRouter(t *testing.T, cfg Config) (*Router, string) {
 	t.Helper()
-	rt, err := NewRouter(cfg, nil)
+	rt, err := New(cfg, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

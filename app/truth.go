@@ -1,4 +1,4 @@
-package proxy
+package app
 
 import (
 	"context"
@@ -10,6 +10,7 @@ import (
 	"github.com/kvroute/kvroute/discovery"
 	"github.com/kvroute/kvroute/metrics"
 	"github.com/kvroute/kvroute/prefix"
+	"github.com/kvroute/kvroute/proxy"
 )
 
 // engineTruth joins the engines' KV-cache events to the prefix index: the
@@ -20,7 +21,7 @@ import (
 type engineTruth struct {
 	truth      *prefix.Truth
 	sub        *discovery.KVSubscriber
-	tok        *Tokenizer
+	tok        *proxy.Tokenizer
 	pool       *discovery.Pool
 	staleAfter time.Duration
 	tiers      bool // apply CPU and storage tiers' events (Config.KVEventsTiers)
@@ -33,7 +34,7 @@ type engineTruth struct {
 func newEngineTruth(cfg *Config, pool *discovery.Pool, index *prefix.Index, logger *zap.Logger) *engineTruth {
 	t := &engineTruth{pool: pool, staleAfter: cfg.KVEventsStaleAfter, tiers: cfg.KVEventsTiers, logger: logger.Named("kvevents"), seen: make(map[uint64]uint64),
 		truth: prefix.NewTruth(index, prefix.TruthConfig{BlockBytes: cfg.PrefixBlockBytes})}
-	t.tok = NewTokenizer(t.truth, TokenizerConfig{Rate: cfg.TokenizeRate})
+	t.tok = proxy.NewTokenizer(t.truth, proxy.TokenizerConfig{Rate: cfg.TokenizeRate})
 	t.sub = discovery.NewKVSubscriber(discovery.KVEventsConfig{Port: cfg.KVEventsPort, ReplayPort: cfg.KVEventsReplayPort,
 		Listen: cfg.KVEventsListen}, pool, t, logger)
 	return t

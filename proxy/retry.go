@@ -1,10 +1,12 @@
 package proxy
 
 import (
+	"io"
 	"math/rand/v2"
 	"sync"
-	"sync/atomic"
 	"time"
+
+	"github.com/valyala/fasthttp"
 )
 
 // retryBudget allows retries up to a share of recent requests, Envoy's
@@ -87,24 +89,53 @@ func backoff(n int) time.Duration {
 	return rand.N(bound + 1)
 }
 
-// waitQueue bounds the requests waiting in kvroute for a saturated fleet.
-type waitQueue struct {
-	max int64
-	n   atomic.Int64
-}
-
-func (q *waitQueue) init(max int) { q.max = int64(max) }
-
-// enter takes a place, or reports false when the queue is full.
-func (q *waitQueue) enter() bool {
-	if q.n.Add(1) > q.max {
-		q.n.Add(-1)
-		return false
+// allowRetry reports whether the retry budget allows one more retry, and
+// counts it.
+func (s *Server) allowRetry() bool {
+	if s.budget.allow() {
+		return true
 	}
-	return true
+	s.opt.Metrics.RetryDenied()
+	return false
 }
 
-func (q *waitQueue) leave() { q.n.Add(-1) }
+// maxDiscard is the most of a retryable error answer's body read so its
+// connection can be reused; discardTimeout bounds the reading. A larger or
+// slower body closes the connection instead.
+const (
+	maxDiscard     = 64 << 10
+	discardTimeout = time.Second
+)
 
-// queuePoll is how often a waiting request looks for an endpoint with room.
-const queuePoll = 25 * time.Millisecond
+// discard drops a retryable answer's body: it reads at most maxDiscard of
+// it within discardTimeout; closing the body then closes the connection
+// unless the body was read whole. It ends the attempt first, since its
+// connection may then carry another request.
+func (s *Server) discard(resp *fasthttp.Response, a *attempt) {
+	if rd := resp.BodyStream(); rd != nil {
+		a.drainBy(time.Now().Add(discardTimeout))
+		_, _ = io.CopyN(io.Discard, rd, maxDiscard)
+	}
+	s.attempts.end(a)
+	_ = resp.CloseBodyStream()
+}
+
+// statusError is a retryable status on the last endpoint tried.
+type statusError struct {
+	endpoint string
+	code     int
+}
+
+func (e *statusError) Error() string {
+	return ErrUpstream.Error() + ": " + e.endpoint + " answered " + fasthttp.StatusMessage(e.code)
+}
+
+func (e *statusError) Unwrap() error { return ErrUpstream }
+
+// retryable reports whether an endpoint's status means "try another one":
+// it refused the request (overloaded, or not ready), so nothing was
+// generated. A 502 or 504 may come from a sidecar in front of an engine
+// that started the generation, and is passed on.
+func retryable(code int) bool {
+	return code == fasthttp.StatusTooManyRequests || code == fasthttp.StatusServiceUnavailable
+}

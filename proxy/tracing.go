@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"encoding/hex"
+	"math/rand/v2"
 	"net"
 	"time"
 
@@ -142,4 +143,49 @@ func attemptSpanName(ep *discovery.Endpoint) string {
 		return "kvroute.decode"
 	}
 	return "kvroute.upstream"
+}
+
+// appendHex16 appends v as 16 lower-case hex digits.
+func appendHex16(dst []byte, v uint64) []byte {
+	const hex = "0123456789abcdef"
+	for i := 15; i >= 0; i-- {
+		dst = append(dst, hex[(v>>(4*uint(i)))&15])
+	}
+	return dst
+}
+
+// traceContext sets st's trace id and flags from the client's W3C
+// traceparent when it is a valid version-00 one, else to a new trace
+// (flags 00: not sampled). tracestate passes through untouched.
+func (st *reqState) traceContext(tp []byte) (valid bool) {
+	// 00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>
+	if len(tp) == 55 && tp[0] == '0' && tp[1] == '0' && tp[2] == '-' && tp[35] == '-' && tp[52] == '-' &&
+		isHex(tp[3:35]) && isHex(tp[36:52]) && isHex(tp[53:55]) &&
+		!allZero(tp[3:35]) && !allZero(tp[36:52]) {
+		copy(st.traceID[:], tp[3:35])
+		copy(st.flags[:], tp[53:55])
+		return true
+	}
+	t := appendHex16(appendHex16(st.tp[:0], rand.Uint64()), rand.Uint64()|1)
+	copy(st.traceID[:], t)
+	st.flags = [2]byte{'0', '0'}
+	return false
+}
+
+func isHex(b []byte) bool {
+	for _, c := range b {
+		if !('0' <= c && c <= '9' || 'a' <= c && c <= 'f') {
+			return false
+		}
+	}
+	return true
+}
+
+func allZero(b []byte) bool {
+	for _, c := range b {
+		if c != '0' {
+			return false
+		}
+	}
+	return true
 }

@@ -1,0 +1,112 @@
+package proxy
+
+import (
+	"errors"
+	"math/rand/v2"
+	"time"
+
+	"github.com/valyala/fasthttp"
+	"go.opentelemetry.io/otel/trace"
+	"go.uber.org/zap"
+
+	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/routing"
+)
+
+// answer answers the request with kvroute's own error for err and records
+// its end.
+func (s *Server) answer(ctx *fasthttp.RequestCtx, st *reqState, err error, start time.Time) {
+	status := writeError(ctx, err)
+	switch {
+	case errors.Is(err, ErrOverloaded):
+		ctx.Response.Header.Set("Retry-After", "1")
+	case errors.Is(err, ErrClientGone):
+		ctx.SetConnectionClose()
+	}
+	s.answered(ctx, st, status, err, start)
+}
+
+// answered records the end of a request kvroute answered itself with
+// status (err: why it failed, nil if it did not); the answer is written.
+func (s *Server) answered(ctx *fasthttp.RequestCtx, st *reqState, status int, err error, start time.Time) {
+	rec := record{class: int(st.req.Kind), status: status, attempts: len(st.req.Tried), start: start,
+		reqID: ctx.Request.Header.PeekBytes(headerRequestID), method: ctx.Method(), path: ctx.Path(),
+		model: []byte(st.req.Model), traceID: st.traceID}
+	if len(rec.reqID) > 0 {
+		ctx.Response.Header.SetBytesKV(headerRequestID, rec.reqID)
+	}
+	if s.draining.Load() {
+		ctx.SetConnectionClose()
+	}
+	rec.span, st.span = st.span, nil
+	s.end(&rec, err)
+}
+
+// record is what the end of a request reports: metrics, the failure log
+// and the access log line. Byte slices are only read during end.
+type record struct {
+	class, status, attempts int
+	start                   time.Time
+	reqID, method, path     []byte
+	model                   []byte     // the body's "model"
+	traceID                 [32]byte   // hex, as the upstream traceparent carries it
+	span                    trace.Span // with tracing: the request's span, ended by end
+	ttfb                    time.Duration
+	// The endpoint's answer; zero when kvroute answered itself.
+	ep       *discovery.Endpoint
+	decision routing.Decision
+	bytes    int64
+	// The prefix fields of the access log (inference requests the
+	// learner follows), with the engine's usage report when it came.
+	prefix                     bool
+	usage                      bool
+	promptTokens, cachedTokens int
+	// Disaggregation: the decision, the prefill endpoint whose answer the
+	// decode leg followed, when that answer came and when the decode leg
+	// was sent (zero without a prefill leg).
+	pdDecision      string
+	prefill         *discovery.Endpoint
+	prefilled, sent time.Time
+}
+
+// end records the end of a request, answered by an endpoint or by kvroute
+// itself; err is why it failed (nil if it did not). It is the one place a
+// request's end is recorded.
+func (s *Server) end(r *record, err error) {
+	d := time.Since(r.start)
+	if r.span != nil {
+		endRequestSpan(r, r.start.Add(d))
+	}
+	s.opt.Metrics.Request(r.class, r.status, r.model, d.Seconds())
+	if k := routing.Kind(r.class); k == routing.KindCompletions || k == routing.KindChat || k == routing.KindResponses {
+		s.opt.Metrics.RequestEnd(d.Seconds())
+	}
+	s.opt.Metrics.InFlight(-1)
+	if r.ep == nil && r.status >= 500 && err != nil {
+		s.opt.Logger.Warn("request failed", zap.ByteString("request_id", r.reqID),
+			zap.ByteString("path", r.path), zap.Int("status", r.status), zap.Error(err))
+	}
+	if !s.opt.AccessLog || r.status < 400 && s.opt.AccessLogSkip > 0 && rand.Float64() < s.opt.AccessLogSkip {
+		return
+	}
+	if !s.opt.Logger.Core().Enabled(zap.InfoLevel) {
+		return // the logger drops Info lines: copy nothing
+	}
+	l := accessLine{at: r.start.Add(d), reqID: string(r.reqID), traceID: string(r.traceID[:]), method: string(r.method),
+		path: string(r.path), model: string(r.model), status: r.status, attempts: r.attempts, duration: d, ttfb: r.ttfb,
+		pd: r.pdDecision, prefix: r.prefix, home: r.decision.Home, matched: r.decision.MatchedBlocks, prefixKey: r.decision.PrefixKey,
+		usage: r.usage, prompt: r.promptTokens, cached: r.cachedTokens}
+	if r.ep != nil {
+		l.endpoint, l.reason, l.bytes, l.uncached = r.ep.URL, r.decision.Reason, r.bytes, r.decision.Prefill
+	}
+	if r.prefill != nil {
+		l.prefillEndpoint = r.prefill.URL
+	}
+	if !r.prefilled.IsZero() {
+		l.prefill = r.prefilled.Sub(r.start)
+	}
+	if !r.sent.IsZero() {
+		l.decode = d - r.sent.Sub(r.start)
+	}
+	s.access.add(l)
+}

@@ -1,0 +1,274 @@
+package proxy
+
+import (
+	"io"
+	"net"
+	"time"
+
+	"github.com/valyala/fasthttp"
+	"go.uber.org/zap"
+
+	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/routing"
+)
+
+// commit hands the endpoint's response to the client: headers now, the body
+// as a stream that fasthttp writes and flushes chunk by chunk. The body
+// takes over the request's lease.
+func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decision, resp *fasthttp.Response, reqID []byte, start time.Time) {
+	// While shutting down, clients reconnect (through the load balancer,
+	// elsewhere) rather than keep this connection.
+	clientClose := ctx.Request.Header.ConnectionClose() || s.draining.Load()
+	resp.Header.CopyTo(&ctx.Response.Header)
+	h := &ctx.Response.Header
+	removeHopHeaders(h)
+	h.ResetConnectionClose()
+	if clientClose {
+		h.SetConnectionClose()
+	}
+	h.SetBytesKV(headerRequestID, reqID)
+
+	b := s.bodies.Get().(*upstreamBody)
+	b.s, b.resp, b.lease, b.att, b.leg = s, resp, st.lease.Take(), st.att, st.pd.leg
+	st.att, st.pd.leg = nil, nil
+	b.firstByte, b.readErr, b.last, b.tail, b.lastChunk = false, nil, 0, nil, time.Time{}
+	// The engine's usage report (prompt and cached tokens) is read from
+	// every inference answer, for the endpoint's calibration and, under a
+	// learning policy, for the policy.
+	b.scan = resp.StatusCode() == fasthttp.StatusOK &&
+		(st.req.Kind == routing.KindCompletions || st.req.Kind == routing.KindChat || st.req.Kind == routing.KindResponses)
+	// A decode leg's usage counts the pulled KV as cached: it says
+	// nothing of what the endpoint held before.
+	b.learn = b.scan && s.opt.Learner != nil && !st.pd.split
+	b.promptBytes = st.req.PromptBytes
+	b.cached.reset(patCachedTokens)
+	b.prompt.reset(patPromptTokens)
+	b.rec = record{class: int(st.req.Kind), status: resp.StatusCode(), attempts: len(st.req.Tried), start: start,
+		reqID: append(b.rec.reqID[:0], reqID...), method: append(b.rec.method[:0], ctx.Method()...),
+		path: append(b.rec.path[:0], ctx.Path()...), model: append(b.rec.model[:0], st.req.Model...), ep: d.Endpoint, decision: d, prefix: b.learn,
+		pdDecision: st.pd.decision, prefilled: st.pd.answered, sent: st.pd.sent}
+	b.rec.span, st.span, b.rec.traceID = st.span, nil, st.traceID
+	if s.opt.Tokenizer != nil && b.scan && !st.pd.split && st.prompts == 1 && st.tokens == 0 &&
+		st.req.Kind != routing.KindResponses && d.Endpoint != nil {
+		s.opt.Tokenizer.Offer(d.Endpoint, adapterOf(d.Endpoint, st.req.Model), st.req.Hashes, st.req.PromptBytes, ctx.PostBody())
+	}
+	if st.pd.split || d.Endpoint != nil && d.Endpoint.Role == discovery.RolePrefill {
+		b.rec.prefill = st.pd.prefill.Endpoint
+	}
+
+	// A streamed answer's first byte is its first token: the lease makes
+	// it a TTFT observation of the endpoint's costs, unless a prefill leg
+	// computed the prompt.
+	b.stream = resp.StatusCode() == fasthttp.StatusOK && isEventStream(resp)
+	b.observe = b.stream && !st.pd.split
+	rd := resp.BodyStream()
+	if rd == nil { // HEAD, 204, 304: no body
+		b.markFirstByte()
+		b.rd = eofReader{}
+		ctx.Response.SetBodyStream(b, 0)
+		return
+	}
+	b.rd = rd
+	size := resp.Header.ContentLength()
+	if size < 0 || isEventStream(resp) {
+		if !ctx.Request.Header.IsHTTP11() {
+			s.closeDelimited(ctx, b)
+			return
+		}
+		// Unknown length or SSE: chunked to the client, headers flushed at
+		// once and every chunk flushed as it arrives.
+		size = -1
+		ctx.Response.ImmediateHeaderFlush = true
+	}
+	ctx.Response.SetBodyStream(b, size)
+}
+
+// closeDelimited sends b to an HTTP/1.0 client, which cannot read a
+// chunked body: the header without a length, then the body as it arrives,
+// then the end of the connection (RFC 9112 §6.3). fasthttp always chunks a
+// body of unknown length, so the connection is taken over once the handler
+// returns.
+func (s *Server) closeDelimited(ctx *fasthttp.RequestCtx, b *upstreamBody) {
+	h := &ctx.Response.Header
+	h.SetContentLength(-2) // no length, no chunking
+	h.SetConnectionClose()
+	head := append([]byte(nil), h.Header()...)
+	ctx.HijackSetNoResponse(true)
+	s.hijacked.Add(1)
+	ctx.Hijack(func(c net.Conn) {
+		defer s.hijacked.Done()
+		_, err := c.Write(head)
+		buf := make([]byte, 16<<10)
+		for err == nil {
+			var n int
+			n, err = b.Read(buf)
+			if n > 0 {
+				if _, werr := c.Write(buf[:n]); werr != nil {
+					err = werr
+					break
+				}
+			}
+		}
+		if err == io.EOF || b.readErr != nil {
+			err = nil // the end, or the endpoint's failure that CloseWithError reports
+		}
+		_ = b.CloseWithError(err)
+	})
+}
+
+func isEventStream(resp *fasthttp.Response) bool {
+	ct := resp.Header.ContentType()
+	return len(ct) >= 17 && string(ct[:17]) == "text/event-stream"
+}
+
+// upstreamBody is the response body handed to fasthttp: it reads the
+// endpoint's stream, notes the first byte, and on close releases the
+// endpoint's connection and lease and records the request. It never
+// touches the RequestCtx, which fasthttp may have reset by then.
+type upstreamBody struct {
+	s           *Server
+	resp        *fasthttp.Response
+	rd          io.Reader
+	lease       discovery.Lease
+	att         *attempt
+	rec         record
+	scan        bool // scan the body for the engine's usage
+	learn       bool // and report it to the Learner
+	cached      numScanner
+	prompt      numScanner
+	promptBytes int
+	stream      bool // a 200 SSE response
+	observe     bool // whose first byte is an observation of the endpoint's TTFT
+	leg         *sgLeg
+	firstByte   bool
+	lastChunk   time.Time // a stream's last chunk (for the gaps between chunks)
+	readErr     error
+	last        uint32 // the last two bytes read (whether an event ended there)
+	tail        []byte // after a cut: the error event still to send (empty, not nil, once sent)
+}
+
+// Read implements io.Reader.
+func (b *upstreamBody) Read(p []byte) (int, error) {
+	if b.tail != nil { // the error event that ends a cut stream, then the end
+		n := copy(p, b.tail)
+		if b.tail = b.tail[n:]; len(b.tail) == 0 {
+			return n, io.EOF
+		}
+		return n, nil
+	}
+	n, err := b.rd.Read(p)
+	if n > 0 {
+		if !b.firstByte {
+			b.markFirstByte()
+		}
+		if b.stream {
+			now := time.Now()
+			if !b.lastChunk.IsZero() {
+				b.s.opt.Metrics.ChunkGap(now.Sub(b.lastChunk).Seconds())
+			}
+			b.lastChunk = now
+		}
+		b.rec.bytes += int64(n)
+		if b.scan {
+			b.cached.feed(p[:n])
+			b.prompt.feed(p[:n])
+		}
+		if n > 1 {
+			b.last = uint32(p[n-2])<<8 | uint32(p[n-1])
+		} else {
+			b.last = (b.last&0xff)<<8 | uint32(p[0])
+		}
+	}
+	if err != nil && err != io.EOF {
+		b.readErr = err
+		if b.stream && !b.att.clientGone() {
+			// An event stream the endpoint cut ends, as vLLM ends a stream
+			// that failed, with an error event and [DONE]: clients see an
+			// error, not a stream that may look complete.
+			b.tail = streamCutEvent(b.last&0xffff != '\n'<<8|'\n')
+			return n, nil
+		}
+	}
+	return n, err
+}
+
+// streamCutEvent is the end of an event stream the endpoint cut; sep
+// first ends the event the cut left incomplete.
+func streamCutEvent(sep bool) []byte {
+	var e []byte
+	if sep {
+		e = append(e, "\n\n"...)
+	}
+	return append(e, `data: {"error":{"message":"the model server's stream ended early","type":"BadGatewayError","param":null,"code":"upstream_stream_cut"}}`+"\n\ndata: [DONE]\n\n"...)
+}
+
+// markFirstByte records the first response byte: the endpoint has computed
+// the prompt, so the lease's pending prefill ends.
+func (b *upstreamBody) markFirstByte() {
+	b.firstByte = true
+	b.lease.FirstByte(b.observe)
+	now := time.Now()
+	b.rec.ttfb = now.Sub(b.rec.start)
+	b.s.opt.Metrics.FirstByte(b.rec.class, b.rec.ttfb.Seconds())
+	if !b.rec.sent.IsZero() {
+		prefilled := b.rec.prefilled
+		if b.leg != nil {
+			prefilled = b.rec.sent // the legs run together
+		}
+		b.s.opt.Metrics.DecodeFirstByte(now.Sub(b.rec.sent).Seconds(), now.Sub(prefilled).Seconds())
+	}
+}
+
+// CloseWithError is called by fasthttp exactly once when the body is done:
+// err is nil after a complete write, or the write error when the client went
+// away. An unfinished upstream stream is closed, so the engine sees the
+// disconnect and stops generating.
+func (b *upstreamBody) CloseWithError(err error) error {
+	s, ep := b.s, b.rec.ep
+	s.attempts.end(b.att) // before the connection goes back to the pool
+	_ = b.resp.CloseBodyStream()
+	fasthttp.ReleaseResponse(b.resp)
+	if b.leg != nil {
+		b.leg.decodeEnd(err == nil && b.readErr == nil && b.rec.status == fasthttp.StatusOK)
+	}
+	if b.att.clientGone() {
+		// The watcher closed the upstream connection for a client that left.
+		b.readErr, err = nil, ErrClientGone
+	}
+	if err == nil && b.readErr == nil {
+		computed := discovery.Uncomputed
+		if b.scan && b.cached.Found && b.prompt.Found {
+			computed = max(0, b.prompt.Value-b.cached.Value)
+		}
+		b.lease.Complete(computed)
+	} else {
+		b.lease.Release()
+	}
+	switch {
+	case b.readErr != nil:
+		if !b.att.wasAborted() { // not the endpoint's fault when kvroute cut it
+			ep.ReportFailure()
+		}
+		s.opt.Metrics.UpstreamError("body")
+		s.opt.Logger.Warn("upstream body failed", zap.ByteString("request_id", b.rec.reqID),
+			zap.String("endpoint", ep.URL), zap.Error(b.readErr))
+	case err != nil:
+		b.rec.status = StatusClientClosedRequest
+		s.opt.Logger.Info("client closed the connection", zap.ByteString("request_id", b.rec.reqID),
+			zap.String("endpoint", ep.URL), zap.Int64("bytes", b.rec.bytes), zap.NamedError("cause", err))
+	}
+	if b.learn && err == nil && b.readErr == nil && b.cached.Found {
+		est := s.opt.Learner.Learn(b.rec.decision, b.promptBytes, b.prompt.Value, b.cached.Value)
+		s.opt.Metrics.CacheReport(est, b.cached.Value)
+		b.rec.usage, b.rec.promptTokens, b.rec.cachedTokens = true, b.prompt.Value, b.cached.Value
+	}
+	s.end(&b.rec, err)
+	b.resp, b.rd, b.readErr, b.att, b.leg = nil, nil, nil, nil, nil
+	b.rec.ep, b.rec.decision = nil, routing.Decision{}
+	s.bodies.Put(b)
+	return nil
+}
+
+type eofReader struct{}
+
+func (eofReader) Read([]byte) (int, error) { return 0, io.EOF }

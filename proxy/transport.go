@@ -1,0 +1,97 @@
+package proxy
+
+import (
+	"errors"
+	"net"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvroute/kvroute/discovery"
+)
+
+// client returns the endpoint's HostClient, creating it on first use.
+func (s *Server) client(ep *discovery.Endpoint) *fasthttp.HostClient {
+	if c, ok := s.clients.Load(ep); ok {
+		return c.(*fasthttp.HostClient)
+	}
+	hc := &fasthttp.HostClient{
+		Addr:                          ep.Addr,
+		IsTLS:                         ep.TLS,
+		NoDefaultUserAgentHeader:      true,
+		DisablePathNormalizing:        true,
+		DisableHeaderNamesNormalizing: false,
+		MaxConns:                      s.opt.MaxConnsPerEndpoint,
+		MaxIdleConnDuration:           s.opt.UpstreamIdleTimeout,
+		StreamResponseBody:            true,
+		ReadBufferSize:                16 << 10,
+		Dial:                          s.dial,
+		RetryIfErr: func(_ *fasthttp.Request, attempts int, err error) (bool, bool) {
+			// A pooled keep-alive connection the endpoint had closed, found
+			// so before writing (timedConn.Write): nothing was sent, so
+			// resend once on a new one. A connection closed after the
+			// request went out is not resent: the engine may have started.
+			return false, attempts < 2 && errors.Is(err, errStaleConn)
+		},
+	}
+	c, _ := s.clients.LoadOrStore(ep, hc)
+	return c.(*fasthttp.HostClient)
+}
+
+// setUpstream points the upstream request at ep: its base path, then the
+// client's request URI; its own Host (whatever the client sent, or
+// failed to send); and a traceparent whose parent id is the attempt's
+// span.
+func (s *Server) setUpstream(req *fasthttp.Request, st *reqState, ep *discovery.Endpoint, span uint64) {
+	u := append(st.scratch[:0], ep.BasePath...)
+	u = append(u, st.uri...)
+	req.SetRequestURIBytes(u)
+	st.scratch = u
+	req.UseHostHeader = true
+	req.Header.SetHost(ep.Addr)
+	tp := append(st.tp[:0], "00-"...)
+	tp = append(tp, st.traceID[:]...)
+	tp = append(tp, '-')
+	tp = appendHex16(tp, span)
+	tp = append(tp, '-')
+	tp = append(tp, st.flags[:]...)
+	req.Header.SetBytesKV(headerTraceparent, tp)
+	st.tp = tp
+}
+
+// prune drops clients of endpoints that left the Set; their open streams
+// keep the HostClient they started with.
+func (s *Server) prune(set *discovery.Set) {
+	old := s.pruned.Load()
+	if !s.pruned.CompareAndSwap(old, set.Version) {
+		return
+	}
+	present := make(map[*discovery.Endpoint]bool, len(set.Endpoints))
+	for _, e := range set.Endpoints {
+		present[e] = true
+	}
+	s.clients.Range(func(k, v any) bool {
+		if !present[k.(*discovery.Endpoint)] {
+			s.clients.Delete(k)
+			v.(*fasthttp.HostClient).CloseIdleConnections()
+		}
+		return true
+	})
+}
+
+// dial connects to an endpoint within ConnectTimeout and wraps the
+// connection in a timedConn: response-header and stream-idle timeouts per
+// request rather than one deadline over a whole stream, and the link to
+// the request's attempt.
+func (s *Server) dial(addr string) (net.Conn, error) {
+	var c net.Conn
+	var err error
+	if s.opt.ConnectTimeout > 0 {
+		c, err = fasthttp.DialTimeout(addr, s.opt.ConnectTimeout)
+	} else {
+		c, err = fasthttp.Dial(addr)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return &timedConn{Conn: c, as: &s.attempts, header: s.opt.ResponseHeaderTimeout, idle: s.opt.StreamIdleTimeout}, nil
+}

@@ -83,6 +83,7 @@ func New(cfg Config, logger *zap.Logger) (*Router, error) {
 		AccessLog: cfg.AccessLog, AccessLogSkip: 1 - cfg.AccessLogSample, NearMissBlocks: cfg.NearMissBlocks,
 		NormalizePrompts: cfg.NormalizePrompts, AdminToken: cfg.AdminToken, BlockSize: cfg.PrefixBlockBytes, MaxBlocks: cfg.PrefixMaxBlocks,
 		PD: proxy.PDOptions{Protocol: cfg.PDProtocol, PrefillTimeout: cfg.PrefillTimeout, BootstrapPort: cfg.PDBootstrapPort,
+			Disaggregated: len(cfg.DecodeBackends) > 0 || cfg.DecodeService != "",
 			TrustClientKV: cfg.TrustClientKVParams,
 			Decider: routing.PDDecider{MinUncachedTokens: cfg.PDMinUncachedTokens, Params: func() routing.PrefixParams {
 				if r.Prefix != nil {

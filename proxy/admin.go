@@ -139,7 +139,7 @@ func (s *Server) HandleExplain(mux *http.ServeMux, e Explainer) {
 			MatchedBlocks: d.MatchedBlocks, Prefill: d.Prefill, Endpoints: terms}
 		if d.Endpoint != nil {
 			out.Pick = d.Endpoint.URL
-			if d.Endpoint.Role == discovery.RoleDecode {
+			if d.Endpoint.Role == discovery.RoleDecode && s.pd != nil {
 				out.PD = s.explainPD(e, &st, d)
 			}
 		}

@@ -72,10 +72,12 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 		s.opt.Metrics.Retry()
 		time.Sleep(backoff(tries))
 	}
-	if errors.Is(lastErr, ErrClientGone) {
-		s.strand(st, "client_gone")
-	} else {
-		s.strand(st, "decode_failed")
+	if s.pd != nil {
+		if errors.Is(lastErr, ErrClientGone) {
+			s.strand(st, "client_gone")
+		} else {
+			s.strand(st, "decode_failed")
+		}
 	}
 	return nil, routing.Decision{}, lastErr
 }
@@ -97,8 +99,11 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 	s.opt.Metrics.Decision(d.Reason, d.PromptTokens, d.PromptTokens-d.Prefill)
 	st.req.Tried = append(st.req.Tried, ep)
 	pd := &st.pd
-	pd.split = false
-	split := ep.Role == discovery.RoleDecode && s.planPD(st, d)
+	split := false
+	if s.pd != nil {
+		pd.split = false
+		split = ep.Role == discovery.RoleDecode && s.planPD(st, d)
+	}
 	own := d.Prefill
 	if split {
 		own = 0 // the prefill endpoint computes the prompt
@@ -124,11 +129,13 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 			st.lease.AddPrefill(d.Prefill)
 		}
 	}
-	if !split && len(pd.orig) > 0 {
-		ctx.Request.SetBody(pd.orig) // an earlier attempt's leg body
-	}
-	if ep.Role == discovery.RoleDecode {
-		s.opt.Metrics.PDDecision(pd.decision)
+	if s.pd != nil {
+		if !split && len(pd.orig) > 0 {
+			ctx.Request.SetBody(pd.orig) // an earlier attempt's leg body
+		}
+		if ep.Role == discovery.RoleDecode {
+			s.opt.Metrics.PDDecision(pd.decision)
+		}
 	}
 	a := s.beginAttempt(st, ctx.Conn(), attemptSpanName(ep), ep)
 	leg := pd.leg
@@ -138,7 +145,9 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 	s.setUpstream(&ctx.Request, st, ep, a.id)
 	resp := fasthttp.AcquireResponse()
 	resp.StreamBody = true
-	pd.decodeSent()
+	if s.pd != nil {
+		pd.decodeSent()
+	}
 	err := s.client(ep).Do(&ctx.Request, resp)
 	if leg != nil {
 		// A failed prefill leg fails the request: its 4xx answer is the
@@ -165,7 +174,9 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 	if err == nil {
 		code := resp.StatusCode()
 		a.answered(code)
-		pd.decodeAnswered(code)
+		if s.pd != nil {
+			pd.decodeAnswered(code)
+		}
 		// A decode leg's 5xx is resent: its prompt was computed
 		// elsewhere, so it had not started.
 		if !s.mayRetry(tries, false, false, retryable(code) || pd.split && code >= 500) {
@@ -175,10 +186,12 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 				ep.ReportSuccess()
 			}
 			st.att = a
-			if pd.split {
-				s.strand(st, "decode_failed") // unless this leg took it
-			} else {
-				s.strand(st, "superseded")
+			if s.pd != nil {
+				if pd.split {
+					s.strand(st, "decode_failed") // unless this leg took it
+				} else {
+					s.strand(st, "superseded")
+				}
 			}
 			return resp, d, failure{}
 		}

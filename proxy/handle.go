@@ -10,21 +10,11 @@ import (
 	"github.com/kvroute/kvroute/routing"
 )
 
-// release returns st to the pool, unless a large body made it large.
-func (s *Server) release(st *reqState) {
-	if !st.big {
-		s.states.Put(st)
-	}
-}
-
 // handle serves one client request.
 func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	start := time.Now()
 	st := s.states.Get().(*reqState)
-	st.req.Reset()
-	st.att, st.root, st.prompts, st.n, st.clientKV = nil, nil, 0, 0, false
-	st.span, st.tctx = nil, nil
-	st.pd.reset()
+	st.reset()
 	defer s.release(st)
 	s.opt.Metrics.InFlight(1)
 	// The lease of the endpoint being tried is released here on every

@@ -1,14 +1,9 @@
 package proxy
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"io"
-	"math/rand/v2"
-	"net"
-	"strconv"
-	"sync"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -58,6 +53,9 @@ type PDOptions struct {
 	// BootstrapPort is the prefill endpoints' SGLang bootstrap port, for
 	// those whose URL does not name one (#bootstrap=PORT).
 	BootstrapPort int
+	// Disaggregated is set when the router has a decode pool: without it
+	// no request is disaggregated, nor calls into PD code.
+	Disaggregated bool
 	// TrustClientKV lets a client send its own kv_transfer_params or
 	// bootstrap_* fields: the request is then forwarded as it is, without
 	// a prefill leg. Off, such a request is refused (400): the fields make
@@ -109,7 +107,7 @@ func (s *Server) planPD(st *reqState, d routing.Decision) bool {
 	switch {
 	case st.clientKV:
 		p.decision = routing.PDClientKV
-	case s.opt.PD.Protocol == ProtocolSGLang && st.prompts > 0:
+	case s.pd.prefillOnly() && st.prompts > 0:
 		// An SGLang decode engine cannot compute a prompt alone; a batch
 		// gets one room per prompt.
 		p.decision, p.split = routing.PDSplit, true
@@ -125,99 +123,40 @@ func (s *Server) planPD(st *reqState, d routing.Decision) bool {
 	return p.split
 }
 
-// prefillStage runs before a decode leg that follows a prefill leg and
-// sets the decode leg's body on ctx.Request. vLLM: a reference already
-// obtained serves one more decode endpoint (the first failed before its
-// first byte); otherwise prefill endpoints are tried in turn (a connection
-// error, a 5xx or 429 or the prefill timeout moves to another, within
-// --retries), and when none answers, or the answer has no reference, the
-// decode endpoint computes the prompt alone. A 4xx answer is the
-// request's answer, returned with st.lease holding the prefill
-// endpoint's lease. SGLang: starts the concurrent prefill leg.
+// handoff is a prefill/decode protocol (--pd-protocol): how a decode leg
+// gets its prefill leg. New chooses it once (Server.pd); nil without a
+// decode pool, and then no request calls into PD code.
+type handoff interface {
+	// prefill runs before a decode leg that follows a prefill leg (see
+	// prefillStage) and sets the decode leg's body on ctx.Request. A
+	// response ends the request there; an error fails it.
+	prefill(s *Server, ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set) (*fasthttp.Response, error)
+	// prefillOnly reports whether every prompt on a decode endpoint needs
+	// a prefill leg: the decode engine cannot compute one itself.
+	prefillOnly() bool
+}
+
+// newHandoff returns the handoff of opt, nil when opt has no decode pool.
+func newHandoff(opt PDOptions) handoff {
+	switch {
+	case !opt.Disaggregated:
+		return nil
+	case opt.Protocol == ProtocolSGLang:
+		return sglangHandoff{}
+	}
+	return vllmHandoff{}
+}
+
+// prefillStage runs before a decode leg that follows a prefill leg: it
+// keeps the client's body for the legs and hands over to the protocol
+// (pd_vllm.go, pd_sglang.go).
 func (s *Server) prefillStage(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set) (*fasthttp.Response, error) {
 	p := &st.pd
 	if len(p.orig) == 0 {
 		p.orig = append(p.orig, ctx.PostBody()...)
 		p.start = time.Now()
 	}
-	if s.opt.PD.Protocol == ProtocolSGLang {
-		return nil, s.startSGLang(ctx, st, set)
-	}
-	if len(p.ref) > 0 && p.refUses < 2 && !p.delivered {
-		s.setDecodeBody(ctx, st)
-		return nil, nil
-	}
-	s.strand(st, "decode_failed") // two decode legs failed with it
-	body := s.vllmPrefillBody(st)
-	for tries := 0; tries <= s.opt.Retries; tries++ {
-		pd := s.pickPrefill(st, set)
-		pe := pd.Endpoint
-		if pe == nil {
-			break
-		}
-		lease := pe.Acquire(pd.Prefill)
-		a := s.beginAttempt(st, ctx.Conn(), "kvroute.prefill", pe)
-		req := s.legRequest(ctx, st, pe, a.id, body)
-		resp, took, err := s.sendPrefill(req, pe, a)
-		fasthttp.ReleaseRequest(req)
-		switch code := statusOrZero(resp); {
-		case err != nil && a.clientGone():
-			lease.Release()
-			return nil, fmt.Errorf("%w: during the prefill leg: %v", ErrClientGone, err)
-		case err != nil || code >= 500 || code == fasthttp.StatusTooManyRequests:
-			lease.Release()
-			st.req.Tried = append(st.req.Tried, pe)
-			if code != fasthttp.StatusTooManyRequests {
-				pe.ReportFailure()
-			}
-			s.opt.Logger.Warn("prefill leg failed", zap.ByteString("request_id", ctx.Request.Header.PeekBytes(headerRequestID)),
-				zap.String("endpoint", pe.URL), zap.Int("status", code), zap.Error(err))
-			s.opt.Metrics.UpstreamError("prefill")
-			if resp != nil {
-				fasthttp.ReleaseResponse(resp)
-			}
-			continue
-		case code >= 400:
-			// The client's mistake (an unknown model, a context overflow):
-			// its answer, as the engine gave it.
-			pe.ReportSuccess()
-			lease.FirstByte(false)
-			st.lease.Release()
-			st.lease, p.prefill = lease, pd
-			resp.SetBodyStream(bytes.NewReader(resp.Body()), len(resp.Body()))
-			return resp, nil
-		default:
-			pe.ReportSuccess()
-			lease.FirstByte(true) // the answer came once the prompt was computed
-			prompt, cached := s.extractRef(st, resp.Body())
-			computed := discovery.Uncomputed
-			if prompt > 0 && cached >= 0 {
-				computed = max(0, prompt-cached)
-				if s.opt.Learner != nil {
-					// The prefill pod's report is about its own cache (a
-					// decode leg's counts the pulled KV as cached).
-					s.opt.Learner.Learn(pd, st.req.PromptBytes, prompt, cached)
-				}
-			}
-			lease.Complete(computed)
-			fasthttp.ReleaseResponse(resp)
-			p.answered, p.prefill = time.Now(), pd
-			s.opt.Metrics.PrefillLeg(took.Seconds(), p.answered.Sub(p.start).Seconds())
-			if len(p.ref) == 0 {
-				p.decision, p.split = routing.PDNoReference, false
-			}
-			s.setDecodeBody(ctx, st)
-			return nil, nil
-		}
-	}
-	p.decision, p.split = routing.PDNoPrefill, false
-	if st.req.Tried[len(st.req.Tried)-1].Role == discovery.RolePrefill {
-		p.decision = routing.PDPrefillFailed // the last one tried failed
-	}
-	s.opt.Logger.Info("decode endpoint computes the prompt alone", zap.ByteString("request_id", ctx.Request.Header.PeekBytes(headerRequestID)),
-		zap.String("cause", p.decision))
-	s.setDecodeBody(ctx, st)
-	return nil, nil
+	return s.pd.prefill(s, ctx, st, set)
 }
 
 // pickPrefill picks a prefill endpoint (the policy, over the prefill pool
@@ -236,69 +175,6 @@ func statusOrZero(resp *fasthttp.Response) int {
 		return 0
 	}
 	return resp.StatusCode()
-}
-
-// vllmPrefillBody returns the prefill leg's body: the client's, with
-// kv_transfer_params asking for a remote decode, no stream, one token
-// (REFERENCE: vLLM's toy proxy). It edits st.root, which is not read
-// again.
-func (s *Server) vllmPrefillBody(st *reqState) []byte {
-	a, v := &st.pd.arena, st.root
-	kv := a.NewObject()
-	kv.Set("do_remote_decode", a.NewTrue())
-	kv.Set("do_remote_prefill", a.NewFalse())
-	for _, k := range [...]string{"remote_engine_id", "remote_block_ids", "remote_host", "remote_port"} {
-		kv.Set(k, a.NewNull())
-	}
-	v.Set("kv_transfer_params", kv)
-	v.Set("stream", a.NewFalse())
-	v.Del("stream_options")
-	one := a.NewNumberInt(1)
-	v.Set("max_tokens", one)
-	if v.Exists("max_completion_tokens") {
-		v.Set("max_completion_tokens", one)
-	}
-	v.Del("min_tokens")
-	v.Del("min_completion_tokens")
-	st.pd.body = v.MarshalTo(st.pd.body[:0])
-	return st.pd.body
-}
-
-// extractRef keeps the prefill answer's kv_transfer_params in st.pd.ref
-// (empty when absent or null) and returns its usage's prompt tokens (0
-// when absent) and cached tokens (-1 when absent).
-func (s *Server) extractRef(st *reqState, answer []byte) (prompt, cached int) {
-	p := &st.pd
-	p.ref, p.refUses, p.delivered = p.ref[:0], 0, false
-	v, err := p.parser.ParseBytes(answer)
-	if err != nil {
-		return 0, -1
-	}
-	if kv := v.Get("kv_transfer_params"); kv != nil && kv.Type() != fastjson.TypeNull {
-		// MarshalTo writes strings and numbers as the engine wrote them.
-		p.ref = kv.MarshalTo(p.ref)
-	}
-	cached = -1
-	if c := v.Get("usage", "prompt_tokens_details", "cached_tokens"); c != nil && c.Type() == fastjson.TypeNumber {
-		cached = c.GetInt()
-	}
-	return v.GetInt("usage", "prompt_tokens"), cached
-}
-
-// setDecodeBody puts the decode leg's body on ctx.Request: the client's,
-// with the reference when there is one (vLLM), else as it came.
-func (s *Server) setDecodeBody(ctx *fasthttp.RequestCtx, st *reqState) {
-	p := &st.pd
-	if !p.split || len(p.ref) == 0 {
-		ctx.Request.SetBody(p.orig)
-		return
-	}
-	p.refUses++
-	p.body = appendMembers(p.body[:0], p.orig, func(b []byte) []byte {
-		b = append(b, `"kv_transfer_params":`...)
-		return append(b, p.ref...)
-	})
-	ctx.Request.SetBody(p.body)
 }
 
 // appendMembers appends to dst the JSON object obj with the members add
@@ -409,192 +285,4 @@ func (p *pdState) decodeAnswered(code int) {
 	if p.split && code == fasthttp.StatusOK {
 		p.delivered = true
 	}
-}
-
-// The SGLang protocol.
-
-// sgLeg is a concurrent SGLang prefill leg. Its goroutine sends it and,
-// when it fails, aborts the decode leg it pairs with (the decode engine
-// would otherwise wait for the KV until its bootstrap timeout); its
-// outcome is read after done.
-type sgLeg struct {
-	s     *Server
-	pe    *discovery.Endpoint
-	reqID string
-	done  chan struct{}
-	// The outcome, set under mu and read after done: the answer's status
-	// (0: none), the answer of a 4xx, and the error of a failure.
-	status int
-	answer *fasthttp.Response
-	err    error
-
-	pre *attempt // the prefill leg's attempt
-
-	mu           sync.Mutex
-	finished     bool     // the outcome is set
-	prefillOK    bool     // the prefill leg succeeded
-	decode       *attempt // the decode leg's attempt
-	decodeOver   bool     // the decode leg ended: nothing to abort any more
-	decodeFailed bool
-}
-
-// failed reports whether the finished leg failed.
-func (l *sgLeg) failed() bool { return l.err != nil || l.status >= 300 }
-
-// startSGLang picks a prefill endpoint, puts the bootstrap fields on the
-// decode leg's body and starts the prefill leg with the same body.
-func (s *Server) startSGLang(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set) error {
-	p := &st.pd
-	pd := s.pickPrefill(st, set)
-	pe := pd.Endpoint
-	if pe == nil {
-		// An SGLang decode engine cannot compute a prompt alone.
-		return fmt.Errorf("%w: no prefill endpoint for the decode endpoint (SGLang protocol)", ErrNoEndpoint)
-	}
-	port := pe.BootstrapPort
-	if port == 0 {
-		port = s.opt.PD.BootstrapPort
-	}
-	host, _, _ := net.SplitHostPort(pe.Addr)
-	p.body = appendMembers(p.body[:0], p.orig, func(b []byte) []byte {
-		return appendBootstrap(b, host, port, st.prompts)
-	})
-	ctx.Request.SetBody(p.body)
-	p.prefill, p.answered = pd, time.Time{}
-	a := s.beginAttempt(st, ctx.Conn(), "kvroute.prefill", pe)
-	req := s.legRequest(ctx, st, pe, a.id, p.body)
-	l := &sgLeg{s: s, pe: pe, pre: a, reqID: string(ctx.Request.Header.PeekBytes(headerRequestID)), done: make(chan struct{})}
-	p.leg = l
-	lease := pe.Acquire(pd.Prefill)
-	s.legs.Add(1)
-	go l.run(req, a, lease, p.start)
-	return nil
-}
-
-// appendBootstrap appends SGLang's bootstrap members for a request of
-// prompts prompts: scalars for one, lists of one element per prompt (each
-// its own random room in [0, 2^63-1]) for a batch.
-func appendBootstrap(b []byte, host string, port, prompts int) []byte {
-	list := func(b []byte, elem func([]byte) []byte) []byte {
-		if prompts == 1 {
-			return elem(b)
-		}
-		b = append(b, '[')
-		for i := range prompts {
-			if i > 0 {
-				b = append(b, ',')
-			}
-			b = elem(b)
-		}
-		return append(b, ']')
-	}
-	b = append(b, `"bootstrap_host":`...)
-	b = list(b, func(b []byte) []byte { return strconv.AppendQuote(b, host) })
-	b = append(b, `,"bootstrap_port":`...)
-	b = list(b, func(b []byte) []byte { return strconv.AppendInt(b, int64(port), 10) })
-	b = append(b, `,"bootstrap_room":`...)
-	return list(b, func(b []byte) []byte { return strconv.AppendUint(b, rand.Uint64()>>1, 10) })
-}
-
-// run sends the leg and records its outcome.
-func (l *sgLeg) run(req *fasthttp.Request, a *attempt, lease discovery.Lease, start time.Time) {
-	s := l.s
-	defer s.legs.Done()
-	resp, took, err := s.sendPrefill(req, l.pe, a)
-	fasthttp.ReleaseRequest(req)
-	status := statusOrZero(resp)
-	var answer *fasthttp.Response
-	cancelled := err != nil && (a.clientGone() || a.wasAborted())
-	switch {
-	case cancelled: // the client left, or the decode leg failed
-		lease.Release()
-	case err != nil || status >= 500:
-		lease.Release()
-		l.pe.ReportFailure()
-	case status >= 300:
-		lease.Release()
-		l.pe.ReportSuccess()
-		resp.SetBodyStream(bytes.NewReader(resp.Body()), len(resp.Body()))
-		answer, resp = resp, nil
-	default:
-		l.pe.ReportSuccess()
-		lease.FirstByte(true)
-		lease.Complete(discovery.Uncomputed)
-		s.opt.Metrics.PrefillLeg(took.Seconds(), time.Since(start).Seconds())
-	}
-	if resp != nil {
-		fasthttp.ReleaseResponse(resp)
-	}
-	l.mu.Lock()
-	l.status, l.err, l.answer, l.finished = status, err, answer, true
-	failed := l.failed()
-	l.prefillOK = !failed
-	abort := failed && l.decode != nil && !l.decodeOver
-	stranded := l.prefillOK && l.decodeFailed
-	if abort {
-		l.decode.abort()
-	}
-	l.mu.Unlock()
-	if failed && !cancelled {
-		s.opt.Metrics.UpstreamError("prefill")
-		s.opt.Logger.Warn("prefill leg failed", zap.String("request_id", l.reqID), zap.String("endpoint", l.pe.URL),
-			zap.Int("status", l.status), zap.Error(err), zap.Bool("decode_aborted", abort))
-	}
-	if stranded {
-		s.opt.Metrics.PDStranded("decode_failed")
-	}
-	close(l.done)
-}
-
-// pair links the decode leg's attempt, which the prefill leg aborts if it
-// fails; an attempt paired after the failure is aborted at once.
-func (l *sgLeg) pair(a *attempt) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.decode = a
-	if l.finished && !l.prefillOK {
-		a.abort()
-	}
-}
-
-// decodeEnd notes the end of the decode leg: delivered or not. A failed
-// decode leg cancels a prefill leg still running (its KV would wait for a
-// decode engine that never comes); one that failed after the prefill leg
-// succeeded strands the prefill's KV.
-func (l *sgLeg) decodeEnd(ok bool) {
-	l.mu.Lock()
-	l.decodeOver, l.decodeFailed = true, !ok
-	stranded := !ok && l.prefillOK
-	if !ok && !l.finished {
-		l.pre.abort()
-	}
-	l.mu.Unlock()
-	if stranded {
-		l.s.opt.Metrics.PDStranded("decode_failed")
-	}
-}
-
-// outcome waits for the leg when wait is set, and returns the error that
-// fails the request if the leg failed (with a 4xx answer to pass on);
-// (nil, nil) while the leg runs or after it succeeded.
-func (l *sgLeg) outcome(wait bool) (*fasthttp.Response, error) {
-	if wait {
-		<-l.done
-	}
-	select {
-	case <-l.done:
-	default:
-		return nil, nil
-	}
-	switch {
-	case l.answer != nil:
-		ans := l.answer
-		l.answer = nil
-		return ans, nil
-	case l.err != nil:
-		return nil, fmt.Errorf("prefill leg on %s: %w", l.pe.URL, l.err)
-	case l.status >= 300:
-		return nil, &statusError{endpoint: l.pe.URL, code: l.status}
-	}
-	return nil, nil
 }

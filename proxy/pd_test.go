@@ -57,6 +57,7 @@ func startPD(t testing.TB, opt Options, pools pdPools) *harness {
 		opt.Picker, opt.Learner = pfx, pfx
 	}
 	opt.Pool = pool
+	opt.PD.Disaggregated = true
 	opt.Metrics = metrics.New(reg, Classes, nil)
 	opt.MaxBodyBytes = 1 << 20
 	if opt.Logger == nil {

@@ -98,6 +98,7 @@ type Server struct {
 	queue    waitQueue          // requests waiting for a saturated fleet
 	hijacked sync.WaitGroup
 	legs     sync.WaitGroup // concurrent prefill legs (SGLang)
+	pd       handoff        // the PD protocol; nil without a decode pool
 	access   accessLog
 }
 
@@ -126,7 +127,7 @@ func New(opt Options) *Server {
 	if opt.UpstreamIdleTimeout <= 0 {
 		opt.UpstreamIdleTimeout = d.UpstreamIdleTimeout
 	}
-	s := &Server{opt: opt}
+	s := &Server{opt: opt, pd: newHandoff(opt.PD)}
 	if opt.NearMissBlocks > 0 {
 		s.near = prefix.NewNearMisses(nearMissMemory)
 	}

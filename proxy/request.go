@@ -1,0 +1,79 @@
+package proxy
+
+import (
+	"context"
+
+	"github.com/valyala/fastjson"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/prefix"
+	"github.com/kvroute/kvroute/routing"
+)
+
+// reqState is one request's parse state, pooled: the routing.Request, the
+// hasher its Hashes live in, and the JSON parser whose memory its strings
+// point into. Nothing in it may be retained after release.
+type reqState struct {
+	req    routing.Request
+	hasher prefix.Hasher
+	// With nearBlocks > 0, norm hashes the normal form of the rendering's
+	// first nearBlocks blocks too (the near-identical prompt detector).
+	nearBlocks int
+	norm       prefix.Normalizer
+	tee        tee
+	// --normalize-prompts: the new strings' arena and a scratch buffer.
+	normArena fastjson.Arena
+	normBuf   []byte
+	parser    fastjson.Parser
+	scratch   []byte
+	lease     discovery.Lease // the endpoint being tried; handed to the response body
+	att       *attempt        // the answering attempt; handed to the response body
+	uri       []byte          // the client's request URI, kept across retries
+	// The W3C trace context of the upstream requests: the client's trace
+	// id and flags, or new ones (traceparent).
+	traceID [32]byte
+	flags   [2]byte
+	tp      []byte // scratch for the traceparent value
+	// With tracing: the request's span and its context (the parent of the
+	// pick and attempt spans); nil otherwise.
+	span trace.Span
+	tctx context.Context
+	// maxTokens, when positive, caps the prompt's token ids (set before
+	// parse); tokens counts them.
+	maxTokens int
+	tokens    int
+	// big: this request's body was large, so the parser and buffers grew
+	// with it; the state is dropped rather than pooled.
+	big bool
+	// root is the parsed body (it lives in parser); prompts counts its
+	// prompts (completions and chat; 0 for other kinds) and n is its "n";
+	// one prompt and n at most 1 is what a vLLM prefill leg can hand over.
+	// clientKV is true when it carries transfer parameters of its own
+	// (kv_transfer_params, bootstrap_*).
+	root       *fastjson.Value
+	prompts, n int
+	clientKV   bool
+	pd         pdState
+}
+
+// reset readies a pooled st for a new request; the rest of its fields are
+// set where the request sets them (parse, handle).
+func (st *reqState) reset() {
+	st.req.Reset()
+	st.att, st.root, st.prompts, st.n, st.clientKV = nil, nil, 0, 0, false
+	st.span, st.tctx = nil, nil
+	st.pd.reset()
+}
+
+// pooledBodyBytes is the largest body whose parse state is pooled for the
+// next request: a parser keeps the memory of the largest body it parsed,
+// about 80 bytes per JSON value.
+const pooledBodyBytes = 1 << 20
+
+// release returns st to the pool, unless a large body made it large.
+func (s *Server) release(st *reqState) {
+	if !st.big {
+		s.states.Put(st)
+	}
+}

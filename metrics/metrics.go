@@ -475,9 +475,9 @@ var (
 	descBatchLimit = prometheus.NewDesc(Namespace+"_endpoint_batch_limit",
 		"Learned batch limit of the endpoint: the most requests its engine ran while others waited.", []string{"endpoint", "role"}, nil)
 	descKVUsage = prometheus.NewDesc(Namespace+"_endpoint_kv_cache_usage_ratio",
-		"KV-cache usage of the endpoint's engine, 0-1, from its last fresh scrape (every role; llm_decode_kv_cache_usage_percent is the decode pool's, in percent).", []string{"endpoint", "role"}, nil)
+		"KV-cache usage of the endpoint's engine, 0-1, from its last fresh scrape (every role; llm_decode_kv_cache_usage_percent is that of every endpoint that decodes, in percent).", []string{"endpoint", "role"}, nil)
 	descDecodeKVUsage = prometheus.NewDesc("llm_decode_kv_cache_usage_percent",
-		"KV-cache usage of a decode endpoint's engine, 0-100, from its last fresh scrape.", []string{"endpoint"}, nil)
+		"KV-cache usage of the engine of an endpoint that decodes (mixed and decode roles: not a prefill pool's), 0-100, from its last fresh scrape.", []string{"endpoint"}, nil)
 	descCalibrationSamples = prometheus.NewDesc(Namespace+"_endpoint_calibration_samples",
 		"Observations behind the endpoint's learned costs, by kind (ttft, decode, decode_step, batch_limit).", []string{"endpoint", "role", "kind"}, nil)
 )
@@ -502,7 +502,7 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descEndpointFailures, prometheus.CounterValue, float64(s.Failures), s.URL, s.Role)
 		if s.KVUsage >= 0 {
 			ch <- prometheus.MustNewConstMetric(descKVUsage, prometheus.GaugeValue, s.KVUsage, s.URL, s.Role)
-			if s.Role == "decode" {
+			if s.Role != "prefill" { // every endpoint that decodes
 				ch <- prometheus.MustNewConstMetric(descDecodeKVUsage, prometheus.GaugeValue, 100*s.KVUsage, s.URL)
 			}
 		}

@@ -241,8 +241,8 @@ func TestRecording(t *testing.T) {
 func TestEndpointCollector(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	samples := []EndpointSample{
-		{URL: "http://10.0.0.1:8000", Role: "mixed", InFlight: 3, Requests: 40, Failures: 2},
-		{URL: "http://10.0.0.2:8000", Role: "prefill", InFlight: 0, Requests: 7, Failures: 0,
+		{URL: "http://10.0.0.1:8000", Role: "mixed", InFlight: 3, Requests: 40, Failures: 2, KVUsage: 0.25},
+		{URL: "http://10.0.0.2:8000", Role: "prefill", InFlight: 0, Requests: 7, Failures: 0, KVUsage: 0.5,
 			Costs: &CostsSample{PrefillTokensPerSec: 20000, LoadTokensPerSec: 200000, FixedSec: 0.02, DecodeStepSec: 0.012, DecodeSec: 1.5,
 				BatchLimit: 64, TTFTSamples: 11, DecodeSamples: 12, StepSamples: 13, LimitSamples: 14}},
 	}
@@ -268,6 +268,11 @@ func TestEndpointCollector(t *testing.T) {
 	}
 	if v := sample(t, mfs, "kvroute_endpoint_requests_total", b).GetCounter().GetValue(); v != 7 {
 		t.Errorf("requests of b %v", v)
+	}
+	// The decode-side KV usage, in percent, of every endpoint that decodes:
+	// the mixed one, not the prefill one.
+	if ms := mfs["llm_decode_kv_cache_usage_percent"].GetMetric(); len(ms) != 1 || ms[0].GetGauge().GetValue() != 25 {
+		t.Errorf("llm_decode_kv_cache_usage_percent %v, want the mixed endpoint's 25 alone", ms)
 	}
 	for name, want := range map[string]float64{
 		"kvroute_endpoint_prefill_tokens_per_second": 20000,

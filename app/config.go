@@ -143,8 +143,8 @@ func DefaultConfig() Config {
 		OTLPSampleRatio: 1, // the OpenTelemetry SDK's default: every trace
 
 		// Differences of whitespace, line endings or a BOM show in a
-		// prompt's first lines: 2 blocks (≈ 500 tokens) cost ≈ 2 µs
-		// (BenchmarkParse).
+		// prompt's first lines: 2 blocks, ≈ 500 tokens (their cost:
+		// BENCHMARKS.md, "Measurements behind the code").
 		NearMissBlocks: 2,
 
 		PrefixBlockBytes: proxy.DefaultBlockBytes,

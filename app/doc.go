@@ -7,3 +7,21 @@
 // which serves and drains. main.go binds flags to Config (Flags groups
 // them); the benchmark builds routers the same way.
 package app
+
+import (
+	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/prefix"
+	"github.com/kvroute/kvroute/proxy"
+	"github.com/kvroute/kvroute/routing"
+)
+
+// The interfaces the parts wired here meet, checked at compile time where
+// the types are chosen (New) rather than at each use.
+var (
+	_ routing.Picker   = (*routing.Prefix)(nil)
+	_ proxy.Learner    = (*routing.Prefix)(nil)
+	_ proxy.Explainer  = (*routing.Prefix)(nil)
+	_ proxy.Tunable    = (*routing.Prefix)(nil)
+	_ proxy.Linker     = (*prefix.Truth)(nil)
+	_ discovery.KVSink = (*engineTruth)(nil)
+)

@@ -85,3 +85,7 @@ func headerEnds(tail *[3]byte, tailN *int, b []byte) bool {
 	*tailN = copy(tail[:], j[max(0, k-3):k])
 	return false
 }
+
+// peek (peek_unix.go) finds the client's socket under a clientConn through
+// NetConn.
+var _ interface{ NetConn() net.Conn } = (*clientConn)(nil)

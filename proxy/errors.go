@@ -90,14 +90,34 @@ func statusOf(err error) (status int, typ, code string) {
 
 // classifyUpstream wraps a client error from fasthttp as ErrUpstreamTimeout
 // or ErrUpstream and returns the metric kind.
-func classifyUpstream(err error) (error, string) {
+func classifyUpstream(err error) (string, error) {
 	var ne net.Error
 	if errors.Is(err, fasthttp.ErrTimeout) || errors.Is(err, fasthttp.ErrDialTimeout) ||
 		(errors.As(err, &ne) && ne.Timeout()) {
-		return fmt.Errorf("%w: %v", ErrUpstreamTimeout, err), "timeout"
+		return failTimeout, fmt.Errorf("%w: %v", ErrUpstreamTimeout, err)
 	}
-	return fmt.Errorf("%w: %v", ErrUpstream, err), "connect"
+	return failConnect, fmt.Errorf("%w: %v", ErrUpstream, err)
 }
+
+// The kinds of failed upstream attempts, kvroute_upstream_errors_total's
+// kind label.
+const (
+	failTimeout   = "timeout"   // no answer, or a stall, within its timeout
+	failConnect   = "connect"   // the connection failed or broke
+	failStatus    = "status"    // a retryable status (429, 503; a decode leg's 5xx)
+	failCancelled = "cancelled" // the client left during the attempt
+	failBusy      = "busy"      // no free connection to the endpoint
+	failPrefill   = "prefill"   // a prefill leg failed
+	failBody      = "body"      // the response body broke after its header
+)
+
+// The causes of a stranded prefill KV, kvroute_pd_stranded_total's cause
+// label (strand).
+const (
+	strandClientGone   = "client_gone"   // the client left before a decode leg took it
+	strandDecodeFailed = "decode_failed" // the decode legs sent with it failed
+	strandSuperseded   = "superseded"    // an endpoint that did not need it answered
+)
 
 // errorBody is vLLM's nested error envelope (ErrorResponse in vLLM's
 // vllm/entrypoints/openai/protocol.py); code is a string here, as in

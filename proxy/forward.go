@@ -74,9 +74,9 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 	}
 	if s.pd != nil {
 		if errors.Is(lastErr, ErrClientGone) {
-			s.strand(st, "client_gone")
+			s.strand(st, strandClientGone)
 		} else {
-			s.strand(st, "decode_failed")
+			s.strand(st, strandDecodeFailed)
 		}
 	}
 	return nil, routing.Decision{}, lastErr
@@ -188,15 +188,15 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 			st.att = a
 			if s.pd != nil {
 				if pd.split {
-					s.strand(st, "decode_failed") // unless this leg took it
+					s.strand(st, strandDecodeFailed) // unless this leg took it
 				} else {
-					s.strand(st, "superseded")
+					s.strand(st, strandSuperseded)
 				}
 			}
 			return resp, d, failure{}
 		}
 		s.discard(resp, a)
-		f, kind = failure{err: &statusError{endpoint: ep.URL, code: code}, retry: true}, "status"
+		f, kind = failure{err: &statusError{endpoint: ep.URL, code: code}, retry: true}, failStatus
 		if code >= 500 {
 			ep.ReportFailure()
 		}
@@ -209,11 +209,11 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 		f.retry = s.mayRetry(tries, gone, f.busy, neverSent(err, a) || pd.split)
 		switch {
 		case gone:
-			f.err, kind = fmt.Errorf("%w: %v", ErrClientGone, err), "cancelled"
+			f.err, kind = fmt.Errorf("%w: %v", ErrClientGone, err), failCancelled
 		case f.busy:
-			f.err, kind = ErrOverloaded, "busy"
+			f.err, kind = ErrOverloaded, failBusy
 		default:
-			f.err, kind = classifyUpstream(err)
+			kind, f.err = classifyUpstream(err)
 			ep.ReportFailure()
 		}
 	}

@@ -227,7 +227,7 @@ func (s *Server) sendPrefill(req *fasthttp.Request, pe *discovery.Endpoint, a *a
 	s.attempts.end(a)
 	if err != nil {
 		fasthttp.ReleaseResponse(resp)
-		if e, _ := classifyUpstream(err); errors.Is(e, ErrUpstreamTimeout) {
+		if _, e := classifyUpstream(err); errors.Is(e, ErrUpstreamTimeout) {
 			err = fmt.Errorf("%w: prefill leg: %v", ErrUpstreamTimeout, err)
 		}
 		return nil, time.Since(start), err

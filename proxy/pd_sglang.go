@@ -152,12 +152,12 @@ func (l *sgLeg) run(req *fasthttp.Request, a *attempt, lease discovery.Lease, st
 	}
 	l.mu.Unlock()
 	if failed && !cancelled {
-		s.opt.Metrics.UpstreamError("prefill")
+		s.opt.Metrics.UpstreamError(failPrefill)
 		s.opt.Logger.Warn("prefill leg failed", zap.String("request_id", l.reqID), zap.String("endpoint", l.pe.URL),
 			zap.Int("status", l.status), zap.Error(err), zap.Bool("decode_aborted", abort))
 	}
 	if stranded {
-		s.opt.Metrics.PDStranded("decode_failed")
+		s.opt.Metrics.PDStranded(strandDecodeFailed)
 	}
 	close(l.done)
 }
@@ -186,7 +186,7 @@ func (l *sgLeg) decodeEnd(ok bool) {
 	}
 	l.mu.Unlock()
 	if stranded {
-		l.s.opt.Metrics.PDStranded("decode_failed")
+		l.s.opt.Metrics.PDStranded(strandDecodeFailed)
 	}
 }
 

@@ -34,7 +34,7 @@ func (vllmHandoff) prefill(s *Server, ctx *fasthttp.RequestCtx, st *reqState, se
 		s.setDecodeBody(ctx, st)
 		return nil, nil
 	}
-	s.strand(st, "decode_failed") // two decode legs failed with it
+	s.strand(st, strandDecodeFailed) // two decode legs failed with it
 	body := s.vllmPrefillBody(st)
 	for tries := 0; tries <= s.opt.Retries; tries++ {
 		pd := s.pickPrefill(st, set)
@@ -59,7 +59,7 @@ func (vllmHandoff) prefill(s *Server, ctx *fasthttp.RequestCtx, st *reqState, se
 			}
 			s.opt.Logger.Warn("prefill leg failed", zap.ByteString("request_id", ctx.Request.Header.PeekBytes(headerRequestID)),
 				zap.String("endpoint", pe.URL), zap.Int("status", code), zap.Error(err))
-			s.opt.Metrics.UpstreamError("prefill")
+			s.opt.Metrics.UpstreamError(failPrefill)
 			if resp != nil {
 				fasthttp.ReleaseResponse(resp)
 			}

@@ -249,7 +249,7 @@ func (b *upstreamBody) CloseWithError(err error) error {
 		if !b.att.wasAborted() { // not the endpoint's fault when kvroute cut it
 			ep.ReportFailure()
 		}
-		s.opt.Metrics.UpstreamError("body")
+		s.opt.Metrics.UpstreamError(failBody)
 		s.opt.Logger.Warn("upstream body failed", zap.ByteString("request_id", b.rec.reqID),
 			zap.String("endpoint", ep.URL), zap.Error(b.readErr))
 	case err != nil:

@@ -20,13 +20,9 @@ type PrefixParams struct {
 	// DecodeCostSec is the prior cost of one more in-flight request on an
 	// endpoint: one decode step. A new request waits for the steps of the
 	// requests running beside it, and slows each of them by its own share
-	// of every step (each running sequence makes a step ≈ 0.12–0.23 ms
-	// longer on an H100 with 2k–4k-token contexts: 30–60 ms over a
-	// 256-token answer). Learned per endpoint as the engine's mean
-	// inter-token latency (its scraped histogram): ≈ 8–10 ms for an 8B
-	// model on an H100 at moderate batch, which is where the 10 ms prior
-	// comes from; measured on the shared-prefix and hot-prefix scenarios
-	// (1.5 ms kept hot prefixes on one pod too long).
+	// of every step. Learned per endpoint as the engine's mean
+	// inter-token latency (its scraped histogram); the 10 ms prior is an
+	// 8B model's on an H100 at moderate batch (BENCHMARKS.md, "Measurements behind the code").
 	DecodeCostSec float64 `json:"decode_cost_sec"`
 	// BatchLimit is the prior number of requests an endpoint runs at once
 	// (vLLM's max_num_seqs, or fewer when its KV cache fills); past it a
@@ -37,9 +33,8 @@ type PrefixParams struct {
 	BatchLimit int `json:"batch_limit"`
 	// SpillMarginSec is how much longer the wait behind the warm endpoint
 	// may be than the best idle endpoint's (recompute included) before the
-	// request spills there. Larger is stickier: more hits, longer queues.
-	// 50 ms (with SpillRatio 1.25) met the hot-prefix TTFT target while
-	// keeping the shared-prefix hit rate; 100 ms and 1.5 did not.
+	// request spills there. Larger is stickier: more hits, longer queues
+	// (the default's measurements: BENCHMARKS.md, "Measurements behind the code").
 	SpillMarginSec float64 `json:"spill_margin_sec"`
 	// SpillRatio makes the margin grow with load: the warm endpoint keeps
 	// the request while its wait is at most SpillRatio × the best idle
@@ -54,11 +49,8 @@ type PrefixParams struct {
 	// its engine's KV usage (blocks held by running requests) is below
 	// this. Above it, the spilled prompt is cached by evicting the prefixes
 	// homed there, so a saturated fleet would trade its hit rate for
-	// spills that only move the queue; on shared-prefix at 64 req/s,
-	// spilling regardless of usage kept 82% of prompts cached against 89%
-	// with 0.8, and 12.7k against 14.5k output tokens/s. An endpoint
-	// idle enough to be worth spilling to runs a few requests and sits
-	// far below 0.8.
+	// spills that only move the queue (BENCHMARKS.md, "Measurements behind the code"). An endpoint idle enough to
+	// be worth spilling to runs a few requests and sits far below 0.8.
 	SpillMaxKVUsage float64 `json:"spill_max_kv_usage"`
 	// MinMatchBlocks is the least match that makes an endpoint warm. It is
 	// also the depth of the block that keys rendezvous hashing, so a

@@ -216,11 +216,9 @@ func (p *Prefix) Foreign() float64 { return math.Float64frombits(p.foreign.Load(
 
 // learnForeign folds one decision's view of the engines into Foreign: the
 // mean of the samples so far, then, from the hundredth on, a moving average
-// over about a hundred decisions. (A moving average started at 0 took three
-// replicas some 50 decisions each, 6 s of multi-turn, to see one another,
-// and every conversation begun meanwhile was placed by load, each replica
-// placing its turns differently, for the rest of the run: 71.5% hit rate
-// against one replica's 91.6%.)
+// over about a hundred decisions: a moving average started at 0 kept
+// replicas from seeing one another for their first decisions, and the
+// conversations begun meanwhile were placed apart for good (BENCHMARKS.md, "Measurements behind the code").
 func (p *Prefix) learnForeign(sample float64) {
 	rate := max(foreignRate, 1/float64(p.foreignSamples.Add(1)))
 	for {
@@ -237,11 +235,9 @@ func (p *Prefix) learnForeign(sample float64) {
 // index at once, so that the requests that follow see where the prompt
 // will be cached: a burst of the same prefix follows the first, weighing
 // the prefill still running there. (Recording only a new prompt's first
-// blocks at the pick and the rest once the answer began took 10 µs off a
-// new 128 KiB prompt's pick, but the requests in between saw the prompt
-// held one block deep: they spilled to cold pods instead of following it,
-// hot-prefix p90 TTFT on slow-large went from 166 to 345 ms; and a
-// conversation's first turn looked like the shared part of the next.)
+// blocks at the pick made the requests in between see it held one block
+// deep, spill to cold pods instead of following it, and take a
+// conversation's first turn for the shared part of the next: BENCHMARKS.md, "Measurements behind the code".)
 func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 	d := p.decide(r, set, nil)
 	if d.Endpoint != nil {
@@ -592,8 +588,7 @@ func (ch *picks) add(c candidate, home bool, tie float64) {
 // elsewhere then serve only while the home is saturated and age out of
 // those caches afterwards, instead of keeping the prefix cached twice.
 // (Letting equally warm endpoints share the load, the home winning only
-// ties, took hot-prefix p90 TTFT from 1.00× to 1.29× least-request's on
-// h100-8b.) With presume, the established home of a recurring key that this
+// ties, lengthened the hot prefix's tail: BENCHMARKS.md, "Measurements behind the code".) With presume, the established home of a recurring key that this
 // router's index does not show warm there is presumed to hold what the
 // copies hold: other replicas, which route the key home too, have most
 // likely kept it there, while the copy is this router's own. (decide does

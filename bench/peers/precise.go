@@ -433,3 +433,10 @@ func (c *tokenCache) putLocked(h uint64, t []uint32) {
 	c.cur[h] = t
 	c.curToks += len(t)
 }
+
+// The precise scorer is a policy fed by the engines' KV events: the
+// benchmark finds it a KV-event subscription by this interface.
+var (
+	_ routing.Picker   = (*Precise)(nil)
+	_ discovery.KVSink = (*Precise)(nil)
+)

@@ -98,45 +98,10 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 	ep := d.Endpoint
 	s.opt.Metrics.Decision(d.Reason, d.PromptTokens, d.PromptTokens-d.Prefill)
 	st.req.Tried = append(st.req.Tried, ep)
+	if ans, ansD, f, done := s.claim(ctx, st, set, d); done {
+		return ans, ansD, f
+	}
 	pd := &st.pd
-	split := false
-	if s.pd != nil {
-		pd.split = false
-		split = ep.Role == discovery.RoleDecode && s.planPD(st, d)
-	}
-	own := d.Prefill
-	if split {
-		own = 0 // the prefill endpoint computes the prompt
-	}
-	st.lease = ep.Acquire(own)
-	if !split {
-		st.lease.Loading(d.Loaded)
-	}
-	if m := ep.Models(); m != nil && m.Adapter(st.req.Model) {
-		st.lease.ForAdapter(st.req.Model) // the policy sees which adapters hold ep's slots
-	}
-	if split {
-		ans, err := s.prefillStage(ctx, st, set)
-		switch {
-		case err != nil:
-			st.lease.Release()
-			return nil, routing.Decision{}, failure{err: err}
-		case ans != nil:
-			s.opt.Metrics.PDDecision(pd.decision)
-			return ans, pd.prefill, failure{}
-		}
-		if !pd.split { // a fallback: the decode endpoint computes the prompt
-			st.lease.AddPrefill(d.Prefill)
-		}
-	}
-	if s.pd != nil {
-		if !split && len(pd.orig) > 0 {
-			ctx.Request.SetBody(pd.orig) // an earlier attempt's leg body
-		}
-		if ep.Role == discovery.RoleDecode {
-			s.opt.Metrics.PDDecision(pd.decision)
-		}
-	}
 	a := s.beginAttempt(st, ctx.Conn(), attemptSpanName(ep), ep)
 	leg := pd.leg
 	if leg != nil {
@@ -172,50 +137,12 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 	var f failure
 	var kind string
 	if err == nil {
-		code := resp.StatusCode()
-		a.answered(code)
-		if s.pd != nil {
-			pd.decodeAnswered(code)
-		}
-		// A decode leg's 5xx is resent: its prompt was computed
-		// elsewhere, so it had not started.
-		if !s.mayRetry(tries, false, false, retryable(code) || pd.split && code >= 500) {
-			if code >= 500 {
-				ep.ReportFailure()
-			} else if code != fasthttp.StatusTooManyRequests {
-				ep.ReportSuccess()
-			}
-			st.att = a
-			if s.pd != nil {
-				if pd.split {
-					s.strand(st, strandDecodeFailed) // unless this leg took it
-				} else {
-					s.strand(st, strandSuperseded)
-				}
-			}
+		if s.isAnswer(st, ep, a, resp, tries) {
 			return resp, d, failure{}
 		}
-		s.discard(resp, a)
-		f, kind = failure{err: &statusError{endpoint: ep.URL, code: code}, retry: true}, failStatus
-		if code >= 500 {
-			ep.ReportFailure()
-		}
+		f, kind = failure{err: &statusError{endpoint: ep.URL, code: resp.StatusCode()}, retry: true}, failStatus
 	} else {
-		s.opt.Logger.Debug("upstream attempt failed", zap.String("endpoint", ep.URL), zap.Error(err))
-		gone := a.clientGone()
-		f.busy = !gone && errors.Is(err, fasthttp.ErrNoFreeConns)
-		// A decode leg that failed before its first byte is resent: its
-		// prompt was computed elsewhere, so it had not started.
-		f.retry = s.mayRetry(tries, gone, f.busy, neverSent(err, a) || pd.split)
-		switch {
-		case gone:
-			f.err, kind = fmt.Errorf("%w: %v", ErrClientGone, err), failCancelled
-		case f.busy:
-			f.err, kind = ErrOverloaded, failBusy
-		default:
-			kind, f.err = classifyUpstream(err)
-			ep.ReportFailure()
-		}
+		f, kind = s.failed(ep, a, err, tries, pd.split)
 	}
 	s.attempts.end(a)
 	fasthttp.ReleaseResponse(resp)
@@ -226,4 +153,109 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 	}
 	s.opt.Metrics.UpstreamError(kind)
 	return nil, routing.Decision{}, f
+}
+
+// claim takes d.Endpoint's lease for st and, for a decode endpoint, runs
+// the prefill stage. done is set when that ended the attempt: with the
+// answer to pass on (a prefill endpoint's, and the decision it answers),
+// or with the failure.
+func (s *Server) claim(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set, d routing.Decision) (ans *fasthttp.Response, ansD routing.Decision, f failure, done bool) {
+	ep := d.Endpoint
+	pd := &st.pd
+	split := false
+	if s.pd != nil {
+		pd.split = false
+		split = ep.Role == discovery.RoleDecode && s.planPD(st, d)
+	}
+	own := d.Prefill
+	if split {
+		own = 0 // the prefill endpoint computes the prompt
+	}
+	st.lease = ep.Acquire(own)
+	if !split {
+		st.lease.Loading(d.Loaded)
+	}
+	if m := ep.Models(); m != nil && m.Adapter(st.req.Model) {
+		st.lease.ForAdapter(st.req.Model) // the policy sees which adapters hold ep's slots
+	}
+	if split {
+		ans, err := s.prefillStage(ctx, st, set)
+		switch {
+		case err != nil:
+			st.lease.Release()
+			return nil, routing.Decision{}, failure{err: err}, true
+		case ans != nil:
+			s.opt.Metrics.PDDecision(pd.decision)
+			return ans, pd.prefill, failure{}, true
+		}
+		if !pd.split { // a fallback: the decode endpoint computes the prompt
+			st.lease.AddPrefill(d.Prefill)
+		}
+	}
+	if s.pd != nil {
+		if !split && len(pd.orig) > 0 {
+			ctx.Request.SetBody(pd.orig) // an earlier attempt's leg body
+		}
+		if ep.Role == discovery.RoleDecode {
+			s.opt.Metrics.PDDecision(pd.decision)
+		}
+	}
+	return nil, routing.Decision{}, failure{}, false
+}
+
+// isAnswer reports whether ep's answer resp, on attempt a, is the one to
+// pass on (then st.att holds a) rather than one to retry elsewhere (then
+// its body is discarded): the retry rule decides (mayRetry).
+func (s *Server) isAnswer(st *reqState, ep *discovery.Endpoint, a *attempt, resp *fasthttp.Response, tries int) bool {
+	pd := &st.pd
+	code := resp.StatusCode()
+	a.answered(code)
+	if s.pd != nil {
+		pd.decodeAnswered(code)
+	}
+	// A decode leg's 5xx is resent: its prompt was computed elsewhere, so
+	// it had not started.
+	if !s.mayRetry(tries, false, false, retryable(code) || pd.split && code >= 500) {
+		if code >= 500 {
+			ep.ReportFailure()
+		} else if code != fasthttp.StatusTooManyRequests {
+			ep.ReportSuccess()
+		}
+		st.att = a
+		if s.pd != nil {
+			if pd.split {
+				s.strand(st, strandDecodeFailed) // unless this leg took it
+			} else {
+				s.strand(st, strandSuperseded)
+			}
+		}
+		return true
+	}
+	s.discard(resp, a)
+	if code >= 500 {
+		ep.ReportFailure()
+	}
+	return false
+}
+
+// failed is attempt a's transport failure err on ep, the tries-th retry
+// (split: a decode leg that followed a prefill leg), as a failure and its
+// metric kind.
+func (s *Server) failed(ep *discovery.Endpoint, a *attempt, err error, tries int, split bool) (f failure, kind string) {
+	s.opt.Logger.Debug("upstream attempt failed", zap.String("endpoint", ep.URL), zap.Error(err))
+	gone := a.clientGone()
+	f.busy = !gone && errors.Is(err, fasthttp.ErrNoFreeConns)
+	// A decode leg that failed before its first byte is resent: its prompt
+	// was computed elsewhere, so it had not started.
+	f.retry = s.mayRetry(tries, gone, f.busy, neverSent(err, a) || split)
+	switch {
+	case gone:
+		f.err, kind = fmt.Errorf("%w: %v", ErrClientGone, err), failCancelled
+	case f.busy:
+		f.err, kind = ErrOverloaded, failBusy
+	default:
+		kind, f.err = classifyUpstream(err)
+		ep.ReportFailure()
+	}
+	return f, kind
 }

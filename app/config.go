@@ -192,6 +192,16 @@ func (c *Config) kvEvents() bool {
 func (c *Config) Validate() error {
 	var errs []error
 	bad := func(format string, a ...any) { errs = append(errs, fmt.Errorf(format, a...)) }
+	c.validatePools(bad)
+	c.validateLimits(bad)
+	c.validateDurations(bad)
+	c.validateOther(bad)
+	return errors.Join(errs...)
+}
+
+// validatePools checks the pools, their discovery and the PD settings;
+// bad collects the errors.
+func (c *Config) validatePools(bad func(string, ...any)) {
 	mixed, prefill, decode := len(c.Backends) > 0 || c.Service != "", len(c.PrefillBackends) > 0 || c.PrefillService != "",
 		len(c.DecodeBackends) > 0 || c.DecodeService != ""
 	switch {
@@ -226,6 +236,11 @@ func (c *Config) Validate() error {
 			bad("--dns-server %q: want host:port", c.DNSServer)
 		}
 	}
+}
+
+// validateLimits checks the policy, health and the request and prefix
+// limits.
+func (c *Config) validateLimits(bad func(string, ...any)) {
 	if _, ok := c.policies()[c.Policy]; !ok {
 		bad("--policy %q: want one of %s", c.Policy, strings.Join(routing.PolicyNames(c.policies()), ", "))
 	}
@@ -253,6 +268,10 @@ func (c *Config) Validate() error {
 	if err := c.Prefix.Validate(); err != nil {
 		bad("prefix policy: %v", err)
 	}
+}
+
+// validateDurations checks that no timeout or interval is negative.
+func (c *Config) validateDurations(bad func(string, ...any)) {
 	for _, d := range []struct {
 		name string
 		v    time.Duration
@@ -275,6 +294,11 @@ func (c *Config) Validate() error {
 	if c.UpstreamIdleTimeout == 0 {
 		bad("--upstream-idle-timeout must be positive")
 	}
+}
+
+// validateOther checks the near-miss detector, the sampling ratios, the
+// KV events and tracing.
+func (c *Config) validateOther(bad func(string, ...any)) {
 	if c.NearMissBlocks < 0 || c.NearMissBlocks > c.PrefixMaxBlocks {
 		bad("--near-miss-blocks must be between 0 and --prefix-max-blocks (%d), got %d", c.PrefixMaxBlocks, c.NearMissBlocks)
 	}
@@ -302,5 +326,4 @@ func (c *Config) Validate() error {
 			bad("--otlp-endpoint: %v", err)
 		}
 	}
-	return errors.Join(errs...)
 }

@@ -174,23 +174,8 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 	for _, k := range []string{"connect", "timeout", "status", "busy", "cancelled", "body", "prefill"} {
 		m.upstreamErrs.WithLabelValues(k)
 	}
-	m.nearMisses = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: Namespace, Name: "prompt_near_misses_total",
-		Help: "Prompts whose first blocks were seen before with the same text up to whitespace, line endings or a byte-order mark, but other bytes: the engine recomputes them. By model.",
-	}, []string{"model"})
-	m.nearMisses.WithLabelValues("none") // the family is exported before the first near miss
-	m.rewrites = prometheus.NewCounter(prometheus.CounterOpts{
-		Namespace: Namespace, Name: "prompt_normalizations_total",
-		Help: "Requests whose prompts --normalize-prompts rewrote (line endings, trailing blanks, byte-order marks outside code blocks).",
-	})
-	reg.MustRegister(m.nearMisses, m.rewrites)
+	m.registerPrompts(reg)
 	m.registerPD(reg)
-	est := prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: Namespace, Name: "prefix_estimates_total",
-		Help: "Router estimates of cached tokens against the engine's report: exact (within 256 tokens), over, under.",
-	}, []string{"outcome"})
-	m.estExact, m.estOver, m.estUnder = est.WithLabelValues("exact"), est.WithLabelValues("over"), est.WithLabelValues("under")
-	reg.MustRegister(m.estTokens, m.engineTokens, est)
 	for _, c := range classes {
 		m.durationByCls = append(m.durationByCls, m.duration.WithLabelValues(c))
 		m.ttfbByCls = append(m.ttfbByCls, m.ttfb.WithLabelValues(c))
@@ -211,6 +196,28 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 		reg.MustRegister(&endpointCollector{each: endpoints})
 	}
 	return m
+}
+
+// registerPrompts registers the families about prompts and the router's
+// estimates of their cached tokens: near misses, normalisations, and the
+// estimates against the engines' reports.
+func (m *Metrics) registerPrompts(reg prometheus.Registerer) {
+	m.nearMisses = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: Namespace, Name: "prompt_near_misses_total",
+		Help: "Prompts whose first blocks were seen before with the same text up to whitespace, line endings or a byte-order mark, but other bytes: the engine recomputes them. By model.",
+	}, []string{"model"})
+	m.nearMisses.WithLabelValues("none") // the family is exported before the first near miss
+	m.rewrites = prometheus.NewCounter(prometheus.CounterOpts{
+		Namespace: Namespace, Name: "prompt_normalizations_total",
+		Help: "Requests whose prompts --normalize-prompts rewrote (line endings, trailing blanks, byte-order marks outside code blocks).",
+	})
+	reg.MustRegister(m.nearMisses, m.rewrites)
+	est := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: Namespace, Name: "prefix_estimates_total",
+		Help: "Router estimates of cached tokens against the engine's report: exact (within 256 tokens), over, under.",
+	}, []string{"outcome"})
+	m.estExact, m.estOver, m.estUnder = est.WithLabelValues("exact"), est.WithLabelValues("over"), est.WithLabelValues("under")
+	reg.MustRegister(m.estTokens, m.engineTokens, est)
 }
 
 // Request records one answered request of class index class for model

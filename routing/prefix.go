@@ -333,22 +333,8 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		deepest = max(deepest, m.Blocks)
 	}
 
-	key := rendezvousKey(r.Hashes, prm.MinMatchBlocks)
-	keyed := len(r.Hashes) >= prm.MinMatchBlocks
 	replicated := p.Foreign() >= sharedFleet
-	branch := 0 // a branch's shared part, presumed held at the branch's home
-	if keyed {
-		// A family of conversations under one shared prefix: each
-		// branch (conversation) is keyed by its own first block.
-		shared, chained := p.homes.family(key, deepest, prm.MinMatchBlocks, terms == nil)
-		if chained && shared < len(r.Hashes) && replicated {
-			key, branch = r.Hashes[shared], shared
-		}
-	}
-	if r.Prefill {
-		// The prefill pool homes a prefix apart from the serving one.
-		key = prefix.Mix64(key ^ prefillPoolSalt)
-	}
+	key, keyed, branch := p.prefixKey(r, prm, deepest, replicated, terms == nil)
 	group := r.group(set)
 	// The key's home; established when the key recurs.
 	var homeID uint64
@@ -425,6 +411,30 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		d.PrefixKey, d.branch = key, branch > 0
 	}
 	return d
+}
+
+// prefixKey returns r's prefix key (see rendezvousKey), whether r has one
+// (keyed: a prompt of MinMatchBlocks blocks at least), and, when the key is
+// a conversation's own under a shared prefix (homes.family; among
+// replicas), the shared part's depth in blocks (branch, presumed held at
+// the branch's home; 0 otherwise). deepest is the deepest match in the
+// index; see is decide's (the request counts).
+func (p *Prefix) prefixKey(r *Request, prm *PrefixParams, deepest int, replicated, see bool) (key uint64, keyed bool, branch int) {
+	key = rendezvousKey(r.Hashes, prm.MinMatchBlocks)
+	keyed = len(r.Hashes) >= prm.MinMatchBlocks
+	if keyed {
+		// A family of conversations under one shared prefix: each
+		// branch (conversation) is keyed by its own first block.
+		shared, chained := p.homes.family(key, deepest, prm.MinMatchBlocks, see)
+		if chained && shared < len(r.Hashes) && replicated {
+			key, branch = r.Hashes[shared], shared
+		}
+	}
+	if r.Prefill {
+		// The prefill pool homes a prefix apart from the serving one.
+		key = prefix.Mix64(key ^ prefillPoolSalt)
+	}
+	return key, keyed, branch
 }
 
 // matchedBlocks returns the blocks matches credit endpoint id with, and

@@ -246,18 +246,70 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 		return nil, ctx.Err()
 	}
 	smp.take()
-	profile := func(name string) {
-		if err := r.saveGoroutines(filepath.Join(cfg.Out, name)); err != nil {
-			res.Notes = append(res.Notes, err.Error())
-		} else {
-			res.Files = append(res.Files, filepath.Join(cfg.Out, name))
-		}
-	}
-	profile(FileGoroutinesIdle)
+	res.profile(r, FileGoroutinesIdle)
 	sleepCtx(ctx, time.Until(smp.start))
 
 	// The load, the faults and the sampling.
 	res.WarmupEnd = cfg.Warmup * cfg.Duration.Seconds()
+	stopSampling, samplingDone := make(chan struct{}), make(chan struct{})
+	flt := runLoad(ctx, cfg, gen, pods, smp, stopSampling, samplingDone)
+	loadEnd := time.Now()
+	res.LoadEnd = loadEnd.Sub(smp.start).Seconds()
+	smp.setPhase(PhaseDrain)
+	logf("load stopped after %.0f s; draining", res.LoadEnd)
+
+	// The drain: the client's requests end, then kvroute's gauge.
+	res.Shutdown.ClientDrained = gen.wait(cfg.RequestTimeout + 5*time.Second)
+	gen.close()
+	res.Shutdown.RouterDrained = waitDrained(ctx, r, cfg.DrainTimeout)
+	if res.Shutdown.RouterDrained {
+		res.Shutdown.DrainSeconds = time.Since(loadEnd).Seconds()
+	}
+	sleepCtx(ctx, cfg.Settle)
+	close(stopSampling)
+	<-samplingDone
+	smp.setPhase(PhaseFinal)
+	smp.take()
+	res.profile(r, FileGoroutinesFinal)
+	if m, err := r.counters(); err == nil {
+		res.Router = m
+	}
+	res.StalledWrites = pods.stalledWrites.Load()
+
+	// SIGTERM: kvroute must exit 0 within its drain timeout.
+	res.terminate(r, cfg.DrainTimeout+10*time.Second)
+	pods.close()
+	if wall := time.Since(wall0).Seconds(); cpu0 >= 0 && wall > 0 {
+		res.SelfCores = (selfCPU() - cpu0) / wall
+	}
+
+	res.gather(smp, gen, flt, pods, cfg)
+	res.judge()
+	if err := res.write(); err != nil {
+		return res, err
+	}
+	if ctx.Err() != nil {
+		return res, fmt.Errorf("soak interrupted: %w", ctx.Err())
+	}
+	return res, nil
+}
+
+// profile saves kvroute's goroutine profile as name under the output
+// directory, noting a failure.
+func (res *Result) profile(r *router, name string) {
+	path := filepath.Join(res.Config.Out, name)
+	if err := r.saveGoroutines(path); err != nil {
+		res.Notes = append(res.Notes, err.Error())
+	} else {
+		res.Files = append(res.Files, path)
+	}
+}
+
+// runLoad runs the load (and the faults when cfg asks for them) for
+// cfg.Duration with the sampler looping beside them until stopSampling
+// (samplingDone closes when it stopped); it returns the faulter (nil
+// without faults) once the load and the faults stopped.
+func runLoad(ctx context.Context, cfg Config, gen *generator, pods *podSet, smp *sampler, stopSampling, samplingDone chan struct{}) *faulter {
 	stopLoad := make(chan struct{})
 	genDone, fltDone := make(chan struct{}), make(chan struct{})
 	go func() { defer close(genDone); gen.run(ctx, stopLoad) }()
@@ -272,57 +324,45 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	smp.gen, smp.flt = gen, flt
 	smp.mu.Unlock()
 	smp.setPhase(PhaseLoad)
-	stopSampling, samplingDone := make(chan struct{}), make(chan struct{})
 	go smp.loop(cfg.Interval, stopSampling, samplingDone)
-
 	sleepCtx(ctx, cfg.Duration)
 	close(stopLoad)
 	<-genDone
 	<-fltDone
-	loadEnd := time.Now()
-	res.LoadEnd = loadEnd.Sub(smp.start).Seconds()
-	smp.setPhase(PhaseDrain)
-	logf("load stopped after %.0f s; draining", res.LoadEnd)
+	return flt
+}
 
-	// The drain: the client's requests end, then kvroute's gauge.
-	res.Shutdown.ClientDrained = gen.wait(cfg.RequestTimeout + 5*time.Second)
-	gen.close()
-	deadline := time.Now().Add(cfg.DrainTimeout)
+// terminate sends kvroute SIGTERM and records how it exited: it must exit
+// 0 within timeout.
+func (res *Result) terminate(r *router, timeout time.Duration) {
+	code, took, err := r.terminate(timeout)
+	res.Shutdown.ExitCode, res.Shutdown.ExitSeconds = code, took.Seconds()
+	if err != nil {
+		res.Shutdown.Err = err.Error()
+	}
+	r.logFile.Close()
+}
+
+// waitDrained waits, at most timeout, until kvroute's in-flight gauge reads
+// 0, and reports whether it did.
+func waitDrained(ctx context.Context, r *router, timeout time.Duration) bool {
+	deadline := time.Now().Add(timeout)
 	for {
 		m, err := r.scrape(MetricInFlight)
 		if v, ok := m[MetricInFlight]; err == nil && ok && v == 0 {
-			res.Shutdown.RouterDrained = true
-			res.Shutdown.DrainSeconds = time.Since(loadEnd).Seconds()
-			break
+			return true
 		}
 		if time.Now().After(deadline) || ctx.Err() != nil {
-			break
+			return false
 		}
 		time.Sleep(250 * time.Millisecond)
 	}
-	sleepCtx(ctx, cfg.Settle)
-	close(stopSampling)
-	<-samplingDone
-	smp.setPhase(PhaseFinal)
-	smp.take()
-	profile(FileGoroutinesFinal)
-	if m, err := r.counters(); err == nil {
-		res.Router = m
-	}
-	res.StalledWrites = pods.stalledWrites.Load()
+}
 
-	// SIGTERM: kvroute must exit 0 within its drain timeout.
-	code, took, terr := r.terminate(cfg.DrainTimeout + 10*time.Second)
-	res.Shutdown.ExitCode, res.Shutdown.ExitSeconds = code, took.Seconds()
-	if terr != nil {
-		res.Shutdown.Err = terr.Error()
-	}
-	r.logFile.Close()
-	pods.close()
-	if wall := time.Since(wall0).Seconds(); cpu0 >= 0 && wall > 0 {
-		res.SelfCores = (selfCPU() - cpu0) / wall
-	}
-
+// gather fills res from the run's parts once they stopped: the samples,
+// the client's records, the faults, the checks, the request summary and
+// the log's analysis.
+func (res *Result) gather(smp *sampler, gen *generator, flt *faulter, pods *podSet, cfg Config) {
 	res.PodURLs = pods.urls()
 	res.Samples = smp.all()
 	res.Records = gen.snapshot()
@@ -345,14 +385,6 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 			res.Notes = append(res.Notes, msg)
 		}
 	}
-	res.judge()
-	if err := res.write(); err != nil {
-		return res, err
-	}
-	if ctx.Err() != nil {
-		return res, fmt.Errorf("soak interrupted: %w", ctx.Err())
-	}
-	return res, nil
 }
 
 // judge fills Problems and Notes from the requests, the shutdown and the

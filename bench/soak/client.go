@@ -384,27 +384,7 @@ func (g *generator) exchange(ctx context.Context, it item, id string, rec *Recor
 		}
 		return text
 	}
-	var answer []byte
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 0, 16<<10), 4<<20)
-	done, errEvent, bad := false, false, false
-	for !done && sc.Scan() {
-		payload, ok := bytes.CutPrefix(sc.Bytes(), []byte("data:"))
-		if !ok {
-			continue
-		}
-		payload = bytes.TrimSpace(payload)
-		if string(payload) == "[DONE]" {
-			done = true
-			break
-		}
-		text, ok, isErr := parseChunk(p, payload)
-		errEvent = errEvent || isErr
-		bad = bad || !ok
-		if keep {
-			answer = append(answer, text...)
-		}
-	}
+	answer, done, errEvent, bad, err := readSSE(p, resp.Body, keep)
 	switch {
 	case errEvent:
 		rec.Outcome = OutcomeStreamError
@@ -417,11 +397,36 @@ func (g *generator) exchange(ctx context.Context, it item, id string, rec *Recor
 		rec.Outcome = OutcomeOK
 		return string(answer)
 	}
-	err = sc.Err()
 	if err == nil {
 		err = io.ErrUnexpectedEOF // a clean end without data: [DONE]
 	}
 	return fail(OutcomeTruncated, err)
+}
+
+// readSSE reads a streamed completion's events from r until data: [DONE]
+// (done) or the end of r (err: the read error, nil at a clean end): the
+// answer's text when keep is set, whether an event was an error event
+// (errEvent) and whether one did not parse (bad).
+func readSSE(p *fastjson.Parser, r io.Reader, keep bool) (answer []byte, done, errEvent, bad bool, err error) {
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 0, 16<<10), 4<<20)
+	for sc.Scan() {
+		payload, ok := bytes.CutPrefix(sc.Bytes(), []byte("data:"))
+		if !ok {
+			continue
+		}
+		payload = bytes.TrimSpace(payload)
+		if string(payload) == "[DONE]" {
+			return answer, true, errEvent, bad, nil
+		}
+		text, ok, isErr := parseChunk(p, payload)
+		errEvent = errEvent || isErr
+		bad = bad || !ok
+		if keep {
+			answer = append(answer, text...)
+		}
+	}
+	return answer, false, errEvent, bad, sc.Err()
 }
 
 // parseChunk reads one SSE data payload: its text, whether it parsed, and

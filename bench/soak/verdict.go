@@ -143,25 +143,7 @@ func evaluate(def SeriesDef, samples []Sample, warmupEnd float64, lim Limits) Ch
 	nan := math.NaN()
 	c := Check{Key: def.Key, Label: def.Label, Rule: def.Rule, Baseline: nan, WarmupMax: nan, Start: nan, End: nan,
 		Max: nan, Final: nan, GrowthPct: nan, PerMinute: nan, Intercept: nan, Slope: nan, From: nan, To: nan}
-	var xs, ys []float64
-	for i := range samples {
-		s := &samples[i]
-		v := def.Value(s)
-		if math.IsNaN(v) {
-			continue
-		}
-		switch {
-		case s.Phase == PhaseBaseline:
-			c.Baseline = v
-		case s.Phase == PhaseFinal:
-			c.Final = v
-		case s.Phase == PhaseLoad && s.T < warmupEnd:
-			c.WarmupMax = nanMax(c.WarmupMax, v)
-		case s.Phase == PhaseLoad:
-			xs, ys = append(xs, s.T), append(ys, v)
-			c.Max = nanMax(c.Max, v)
-		}
-	}
+	xs, ys := c.phases(def, samples, warmupEnd)
 	c.Samples = len(xs)
 	if len(xs) == 0 && math.IsNaN(c.Baseline) && math.IsNaN(c.Final) && math.IsNaN(c.WarmupMax) {
 		c.Limit = "–"
@@ -244,6 +226,32 @@ func evaluate(def SeriesDef, samples []Sample, warmupEnd float64, lim Limits) Ch
 		c.Limit = "reported only"
 	}
 	return c
+}
+
+// phases reads def's series in samples by phase: the idle baseline, the
+// warm-up's maximum, the maximum after warm-up and the value after the
+// drain into c, and the samples after warm-up (times xs, values ys), which
+// the line is fitted to.
+func (c *Check) phases(def SeriesDef, samples []Sample, warmupEnd float64) (xs, ys []float64) {
+	for i := range samples {
+		s := &samples[i]
+		v := def.Value(s)
+		if math.IsNaN(v) {
+			continue
+		}
+		switch {
+		case s.Phase == PhaseBaseline:
+			c.Baseline = v
+		case s.Phase == PhaseFinal:
+			c.Final = v
+		case s.Phase == PhaseLoad && s.T < warmupEnd:
+			c.WarmupMax = nanMax(c.WarmupMax, v)
+		case s.Phase == PhaseLoad:
+			xs, ys = append(xs, s.T), append(ys, v)
+			c.Max = nanMax(c.Max, v)
+		}
+	}
+	return xs, ys
 }
 
 // nanMax is max ignoring NaN operands.

@@ -304,24 +304,9 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 		return nil, seen, fmt.Errorf("%w: %s: disaggregated layouts run on %s only", ErrConfig, p.Name, EngineKVSim)
 	}
 	p.layOut(cfgs)
-	var zmq string // llm-d: where the pods' publishers dial, the router listening
-	if p.Events {
-		if p.Direct || p.PrefillShare > 0 {
-			return nil, seen, fmt.Errorf("%w: %s: KV events need a router in front of mixed pods", ErrConfig, p.Name)
-		}
-		switch sc.engineName() {
-		case EngineKVSim:
-			for i := range cfgs {
-				cfgs[i].KVEventsPort = -1 // a free port each
-			}
-		case EngineLLMD:
-			if p.Replicas > 1 {
-				return nil, seen, fmt.Errorf("%w: %s: the llm-d simulator publishes its KV events to one subscriber, not %d router replicas", ErrConfig, p.Name, p.Replicas)
-			}
-			if zmq, err = freeLoopback(); err != nil {
-				return nil, seen, err
-			}
-		}
+	zmq, err := eventsLayout(sc, p, cfgs)
+	if err != nil {
+		return nil, seen, err
 	}
 	if zmq != "" {
 		sc.zmqEndpoint = "tcp://" + zmq
@@ -399,6 +384,30 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 	lc.BaseURL = rt.URL
 	res, err = load.Run(ctx, lc)
 	return res, seen, err
+}
+
+// eventsLayout readies the pods of a policy fed by KV events (p.Events):
+// kvsim's publish on a free port each; llm-d's dial the router, which
+// listens on the loopback address zmq it returns ("" otherwise).
+func eventsLayout(sc Scenario, p Policy, cfgs []sim.Config) (zmq string, err error) {
+	if !p.Events {
+		return "", nil
+	}
+	if p.Direct || p.PrefillShare > 0 {
+		return "", fmt.Errorf("%w: %s: KV events need a router in front of mixed pods", ErrConfig, p.Name)
+	}
+	switch sc.engineName() {
+	case EngineKVSim:
+		for i := range cfgs {
+			cfgs[i].KVEventsPort = -1 // a free port each
+		}
+	case EngineLLMD:
+		if p.Replicas > 1 {
+			return "", fmt.Errorf("%w: %s: the llm-d simulator publishes its KV events to one subscriber, not %d router replicas", ErrConfig, p.Name, p.Replicas)
+		}
+		return freeLoopback()
+	}
+	return "", nil
 }
 
 // eventBackends returns the backends of p's routers when p.Events: on

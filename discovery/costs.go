@@ -294,18 +294,17 @@ func (c *calibrator) publish() {
 	s := &Costs{
 		PrefillTokensPerSec: tokenUnit / min(max(th[1], lo), hi),
 		PendingTokensPerSec: tokenUnit / min(max(th[2], lo), hi),
-
-		FixedSec:      min(max(th[0], 0), maxFixedSec),
-		InFlightSec:   max(th[3], 0) / inFlightUnit,
-		DecodeStepSec: c.stepSec,
-		DecodeSec:     c.decodeSec,
-		PrefillTokens: c.prefillTokens,
-		BatchLimit:    c.limit(1),
-		PeakRunning:   int(min(c.peak, math.MaxInt32)),
-		TTFTSamples:   c.fit.n,
-		DecodeSamples: c.streamN,
-		StepSamples:   c.stepN,
-		LimitSamples:  min(c.limitN, limitWindow),
+		FixedSec:            min(max(th[0], 0), maxFixedSec),
+		InFlightSec:         max(th[3], 0) / inFlightUnit,
+		DecodeStepSec:       c.stepSec,
+		DecodeSec:           c.decodeSec,
+		PrefillTokens:       c.prefillTokens,
+		BatchLimit:          c.limit(1),
+		PeakRunning:         int(min(c.peak, math.MaxInt32)),
+		TTFTSamples:         c.fit.n,
+		DecodeSamples:       c.streamN,
+		StepSamples:         c.stepN,
+		LimitSamples:        min(c.limitN, limitWindow),
 	}
 	s.LoadTokensPerSec = s.PrefillTokensPerSec * LoadSpeedup
 	if c.loadN >= warmupSamples {

@@ -19,10 +19,10 @@ type PrefixParams struct {
 	PrefillTokensPerSec float64 `json:"prefill_tokens_per_sec"`
 	// DecodeCostSec is the prior cost of one more in-flight request on an
 	// endpoint: one decode step. A new request waits for the steps of the
-	// requests running beside it, and slows each of them by its own share
-	// of every step. Learned per endpoint as the engine's mean
-	// inter-token latency (its scraped histogram); the 10 ms prior is an
-	// 8B model's on an H100 at moderate batch (BENCHMARKS.md, "Measurements behind the code").
+	// requests running beside it, and slows each of them by its own share of
+	// every step. Learned per endpoint as the engine's mean inter-token latency
+	// (its scraped histogram); the 10 ms prior is an 8B model's on an H100 at
+	// moderate batch (BENCHMARKS.md, "Measurements behind the code").
 	DecodeCostSec float64 `json:"decode_cost_sec"`
 	// BatchLimit is the prior number of requests an endpoint runs at once
 	// (vLLM's max_num_seqs, or fewer when its KV cache fills); past it a
@@ -45,12 +45,12 @@ type PrefixParams struct {
 	// recompute (the affinity collapse of routers that flip to least-load
 	// under load).
 	SpillRatio float64 `json:"spill_ratio"`
-	// SpillMaxKVUsage: a freshly scraped endpoint takes spills only while
-	// its engine's KV usage (blocks held by running requests) is below
-	// this. Above it, the spilled prompt is cached by evicting the prefixes
-	// homed there, so a saturated fleet would trade its hit rate for
-	// spills that only move the queue (BENCHMARKS.md, "Measurements behind the code"). An endpoint idle enough to
-	// be worth spilling to runs a few requests and sits far below 0.8.
+	// SpillMaxKVUsage: a freshly scraped endpoint takes spills only while its
+	// engine's KV usage (blocks held by running requests) is below this. Above
+	// it, the spilled prompt is cached by evicting the prefixes homed there, so a
+	// saturated fleet would trade its hit rate for spills that only move the
+	// queue (BENCHMARKS.md, "Measurements behind the code"). An endpoint idle
+	// enough to be worth spilling to runs a few requests and sits far below 0.8.
 	SpillMaxKVUsage float64 `json:"spill_max_kv_usage"`
 	// MinMatchBlocks is the least match that makes an endpoint warm. It is
 	// also the depth of the block that keys rendezvous hashing, so a

@@ -28,7 +28,8 @@ const (
 // token there:
 //
 //	wait = in-flight prefill tokens / pending rate + slot wait + foreign waiting × queue cost
-//	     + this request's uncached tokens / prefill rate + its tokens on a slower tier / load rate
+//	     + this request's uncached tokens / prefill rate
+//	     + its tokens on a slower tier / load rate
 //	     + (in-flight requests + foreign) × decode cost
 //	     + engine KV usage × KV cost
 //	     + [the request's LoRA adapter finds the engine's adapter slots held by others] × decode time
@@ -59,17 +60,17 @@ const (
 // cold, unless this router placed the key's first request elsewhere; then
 // the lowest wait), or for a prefix warm nowhere its home (for a key that
 // does not recur, only while the home would start it about as soon as the
-// endpoint with the shortest wait). The
-// target keeps the request unless its wait in the router's own view (its
-// own in-flight requests and prefill) exceeds SpillRatio × the best idle
-// endpoint's wait + SpillMarginSec + the stall the spill causes there (the
-// recompute's prefill time × the requests running there, which it delays;
-// an established home is tested without the recompute, as if warm); then
-// the request spills to that idle endpoint, whose cache becomes warm too. Idle means nothing queued there and a free place in its
-// batch in the router's view and, when scraped, the engine's, with KV usage
-// below SpillMaxKVUsage.
-// Ties go to the rendezvous-hash winner. The pick is recorded in the index
-// at once, so a burst of same-prefix requests follows the first.
+// endpoint with the shortest wait). The target keeps the request unless its
+// wait in the router's own view (its own in-flight requests and prefill)
+// exceeds SpillRatio × the best idle endpoint's wait + SpillMarginSec + the
+// stall the spill causes there (the recompute's prefill time × the requests
+// running there, which it delays; an established home is tested without the
+// recompute, as if warm); then the request spills to that idle endpoint,
+// whose cache becomes warm too. Idle means nothing queued there and a free
+// place in its batch in the router's view and, when scraped, the engine's,
+// with KV usage below SpillMaxKVUsage. Ties go to the rendezvous-hash
+// winner. The pick is recorded in the index at once, so a burst of
+// same-prefix requests follows the first.
 //
 // Conversations under a system prompt that many share all have that
 // prompt's key, so their homes cannot place them, and a router replica
@@ -218,7 +219,8 @@ func (p *Prefix) Foreign() float64 { return math.Float64frombits(p.foreign.Load(
 // mean of the samples so far, then, from the hundredth on, a moving average
 // over about a hundred decisions: a moving average started at 0 kept
 // replicas from seeing one another for their first decisions, and the
-// conversations begun meanwhile were placed apart for good (BENCHMARKS.md, "Measurements behind the code").
+// conversations begun meanwhile were placed apart for good (BENCHMARKS.md,
+// "Measurements behind the code").
 func (p *Prefix) learnForeign(sample float64) {
 	rate := max(foreignRate, 1/float64(p.foreignSamples.Add(1)))
 	for {
@@ -232,12 +234,13 @@ func (p *Prefix) learnForeign(sample float64) {
 }
 
 // Pick implements the policy and records the pick's whole chain in the
-// index at once, so that the requests that follow see where the prompt
-// will be cached: a burst of the same prefix follows the first, weighing
-// the prefill still running there. (Recording only a new prompt's first
-// blocks at the pick made the requests in between see it held one block
-// deep, spill to cold pods instead of following it, and take a
-// conversation's first turn for the shared part of the next: BENCHMARKS.md, "Measurements behind the code".)
+// index at once, so that the requests that follow see where the prompt will
+// be cached: a burst of the same prefix follows the first, weighing the
+// prefill still running there. (Recording only a new prompt's first blocks
+// at the pick made the requests in between see it held one block deep,
+// spill to cold pods instead of following it, and take a conversation's
+// first turn for the shared part of the next: BENCHMARKS.md, "Measurements
+// behind the code".)
 func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 	d := p.decide(r, set, nil)
 	if d.Endpoint != nil {
@@ -598,14 +601,15 @@ func (ch *picks) add(c candidate, home bool, tie float64) {
 // elsewhere then serve only while the home is saturated and age out of
 // those caches afterwards, instead of keeping the prefix cached twice.
 // (Letting equally warm endpoints share the load, the home winning only
-// ties, lengthened the hot prefix's tail: BENCHMARKS.md, "Measurements behind the code".) With presume, the established home of a recurring key that this
-// router's index does not show warm there is presumed to hold what the
-// copies hold: other replicas, which route the key home too, have most
-// likely kept it there, while the copy is this router's own. (decide does
-// not presume when this router sent the key's first request elsewhere
+// ties, lengthened the hot prefix's tail: BENCHMARKS.md, "Measurements
+// behind the code".) With presume, the established home of a recurring key
+// that this router's index does not show warm there is presumed to hold
+// what the copies hold: other replicas, which route the key home too, have
+// most likely kept it there, while the copy is this router's own. (decide
+// does not presume when this router sent the key's first request elsewhere
 // because the home was busy: the copy is then where the key lives. A home
-// shown warm to a shallower depth than a copy holds a shorter shared
-// prefix — a system prompt common to many conversations — and the copy the
+// shown warm to a shallower depth than a copy holds a shorter shared prefix
+// — a system prompt common to many conversations — and the copy the
 // conversation; but when the key is a conversation's own (a branch of a
 // chained family), its home shown holding no more than the family's shared
 // part is presumed to hold the conversation.)

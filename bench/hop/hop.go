@@ -52,6 +52,10 @@ type Config struct {
 	// KVEvents adds the target EventsTarget (events.go): kvroute on engine
 	// truth, the backend publishing KV events and answering /tokenize.
 	KVEvents bool
+	// Bare is the command that serves the bare proxy (BareTarget) when
+	// given "bare-proxy --listen ADDR --backend ADDR" (kvhop itself); empty:
+	// that target is not measured.
+	Bare string
 }
 
 // Case is one workload: a body, its path, a connection count, and
@@ -91,7 +95,7 @@ type Report struct {
 }
 
 // Targets in the order they are measured within a round.
-var Targets = []string{"direct", "kvroute", "nginx", "haproxy"}
+var Targets = []string{"direct", "kvroute", BareTarget, "nginx", "haproxy"}
 
 // Cases returns the measured cases: a 1 KiB completion and a 128 KiB chat
 // body at 1, 32 and 256 connections, and a streamed completion of events
@@ -270,7 +274,7 @@ func (p *proxyProc) stop() {
 
 // startProxy starts the named proxy in front of backend and waits until it
 // answers.
-func startProxy(ctx context.Context, name, kvroute, dir string, be *backend) (*proxyProc, error) {
+func startProxy(ctx context.Context, name, kvroute, bare, dir string, be *backend) (*proxyProc, error) {
 	backend := be.addr
 	port, err := freePort()
 	if err != nil {
@@ -291,6 +295,8 @@ func startProxy(ctx context.Context, name, kvroute, dir string, be *backend) (*p
 			args = append(args, "--kv-events-port", strconv.Itoa(be.kv.port))
 		}
 		return startProxyArgs(ctx, name, dir, port, kvroute, args...)
+	case BareTarget:
+		return startProxyArgs(ctx, name, dir, port, bare, "bare-proxy", "--listen", fmt.Sprintf("127.0.0.1:%d", port), "--backend", backend)
 	case "nginx":
 		conf := filepath.Join(dir, "nginx.conf")
 		if err := os.WriteFile(conf, []byte(fill(nginxConf)), 0o644); err != nil {
@@ -423,6 +429,9 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if cfg.KVEvents && !slices.Contains(targets, EventsTarget) {
 		targets = slices.Insert(slices.Clone(targets), min(2, len(targets)), EventsTarget)
 	}
+	if cfg.Bare == "" {
+		targets = slices.DeleteFunc(slices.Clone(targets), func(t string) bool { return t == BareTarget })
+	}
 	be, err := startBackend(cfg.Events, slices.Contains(targets, EventsTarget))
 	if err != nil {
 		return nil, err
@@ -443,7 +452,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			i, _ := strconv.Atoi(n)
 			kind, bin = "kvroute", cfg.Kvroutes[i-1]
 		}
-		p, err := startProxy(ctx, kind, bin, cfg.Dir, be)
+		p, err := startProxy(ctx, kind, bin, cfg.Bare, cfg.Dir, be)
 		if err != nil {
 			return nil, err
 		}

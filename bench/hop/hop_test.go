@@ -104,6 +104,39 @@ func TestHoldBackend(t *testing.T) {
 	closeAll(conns)
 }
 
+// The bare proxy passes a whole answer and a stream through unchanged.
+func TestServeBare(t *testing.T) {
+	be, err := startBackend(3, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.close()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- ServeBare(ln, be.addr) }()
+	defer func() {
+		ln.Close()
+		<-done
+	}()
+	for _, c := range []struct {
+		body string
+		want []byte
+	}{{`{"model":"m","prompt":"x"}`, be.full}, {`{"model":"m","prompt":"x","stream":true}`, []byte(strings.Repeat(string(be.event), 3) + "data: [DONE]\n\n")}} {
+		req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
+		req.SetRequestURI("http://" + ln.Addr().String() + "/v1/completions")
+		req.Header.SetMethod("POST")
+		req.SetBodyString(c.body)
+		if err := fasthttp.DoTimeout(req, resp, 5*time.Second); err != nil || resp.StatusCode() != 200 || string(resp.Body()) != string(c.want) {
+			t.Errorf("%s: %v %d %q", c.body, err, resp.StatusCode(), resp.Body())
+		}
+		fasthttp.ReleaseRequest(req)
+		fasthttp.ReleaseResponse(resp)
+	}
+}
+
 // The kvroute+events target's backend is one kvroute's engine truth
 // understands: its batches decode, its /tokenize links the chat case's
 // prompt, and the prompt's stores confirm it in the index (the

@@ -1,6 +1,7 @@
 // Command kvhop measures the cost of one proxy hop (make bench-proxy): wrk
 // against an instant loopback backend directly, through kvroute (default
-// flags), nginx and HAProxy, alternating in rounds; it writes
+// flags), through a bare fasthttp proxy (kvhop itself, as "kvhop
+// bare-proxy"), nginx and HAProxy, alternating in rounds; it writes
 // table.md and results.json under --out.
 //
 //	kvhop --kvroute bin/kvroute --out bench/results/proxy
@@ -11,6 +12,7 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
+	"net"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -28,6 +30,9 @@ func main() {
 }
 
 func run(args []string) error {
+	if len(args) > 0 && args[0] == "bare-proxy" {
+		return bare(args[1:])
+	}
 	fs := flag.NewFlagSet("kvhop", flag.ContinueOnError)
 	kvroute := fs.String("kvroute", "bin/kvroute", "kvroute binary")
 	out := fs.String("out", "bench/results/proxy", "results directory")
@@ -35,7 +40,7 @@ func run(args []string) error {
 	dur := fs.Duration("duration", 5*time.Second, "length of one wrk measurement (whole seconds)")
 	events := fs.Int("events", 100, "SSE events per streamed answer")
 	only := fs.String("only", "", "comma-separated cases to run (NAME or NAME/CONNS, e.g. completion-1KiB/32); default all")
-	targets := fs.String("targets", "", "comma-separated targets (direct, kvroute, nginx, haproxy, "+hop.EventsTarget+"); default all but "+hop.EventsTarget)
+	targets := fs.String("targets", "", "comma-separated targets (direct, kvroute, "+hop.BareTarget+", nginx, haproxy, "+hop.EventsTarget+"); default all but "+hop.EventsTarget)
 	streams := fs.Int("streams", 0, "instead of the wrk run: hold this many SSE streams, then as many idle keep-alive connections, through kvroute and report its RSS per stream and per connection (two file descriptors each in kvroute)")
 	kvEvents := fs.Bool("kv-events", false, "also measure kvroute with engine truth on ("+hop.EventsTarget+"): the backend publishes KV events (≈ 3,500 a second) and answers /tokenize")
 	more := fs.String("kvroutes", "", "comma-separated further kvroute binaries, measured as kvroute-1, kvroute-2, ... (an A/B of builds)")
@@ -59,8 +64,12 @@ func run(args []string) error {
 	if *streams > 0 {
 		return memory(ctx, abs, work, *streams, *out)
 	}
+	self, err := os.Executable()
+	if err != nil {
+		return err
+	}
 	cfg := hop.Config{Kvroute: abs, Dir: work, Rounds: *rounds, Duration: *dur, Events: *events, Log: os.Stdout,
-		Only: list(*only), Targets: list(*targets), KVEvents: *kvEvents}
+		Only: list(*only), Targets: list(*targets), KVEvents: *kvEvents, Bare: self}
 	for _, b := range list(*more) {
 		a, err := filepath.Abs(b)
 		if err != nil {
@@ -119,4 +128,23 @@ func list(s string) []string {
 		return nil
 	}
 	return strings.Split(s, ",")
+}
+
+// bare serves the bare fasthttp proxy (hop.ServeBare): kvhop runs itself
+// as "kvhop bare-proxy --listen ADDR --backend ADDR" for that target.
+func bare(args []string) error {
+	fs := flag.NewFlagSet("kvhop bare-proxy", flag.ContinueOnError)
+	listen := fs.String("listen", "127.0.0.1:0", "address to serve on")
+	backend := fs.String("backend", "", "backend host:port")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *backend == "" {
+		return fmt.Errorf("bare-proxy: --backend is required")
+	}
+	ln, err := net.Listen("tcp", *listen)
+	if err != nil {
+		return err
+	}
+	return hop.ServeBare(ln, *backend)
 }

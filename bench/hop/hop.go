@@ -1,10 +1,11 @@
 // Package hop measures what one proxy hop costs, side by side in one run:
 // wrk drives an instant loopback backend directly, through kvroute (its
-// binary, default flags), through nginx and through HAProxy (both as the
-// equivalent reverse proxy: keep-alive upstream connections, no
-// buffering), alternating target by target in rounds, and reports
-// throughput and latency as ratios to nginx. It drives the real binaries
-// (wrk, nginx, haproxy and kvroute), each in its own process.
+// binary, default flags), through a bare fasthttp proxy (bare.go), through
+// nginx and through HAProxy (both as the equivalent reverse proxy:
+// keep-alive upstream connections, no buffering), alternating target by
+// target in rounds, and reports throughput and latency as ratios to nginx.
+// It drives the real binaries (wrk, nginx, haproxy, kvroute, and kvhop
+// itself for the bare proxy), each in its own process.
 package hop
 
 import (

@@ -41,7 +41,7 @@ type Truth struct {
 	eps        map[uint64]*engineView
 	blocks     int          // Σ entries over eps
 	tokenBlock int          // tokens per engine block (events' block_size)
-	links      twoGen[link] // token key → the byte block it completes or breaks
+	links      TwoGen[link] // token key → the byte block it completes or breaks
 	stats      TruthStats
 
 	// The request path's side (NeedsLink), apart from the events' mutex so
@@ -49,7 +49,7 @@ type Truth struct {
 	// linked (the deepest byte block of a chain linked, or that its engine
 	// could not tokenize) and pending (chains being tokenized).
 	linkMu  sync.Mutex
-	linked  twoGen[bool]
+	linked  TwoGen[bool]
 	pending map[uint64]struct{}
 }
 
@@ -126,7 +126,7 @@ func NewTruth(index *Index, c TruthConfig) *Truth {
 	}
 	return &Truth{index: index, blockBytes: max(1, c.BlockBytes), maxBlocks: c.MaxBlocks, now: c.Now,
 		eps: make(map[uint64]*engineView), tokenBlock: DefaultTokenBlock,
-		links: newTwoGen[link](c.MaxLinks), linked: newTwoGen[bool](c.MaxLinks / 4),
+		links: NewTwoGen[link](c.MaxLinks, nil), linked: NewTwoGen[bool](c.MaxLinks/4, nil),
 		pending: make(map[uint64]struct{})}
 }
 
@@ -173,9 +173,9 @@ func (t *Truth) Stored(id uint64, parent uint64, hasParent bool, hashes []uint64
 	if blockSize != t.tokenBlock {
 		// Links were cut for another block size: they no longer line up.
 		t.tokenBlock = blockSize
-		t.links.reset()
+		t.links.Reset()
 		t.linkMu.Lock()
-		t.linked.reset()
+		t.linked.Reset()
 		t.linkMu.Unlock()
 	}
 	key := TokenRoot(lora)
@@ -234,7 +234,7 @@ func (t *Truth) hold(id uint64, v *engineView, th tierHash, key uint64) {
 	}
 	b.refs++
 	v.blocks[th] = b
-	if l, ok := t.links.get(key); ok && l.end {
+	if l, ok := t.links.Get(key); ok && l.end {
 		t.index.Record(id, []uint64{l.bytes})
 		t.index.SetLower(id, l.bytes, v.gpu[key] == 0)
 		t.stats.Confirmed++
@@ -322,7 +322,7 @@ func (t *Truth) NeedsLink(hashes []uint64) bool {
 	deepest := hashes[len(hashes)-1]
 	t.linkMu.Lock()
 	defer t.linkMu.Unlock()
-	if _, ok := t.linked.get(deepest); ok {
+	if _, ok := t.linked.Get(deepest); ok {
 		return false
 	}
 	if _, ok := t.pending[deepest]; ok || len(t.pending) >= maxPendingLinks {
@@ -350,7 +350,7 @@ func (t *Truth) Unlinked(hashes []uint64, retry bool) {
 	defer t.linkMu.Unlock()
 	delete(t.pending, deepest)
 	if !retry {
-		t.linked.put(deepest, false)
+		t.linked.Put(deepest, false)
 	}
 }
 
@@ -392,13 +392,13 @@ func (t *Truth) Link(lora string, hashes []uint64, promptBytes int, tokens []uin
 			break // the byte block ends before a token block does
 		}
 		for j := from; j <= end; j++ {
-			t.links.put(keys[j], link{bytes: bh, end: j == end})
+			t.links.Put(keys[j], link{bytes: bh, end: j == end})
 		}
 		ends = append(ends, end)
 		from = end + 1
 	}
 	t.linkMu.Lock()
-	t.linked.put(hashes[len(hashes)-1], true)
+	t.linked.Put(hashes[len(hashes)-1], true)
 	t.linkMu.Unlock()
 	// Confirm what the engines already hold, from the chain's root: a
 	// byte block is held where every token block up to its end is.
@@ -431,11 +431,11 @@ func (t *Truth) Stats() TruthStats {
 	defer t.mu.Unlock()
 	s := t.stats
 	s.Endpoints = len(t.eps)
-	s.Links = t.links.len()
+	s.Links = t.links.Len()
 	// A map entry of the views ≈ 48 bytes with the map's overhead, a link
 	// ≈ 40.
 	t.linkMu.Lock()
-	s.Bytes = t.blocks*48*2 + s.Links*40 + t.linked.len()*24
+	s.Bytes = t.blocks*48*2 + s.Links*40 + t.linked.Len()*24
 	t.linkMu.Unlock()
 	return s
 }
@@ -486,14 +486,14 @@ func (t *Truth) release(id uint64, v *engineView, th tierHash, b heldBlock, all 
 		}
 	}
 	if v.held[b.key]--; v.held[b.key] > 0 {
-		if l, ok := t.links.get(b.key); ok && l.end && v.gpu[b.key] == 0 {
+		if l, ok := t.links.Get(b.key); ok && l.end && v.gpu[b.key] == 0 {
 			// Held on a slower tier only: still cached, but loaded.
 			t.index.SetLower(id, l.bytes, true)
 		}
 		return
 	}
 	delete(v.held, b.key)
-	if l, ok := t.links.get(b.key); ok {
+	if l, ok := t.links.Get(b.key); ok {
 		t.stats.Dropped += uint64(t.index.Drop(id, l.bytes))
 	}
 }
@@ -519,39 +519,3 @@ func (t *Truth) overflow(id uint64, v *engineView) {
 	t.index.SetTruth(id, false)
 	t.stats.Overflows++
 }
-
-// twoGen is a bounded map that forgets the least recently used half at a
-// time: entries live in cur, or in old until cur fills; a hit in old moves
-// the entry to cur. Not safe for concurrent use.
-type twoGen[V any] struct {
-	cur, old map[uint64]V
-	half     int
-}
-
-func newTwoGen[V any](size int) twoGen[V] {
-	half := max(1, size/2)
-	return twoGen[V]{cur: make(map[uint64]V), old: make(map[uint64]V), half: half}
-}
-
-func (g *twoGen[V]) get(k uint64) (V, bool) {
-	if v, ok := g.cur[k]; ok {
-		return v, true
-	}
-	v, ok := g.old[k]
-	if ok {
-		delete(g.old, k)
-		g.put(k, v)
-	}
-	return v, ok
-}
-
-func (g *twoGen[V]) put(k uint64, v V) {
-	if len(g.cur) >= g.half {
-		g.old, g.cur = g.cur, make(map[uint64]V, g.half/4)
-	}
-	g.cur[k] = v
-}
-
-func (g *twoGen[V]) len() int { return len(g.cur) + len(g.old) }
-
-func (g *twoGen[V]) reset() { clear(g.cur); clear(g.old) }

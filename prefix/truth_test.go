@@ -270,14 +270,27 @@ func TestTruthUnlinked(t *testing.T) {
 }
 
 func TestTwoGenForgetsOldest(t *testing.T) {
-	g := newTwoGen[int](4)
+	g := NewTwoGen[int](4, nil)
 	for k := range uint64(6) {
-		g.put(k, int(k))
+		g.Put(k, int(k))
 	}
-	if _, ok := g.get(0); ok {
+	if _, ok := g.Get(0); ok {
 		t.Fatal("the oldest entry survived two generations")
 	}
-	if v, ok := g.get(5); !ok || v != 5 {
+	if v, ok := g.Get(5); !ok || v != 5 {
 		t.Fatal("the newest entry is gone")
+	}
+	// Weighed: a generation holds 5 in weight; an entry of 6 is not kept,
+	// and entries of 3 each fill a generation two at a time.
+	w := NewTwoGen(10, func(v []int) int { return len(v) })
+	w.Put(1, make([]int, 6))
+	if _, ok := w.Get(1); ok {
+		t.Fatal("an entry heavier than a generation was kept")
+	}
+	for k := range uint64(5) {
+		w.Put(k, make([]int, 2))
+	}
+	if _, ok := w.Get(0); ok || w.Len() != 3 {
+		t.Fatalf("weighed: the oldest entry kept, or %d entries, want 3", w.Len())
 	}
 }

@@ -386,52 +386,28 @@ func (p *Precise) fetchTokens(e *discovery.Endpoint, body []byte) ([]uint32, err
 	return proxy.Tokenize(p.client, e, body, p.TokenizeTimeout)
 }
 
-// tokenCache maps body hashes to their tokens, bounded in tokens: entries
-// live in cur, or in old until cur fills its half; a hit in old moves the
-// entry to cur. Safe for concurrent use; cached slices are never modified.
+// tokenCache maps body hashes to their tokens, bounded in tokens (a
+// prefix.TwoGen weighing each entry by its tokens). Safe for concurrent
+// use; cached slices are never modified.
 type tokenCache struct {
-	mu       sync.Mutex
-	cur, old map[uint64][]uint32
-	curToks  int // tokens in cur
-	half     int // tokens per generation
+	mu sync.Mutex
+	g  prefix.TwoGen[[]uint32]
 }
 
 func newTokenCache(tokens int) tokenCache {
-	return tokenCache{cur: make(map[uint64][]uint32), old: make(map[uint64][]uint32), half: max(1, tokens/2)}
+	return tokenCache{g: prefix.NewTwoGen(tokens, func(t []uint32) int { return len(t) })}
 }
 
 func (c *tokenCache) get(h uint64) ([]uint32, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if t, ok := c.cur[h]; ok {
-		return t, true
-	}
-	t, ok := c.old[h]
-	if ok {
-		delete(c.old, h)
-		c.putLocked(h, t)
-	}
-	return t, ok
+	return c.g.Get(h)
 }
 
 func (c *tokenCache) put(h uint64, t []uint32) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	c.putLocked(h, t)
-}
-
-func (c *tokenCache) putLocked(h uint64, t []uint32) {
-	if len(t) > c.half {
-		return // bigger than a generation: not worth evicting everything for
-	}
-	if c.curToks+len(t) > c.half {
-		c.old, c.cur, c.curToks = c.cur, make(map[uint64][]uint32), 0
-	}
-	if old, ok := c.cur[h]; ok {
-		c.curToks -= len(old)
-	}
-	c.cur[h] = t
-	c.curToks += len(t)
+	c.g.Put(h, t)
 }
 
 // The precise scorer is a policy fed by the engines' KV events: the

@@ -30,6 +30,34 @@ func kvEventsBackends(t *testing.T, fleet *sim.Fleet) []string {
 	return out
 }
 
+// startEventsRig starts pods simulated pods of 256 KV blocks (4,096
+// tokens) each, with a CPU tier of cpuBlocks (0: none), publishing their
+// KV events, and kvroute dialing them, scraping every 100 ms.
+func startEventsRig(t *testing.T, pods, cpuBlocks int) (*sim.Fleet, *faultRig, sim.Config) {
+	t.Helper()
+	faultLeakCheck(t)
+	cfg := faultSimConfig()
+	cfg.KVEventsPort = -1
+	cfg.NumGPUBlocks = 256
+	cfg.CPUBlocks = cpuBlocks
+	fleet := startFaultFleet(t, pods, cfg)
+	r := startFaultRig(t, kvEventsBackends(t, fleet), cfg.Model, func(c *app.Config) {
+		c.ScrapeInterval = 100 * time.Millisecond
+	})
+	return fleet, r, cfg
+}
+
+// postDirect sends a one-token completion of prompt straight to the pod at
+// url, as a client bypassing kvroute would.
+func postDirect(t *testing.T, url, model, prompt string) {
+	t.Helper()
+	resp, err := http.Post(url+"/v1/completions", "application/json", bytes.NewReader([]byte(faultBody(model, prompt, 1, false))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+}
+
 // explainRoute asks the admin listener how it would route a completion of
 // prompt: the matched blocks and cache source per endpoint URL.
 func (r *faultRig) explainRoute(prompt string) map[string]routing.Term {
@@ -59,14 +87,7 @@ func (r *faultRig) explainRoute(prompt string) map[string]routing.Term {
 // there when the engine clears its cache or evicts it for other clients'
 // prompts, which kvroute never saw.
 func TestKVEventsEngineTruth(t *testing.T) {
-	faultLeakCheck(t)
-	cfg := faultSimConfig()
-	cfg.KVEventsPort = -1
-	cfg.NumGPUBlocks = 256 // 4,096 tokens: five 2 KiB prompts overflow it
-	fleet := startFaultFleet(t, 2, cfg)
-	r := startFaultRig(t, kvEventsBackends(t, fleet), cfg.Model, func(c *app.Config) {
-		c.ScrapeInterval = 100 * time.Millisecond
-	})
+	fleet, r, cfg := startEventsRig(t, 2, 0)                                             // 4,096 tokens a pod: five 2 KiB prompts overflow it
 	prompt := strings.Repeat("Engines announce what they cache; kvroute listens. ", 170) // 8.5 KiB: 8 index blocks
 	if res := r.do(prompt, 2, false); !res.completed() {
 		t.Fatalf("first request: %v", res)
@@ -114,13 +135,7 @@ func TestKVEventsEngineTruth(t *testing.T) {
 
 	// Computed there again, then evicted by other clients' prompts sent to
 	// the pod directly: the removals drop it from kvroute's view.
-	direct := func(p string) {
-		resp, err := http.Post(fleet.URL(pod)+"/v1/completions", "application/json", bytes.NewReader([]byte(faultBody(cfg.Model, p, 1, false))))
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-	}
+	direct := func(p string) { postDirect(t, fleet.URL(pod), cfg.Model, p) }
 	direct(prompt)
 	r.waitFor("the prompt stored again", func() bool { return r.explainRoute(prompt)[warm].MatchedBlocks >= 8 })
 	for i := range 6 {
@@ -137,15 +152,7 @@ func TestKVEventsEngineTruth(t *testing.T) {
 // it still held there, as tokens to load rather than to compute, and its
 // wait there is below a recompute's.
 func TestKVEventsTiersCostALoad(t *testing.T) {
-	faultLeakCheck(t)
-	cfg := faultSimConfig()
-	cfg.KVEventsPort = -1
-	cfg.NumGPUBlocks = 256 // 4,096 tokens
-	cfg.CPUBlocks = 2048
-	fleet := startFaultFleet(t, 1, cfg)
-	r := startFaultRig(t, kvEventsBackends(t, fleet), cfg.Model, func(c *app.Config) {
-		c.ScrapeInterval = 100 * time.Millisecond
-	})
+	fleet, r, cfg := startEventsRig(t, 1, 2048)
 	prompt := strings.Repeat("Offloaded blocks load faster than they compute. ", 180) // 8.6 KiB: 8 index blocks
 	if res := r.do(prompt, 2, false); !res.completed() {
 		t.Fatalf("first request: %v", res)
@@ -157,12 +164,7 @@ func TestKVEventsTiersCostALoad(t *testing.T) {
 	})
 	onGPU := r.explainRoute(prompt)[url]
 	for i := range 6 {
-		resp, err := http.Post(url+"/v1/completions", "application/json",
-			bytes.NewReader([]byte(faultBody(cfg.Model, strings.Repeat(string(rune('a'+i))+"nother client's prompt fills the GPU. ", 200), 1, false))))
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
+		postDirect(t, url, cfg.Model, strings.Repeat(string(rune('a'+i))+"nother client's prompt fills the GPU. ", 200))
 	}
 	r.waitFor("the prompt held on CPU only", func() bool {
 		term := r.explainRoute(prompt)[url]

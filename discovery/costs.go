@@ -100,11 +100,11 @@ const (
 )
 
 // LoadSpeedup is the prior of how much faster an engine loads a cached
-// token from its CPU tier than it computes one: a token's KV (128 KiB
-// for Llama-3.1-8B in bf16) crosses PCIe at ≈ 25 GB/s, ≈ 190,000 tokens
-// a second, against ≈ 20,000 tokens a second of prefill (vLLM's KV
-// offloading, docs.vllm.ai "KV cache offloading"; LMCache reports loads
-// several times faster than recompute). Each endpoint's own TTFTs correct
+// token from its CPU tier than it computes one (vLLM's OffloadingConnector,
+// vllm.v1.kv_offload, loads a block the GPU evicted back instead of
+// recomputing it): by arithmetic, a token's KV (128 KiB for Llama-3.1-8B
+// in bf16) crosses PCIe at ≈ 25 GB/s, ≈ 190,000 tokens a second, against
+// ≈ 20,000 tokens a second of prefill. Each endpoint's own TTFTs correct
 // it (Costs.LoadTokensPerSec).
 const LoadSpeedup = 10
 

@@ -75,6 +75,11 @@ type Measure struct {
 	P50us float64 `json:"p50_us"`
 	P99us float64 `json:"p99_us"`
 	Errs  int     `json:"errors"`
+	// The proxy's own cost per request (its process and children, from
+	// /proc): CPU time and system calls; zero for direct.
+	CPUus    float64 `json:"cpu_us_per_request,omitempty"`
+	Syscalls float64 `json:"syscalls_per_request,omitempty"`
+	requests float64
 }
 
 // Row is one case's median figures per target over the rounds.
@@ -254,9 +259,10 @@ backend engines
 
 // proxyProc is a proxy under test running in its own process.
 type proxyProc struct {
-	name string
-	url  string
-	cmd  *exec.Cmd
+	name  string
+	url   string
+	cmd   *exec.Cmd
+	admin string // kvroute's admin URL, for its profiles
 }
 
 func (p *proxyProc) stop() {
@@ -291,11 +297,15 @@ func startProxy(ctx context.Context, name, kvroute, bare, dir string, be *backen
 			return nil, err
 		}
 		args := []string{"--listen", fmt.Sprintf("127.0.0.1:%d", port),
-			"--admin-listen", fmt.Sprintf("127.0.0.1:%d", admin), "--backends", "http://" + backend}
+			"--admin-listen", fmt.Sprintf("127.0.0.1:%d", admin), "--backends", "http://" + backend, "--admin-token", profileToken}
 		if name == EventsTarget {
 			args = append(args, "--kv-events-port", strconv.Itoa(be.kv.port))
 		}
-		return startProxyArgs(ctx, name, dir, port, kvroute, args...)
+		p, err := startProxyArgs(ctx, name, dir, port, kvroute, args...)
+		if p != nil {
+			p.admin = fmt.Sprintf("http://127.0.0.1:%d", admin)
+		}
+		return p, err
 	case BareTarget:
 		return startProxyArgs(ctx, name, dir, port, bare, "bare-proxy", "--listen", fmt.Sprintf("127.0.0.1:%d", port), "--backend", backend)
 	case "nginx":
@@ -382,6 +392,7 @@ func runWrk(ctx context.Context, dir string, c Case, url string, d time.Duration
 var (
 	reRPS    = regexp.MustCompile(`Requests/sec:\s+([0-9.]+)`)
 	reLat    = regexp.MustCompile(`(?m)^\s+(50|99)%\s+([0-9.]+)(us|ms|s)\s*$`)
+	reReqs   = regexp.MustCompile(`(\d+) requests in`)
 	reErrs   = regexp.MustCompile(`Non-2xx or 3xx responses:\s+(\d+)`)
 	reSocket = regexp.MustCompile(`Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)`)
 )
@@ -394,6 +405,9 @@ func parseWrk(out string) (Measure, error) {
 		return m, fmt.Errorf("wrk output without Requests/sec: %s", out)
 	}
 	m.RPS, _ = strconv.ParseFloat(r[1], 64)
+	if n := reReqs.FindStringSubmatch(out); n != nil {
+		m.requests, _ = strconv.ParseFloat(n[1], 64)
+	}
 	for _, l := range reLat.FindAllStringSubmatch(out, -1) {
 		v, _ := strconv.ParseFloat(l[2], 64)
 		switch l[3] {
@@ -473,14 +487,23 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	for r := range cfg.Rounds {
 		for i, c := range cases {
 			for _, t := range targets {
+				prof := cpuProfile(procs[t], r, c, t, cfg.Duration)
+				before := procs[t].usage()
 				m, err := runWrk(ctx, cfg.Dir, c, procs[t].url, cfg.Duration)
+				if perr := <-prof; perr != nil && err == nil {
+					err = perr
+				}
+				if after := procs[t].usage(); before.ok && after.ok && m.requests > 0 {
+					m.CPUus = (after.cpu - before.cpu).Seconds() * 1e6 / m.requests
+					m.Syscalls = float64(after.syscalls-before.syscalls) / m.requests
+				}
 				if err != nil {
 					return nil, fmt.Errorf("%s via %s: %w", c.Name, t, err)
 				}
 				samples[i][t] = append(samples[i][t], m)
 				if cfg.Log != nil {
-					fmt.Fprintf(cfg.Log, "round %d %s c=%d %-8s %9.0f req/s  p50 %7.0f µs  p99 %7.0f µs  errors %d\n",
-						r+1, c.Name, c.Conns, t, m.RPS, m.P50us, m.P99us, m.Errs)
+					fmt.Fprintf(cfg.Log, "round %d %s c=%d %-8s %9.0f req/s  p50 %7.0f µs  p99 %7.0f µs  cpu %5.1f µs/req  %4.1f syscalls/req  errors %d\n",
+						r+1, c.Name, c.Conns, t, m.RPS, m.P50us, m.P99us, m.CPUus, m.Syscalls, m.Errs)
 				}
 			}
 		}
@@ -496,6 +519,24 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	return rep, nil
 }
 
+// cpuProfile, with KVHOP_CPU_PROFILE=P, saves a CPU profile of the
+// kvroute target t over the first round's wrk run of c to
+// P-t-case-conns; its result arrives on the channel once saved (at
+// once when there is nothing to profile).
+func cpuProfile(p *proxyProc, round int, c Case, t string, d time.Duration) <-chan error {
+	done := make(chan error, 1)
+	path := os.Getenv("KVHOP_CPU_PROFILE")
+	if path == "" || p.admin == "" || round > 0 || d < 2*time.Second {
+		done <- nil
+		return done
+	}
+	go func() {
+		url := fmt.Sprintf("%s/debug/pprof/profile?seconds=%d", p.admin, int(d.Seconds())-1)
+		done <- saveProfile(url, fmt.Sprintf("%s-%s-%s-%d", path, t, c.Name, c.Conns))
+	}()
+	return done
+}
+
 // median returns the per-figure median of ms (errors summed).
 func median(ms []Measure) Measure {
 	pick := func(f func(Measure) float64) float64 {
@@ -507,7 +548,8 @@ func median(ms []Measure) Measure {
 		return v[len(v)/2]
 	}
 	out := Measure{RPS: pick(func(m Measure) float64 { return m.RPS }), P50us: pick(func(m Measure) float64 { return m.P50us }),
-		P99us: pick(func(m Measure) float64 { return m.P99us })}
+		P99us: pick(func(m Measure) float64 { return m.P99us }), CPUus: pick(func(m Measure) float64 { return m.CPUus }),
+		Syscalls: pick(func(m Measure) float64 { return m.Syscalls })}
 	for _, m := range ms {
 		out.Errs += m.Errs
 	}
@@ -531,7 +573,7 @@ func versions(kvroute string) []string {
 func (r *Report) Markdown() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "%d rounds of %s per measurement, medians; every target visited in turn within a round.\n\n", r.Rounds, r.Duration)
-	fmt.Fprintf(&b, "| case | conns | target | req/s | vs nginx | p50 | added p50 | p99 | errors |\n|---|---:|---|---:|---:|---:|---:|---:|---:|\n")
+	fmt.Fprintf(&b, "| case | conns | target | req/s | vs nginx | p50 | added p50 | p99 | CPU per request | read/write calls per request | errors |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, row := range r.Rows {
 		ng, dir := row.Targets["nginx"], row.Targets["direct"]
 		for _, t := range r.Targets {
@@ -552,10 +594,66 @@ func (r *Report) Markdown() string {
 					added += fmt.Sprintf(" (%+.1f µs/event)", (m.P50us-dir.P50us)/float64(r.Events))
 				}
 			}
-			fmt.Fprintf(&b, "| %s | %d | %s | %s | %s | %.0f µs | %s | %.0f µs | %d |\n", row.Case.Name, row.Case.Conns, t, rps,
-				vsNginx, m.P50us, added, m.P99us, m.Errs)
+			cpu, sys := "–", "–"
+			if m.CPUus > 0 {
+				cpu, sys = fmt.Sprintf("%.1f µs", m.CPUus), fmt.Sprintf("%.1f", m.Syscalls)
+			}
+			fmt.Fprintf(&b, "| %s | %d | %s | %s | %s | %.0f µs | %s | %.0f µs | %s | %s | %d |\n", row.Case.Name, row.Case.Conns, t, rps,
+				vsNginx, m.P50us, added, m.P99us, cpu, sys, m.Errs)
 		}
 	}
+	fmt.Fprintf(&b, "\nCPU per request: the proxy's processes' user and system time over the requests wrk completed. Read/write calls: /proc's syscr + syscw, which count read(2)/write(2)-family calls (Go's), not recv(2)/send(2) (nginx's and HAProxy's reads).\n")
 	fmt.Fprintf(&b, "\nTools: %s.\n", strings.Join(r.Versions, "; "))
 	return b.String()
+}
+
+// procUsage is a process tree's CPU time and system calls so far.
+type procUsage struct {
+	cpu      time.Duration
+	syscalls int64
+	ok       bool
+}
+
+// usage reads p's process and its children's (nginx's workers) CPU time
+// and system calls (syscr + syscw) from /proc; not ok without a process
+// or /proc.
+func (p *proxyProc) usage() procUsage {
+	if p.cmd == nil || p.cmd.Process == nil {
+		return procUsage{}
+	}
+	pids := []string{strconv.Itoa(p.cmd.Process.Pid)}
+	tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%s/task/*/children", pids[0]))
+	for _, t := range tasks {
+		b, _ := os.ReadFile(t)
+		pids = append(pids, strings.Fields(string(b))...)
+	}
+	var u procUsage
+	for _, pid := range pids {
+		stat, err := os.ReadFile("/proc/" + pid + "/stat")
+		if err != nil {
+			return procUsage{}
+		}
+		// Fields after the command's closing parenthesis: utime and
+		// stime are the 12th and 13th (clock ticks, 100 a second).
+		_, rest, _ := bytes.Cut(stat, []byte(") "))
+		f := strings.Fields(string(rest))
+		if len(f) < 13 {
+			return procUsage{}
+		}
+		ut, _ := strconv.ParseInt(f[11], 10, 64)
+		st, _ := strconv.ParseInt(f[12], 10, 64)
+		u.cpu += time.Duration(ut+st) * 10 * time.Millisecond
+		io, err := os.ReadFile("/proc/" + pid + "/io")
+		if err != nil {
+			return procUsage{}
+		}
+		for _, l := range strings.Split(string(io), "\n") {
+			if k, v, ok := strings.Cut(l, ": "); ok && (k == "syscr" || k == "syscw") {
+				n, _ := strconv.ParseInt(v, 10, 64)
+				u.syscalls += n
+			}
+		}
+	}
+	u.ok = true
+	return u
 }

@@ -209,12 +209,14 @@ func (c *config) Validate() error {
 	return errors.Join(append(errs, c.Config.Validate())...)
 }
 
-// newLogger builds the process logger. Log lines are buffered (flushed every
-// second and at exit) so the access log costs no syscall per request.
-func newLogger(c *config, w io.Writer) (*zap.Logger, func(), error) {
+// newLogger builds the process logger and returns its output. Log lines
+// are buffered (flushed every second and at exit), and the access log
+// writes its batches to the same output, so that lines are never
+// interleaved and cost no syscall each.
+func newLogger(c *config, w io.Writer) (*zap.Logger, io.Writer, func(), error) {
 	level, err := zapcore.ParseLevel(c.LogLevel)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	encCfg := zap.NewProductionEncoderConfig()
 	encCfg.EncodeTime = zapcore.ISO8601TimeEncoder
@@ -226,7 +228,7 @@ func newLogger(c *config, w io.Writer) (*zap.Logger, func(), error) {
 	}
 	ws := &zapcore.BufferedWriteSyncer{WS: zapcore.AddSync(w), FlushInterval: time.Second}
 	logger := zap.New(zapcore.NewCore(enc, ws, level))
-	return logger, func() { _ = ws.Stop() }, nil
+	return logger, ws, func() { _ = ws.Stop() }, nil
 }
 
 // readyAddrs are the bound listener addresses, sent once kvroute serves.
@@ -247,11 +249,14 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready cha
 	if err := cfg.Validate(); err != nil {
 		return fmt.Errorf("invalid configuration:\n%w", err)
 	}
-	logger, flush, err := newLogger(cfg, stderr)
+	logger, out, flush, err := newLogger(cfg, stderr)
 	if err != nil {
 		return err
 	}
 	defer flush()
+	if logger.Core().Enabled(zap.InfoLevel) { // the access log's lines are Info lines
+		cfg.AccessLogTo, cfg.AccessLogConsole = out, cfg.LogFormat == "console"
+	}
 
 	cfg.Version, cfg.Revision = bi.Version, bi.Revision
 	logger.Info("kvroute starting", zap.String("version", bi.Version), zap.String("revision", bi.Revision),

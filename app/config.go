@@ -3,6 +3,7 @@ package app
 import (
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"strings"
 	"time"
@@ -52,6 +53,12 @@ type Config struct {
 	TrustClientKVParams bool
 
 	AccessLog bool
+	// AccessLogTo is where the access log's lines go, in zap's production
+	// layout (JSON, or console with AccessLogConsole); main sets it to its
+	// logger's output when the logger writes Info lines. Nil: no access
+	// log.
+	AccessLogTo      io.Writer
+	AccessLogConsole bool
 	// AccessLogSample is the share of successful requests (status < 400)
 	// the access log records; the others are always recorded.
 	AccessLogSample float64

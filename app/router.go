@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"runtime"
@@ -36,6 +37,14 @@ type Router struct {
 	Registry *prometheus.Registry
 	tracing  *sdktrace.TracerProvider // nil without --otlp-endpoint
 	truth    *engineTruth             // nil without KV events
+}
+
+// accessLogTo is where the access log goes: nowhere when it is off.
+func accessLogTo(cfg *Config) io.Writer {
+	if !cfg.AccessLog {
+		return nil
+	}
+	return cfg.AccessLogTo
 }
 
 // New validates cfg and builds the router; it starts nothing. logger
@@ -80,7 +89,7 @@ func New(cfg Config, logger *zap.Logger) (*Router, error) {
 		}
 	})
 	opt := proxy.Options{Limits: cfg.Limits, Picker: pick, Pool: r.Pool, Metrics: m, Logger: logger,
-		AccessLog: cfg.AccessLog, AccessLogSkip: 1 - cfg.AccessLogSample, NearMissBlocks: cfg.NearMissBlocks,
+		AccessLog: accessLogTo(&cfg), AccessLogConsole: cfg.AccessLogConsole, AccessLogSkip: 1 - cfg.AccessLogSample, NearMissBlocks: cfg.NearMissBlocks,
 		NormalizePrompts: cfg.NormalizePrompts, AdminToken: cfg.AdminToken, BlockSize: cfg.PrefixBlockBytes, MaxBlocks: cfg.PrefixMaxBlocks,
 		PD: proxy.PDOptions{Protocol: cfg.PDProtocol, PrefillTimeout: cfg.PrefillTimeout, BootstrapPort: cfg.PDBootstrapPort,
 			Disaggregated: len(cfg.DecodeBackends) > 0 || cfg.DecodeService != "",

@@ -73,6 +73,7 @@ type Metrics struct {
 	modelsMu   sync.RWMutex
 	models     map[string]string // model names an endpoint accepted → their label value
 	chunkGap   prometheus.Observer
+	logDropped prometheus.Counter
 	nearMisses *prometheus.CounterVec
 	rewrites   prometheus.Counter
 
@@ -148,6 +149,10 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 			Namespace: Namespace, Name: "overload_rejections_total",
 			Help: "Requests answered 429 because every eligible endpoint stayed saturated past the queue timeout, or the queue was full.",
 		}),
+		logDropped: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: Namespace, Name: "access_log_dropped_lines_total",
+			Help: "Access-log lines dropped because the log's output fell behind (more than 4 MiB of lines waiting).",
+		}),
 		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: Namespace, Name: "routing_decisions_total",
 			Help: "Routing decisions by reason (warm, spill, cold, or the basic policy's name).",
@@ -191,7 +196,7 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 		return readCounter(m.hitTokens) / p
 	})
 	reg.MustRegister(m.requests, m.duration, m.ttfb, m.inFlight, m.upstreamErrs, m.retries,
-		m.retryDenied, m.cancelled, m.queued, m.overloaded, m.decisions, m.hitTokens, m.promptTokens, hitRatio)
+		m.retryDenied, m.cancelled, m.queued, m.overloaded, m.logDropped, m.decisions, m.hitTokens, m.promptTokens, hitRatio)
 	if endpoints != nil {
 		reg.MustRegister(&endpointCollector{each: endpoints})
 	}
@@ -276,6 +281,9 @@ func (m *Metrics) PromptRewrite() { m.rewrites.Inc() }
 // the router received them: the engine's inter-token gaps, batched by its
 // stream interval, plus the network.
 func (m *Metrics) ChunkGap(seconds float64) { m.chunkGap.Observe(seconds) }
+
+// AccessLogDropped counts n access-log lines dropped.
+func (m *Metrics) AccessLogDropped(n int) { m.logDropped.Add(float64(n)) }
 
 // FirstByte records the time to the first response byte for class index class.
 func (m *Metrics) FirstByte(class int, seconds float64) {

@@ -1,49 +1,232 @@
 package proxy
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
-	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/kvroute/kvroute/bench/sim"
+	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/routing"
 )
 
-// Every access line is written, queued or not, stamped with the request's
-// end, and close writes what is queued.
-func TestAccessLogWritesEveryLine(t *testing.T) {
-	core, logs := observer.New(zapcore.InfoLevel)
-	a := accessLog{log: zap.New(core).Named("proxy")}
-	end := time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
-	a.add(accessLine{at: end, reqID: "before-start", status: 200}) // written in place
-	a.start()
-	for range accessQueue + 100 { // more than the queue holds
-		a.add(accessLine{at: end, reqID: "queued", status: 200, endpoint: "http://10.0.0.1:8000", prefix: true, prefixKey: 255})
+// lineBuffer is a writer safe for concurrent use that keeps what it got.
+type lineBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (w *lineBuffer) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.Write(p)
+}
+
+// lines returns the lines written so far, each decoded from JSON.
+func (w *lineBuffer) lines(t *testing.T) []map[string]any {
+	t.Helper()
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var out []map[string]any
+	for _, l := range strings.Split(strings.TrimSuffix(w.b.String(), "\n"), "\n") {
+		if l == "" {
+			continue
+		}
+		var m map[string]any
+		if err := json.Unmarshal([]byte(l), &m); err != nil {
+			t.Fatalf("an access line is not JSON: %v: %q", err, l)
+		}
+		out = append(out, m)
 	}
-	a.close()
-	a.add(accessLine{at: end, reqID: "after-close", status: 499})
-	got := logs.TakeAll()
-	if len(got) != accessQueue+102 {
-		t.Fatalf("%d lines, want %d", len(got), accessQueue+102)
+	return out
+}
+
+func (w *lineBuffer) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.String()
+}
+
+// zapLine is the line zap's production encoder (kvroute's logger) writes
+// for r's fields: the reference appendAccessLine must match byte for byte.
+func zapLine(t *testing.T, console bool, r *record, d time.Duration) string {
+	t.Helper()
+	cfg := zap.NewProductionEncoderConfig()
+	cfg.EncodeTime = zapcore.ISO8601TimeEncoder
+	enc := zapcore.NewJSONEncoder(cfg)
+	if console {
+		enc = zapcore.NewConsoleEncoder(cfg)
 	}
-	for _, e := range got {
-		if !e.Time.Equal(end) || e.Message != "request" || e.LoggerName != "proxy" {
-			t.Fatalf("line %+v", e.Entry)
+	f := []zap.Field{zap.ByteString("request_id", r.reqID), zap.ByteString("trace_id", r.traceID[:]),
+		zap.ByteString("method", r.method), zap.ByteString("path", r.path)}
+	if len(r.model) > 0 {
+		f = append(f, zap.ByteString("model", r.model))
+	}
+	f = append(f, zap.Int("status", r.status), zap.Int("attempts", r.attempts))
+	if r.ep != nil {
+		f = append(f, zap.String("endpoint", r.ep.URL), zap.String("reason", r.decision.Reason),
+			zap.Int("uncached_tokens", r.decision.Prefill), zap.Int64("bytes", r.bytes))
+	}
+	if r.pdDecision != "" {
+		f = append(f, zap.String("pd", r.pdDecision))
+		if r.prefill != nil {
+			f = append(f, zap.String("prefill_endpoint", r.prefill.URL))
+		}
+		if p := r.prefilled.Sub(r.start); !r.prefilled.IsZero() && p > 0 {
+			f = append(f, zap.Duration("prefill", p))
+		}
+		if dec := d - r.sent.Sub(r.start); !r.sent.IsZero() && dec > 0 {
+			f = append(f, zap.Duration("decode", dec))
 		}
 	}
-	if f := got[1].ContextMap(); f["endpoint"] != "http://10.0.0.1:8000" || f["prefix_key"] != "ff" {
-		t.Errorf("fields %v", f)
+	if r.ttfb > 0 {
+		f = append(f, zap.Duration("ttfb", r.ttfb))
 	}
-	if got[len(got)-1].ContextMap()["request_id"] != "after-close" {
+	f = append(f, zap.Duration("duration", d))
+	if r.prefix {
+		f = append(f, zap.Bool("home", r.decision.Home), zap.Int("matched_blocks", r.decision.MatchedBlocks),
+			zap.String("prefix_key", strconv.FormatUint(r.decision.PrefixKey, 16)))
+		if r.usage {
+			f = append(f, zap.Int("prompt_tokens", r.promptTokens), zap.Int("cached_tokens", r.cachedTokens))
+		}
+	}
+	buf, err := enc.EncodeEntry(zapcore.Entry{Level: zapcore.InfoLevel, Time: r.start.Add(d), Message: "request"}, f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return buf.String()
+}
+
+// The fixed-layout encoder writes what zap writes, in both layouts, for
+// every branch of the line and for strings that need escaping.
+func TestAccessLineMatchesZap(t *testing.T) {
+	start := time.Date(2026, 12, 2, 9, 30, 1, 123456789, time.UTC)
+	ep := &discovery.Endpoint{URL: "http://10.0.0.1:8000"}
+	pf := &discovery.Endpoint{URL: "http://10.0.0.2:8000"}
+	var trace [32]byte
+	copy(trace[:], "4bf92f3577b34da6a3ce929d0e0e4736")
+	records := []record{
+		{status: 404, attempts: 0, start: start, reqID: []byte("r-1"), method: []byte("POST"), path: []byte("/v1/completions"), traceID: trace},
+		{status: 200, attempts: 1, start: start, reqID: []byte("r-2"), method: []byte("POST"), path: []byte("/v1/chat/completions"),
+			model: []byte("meta-llama/Llama-3.1-8B-Instruct"), traceID: trace, ttfb: 41 * time.Millisecond, ep: ep, bytes: 12345,
+			decision: routing.Decision{Reason: "warm", Prefill: 77, Home: true, MatchedBlocks: 12, PrefixKey: 0xdeadbeef},
+			prefix: true, usage: true, promptTokens: 2048, cachedTokens: 1984},
+		{status: 200, attempts: 2, start: start, reqID: []byte("r-3"), method: []byte("POST"), path: []byte("/v1/completions"),
+			model: []byte("m"), traceID: trace, ttfb: 3 * time.Millisecond, ep: ep, decision: routing.Decision{Reason: "cold"},
+			pdDecision: "disaggregated", prefill: pf, prefilled: start.Add(90 * time.Millisecond), sent: start.Add(91 * time.Millisecond), prefix: true},
+		{status: 502, attempts: 3, start: start, reqID: []byte("q\"uo\\te\n\r\t\x01\x7f é \xff\xfe 日本"), method: []byte("GET"),
+			path: []byte("/v1/<script>&%00"), model: []byte("\u2028x"), traceID: trace, pdDecision: "local"},
+	}
+	for i := range records {
+		for _, d := range []time.Duration{0, 1, 999 * time.Microsecond, 1234567891 * time.Nanosecond, 3 * time.Hour} {
+			for _, console := range []bool{false, true} {
+				r := &records[i]
+				got := string(appendAccessLine(nil, console, r, d))
+				if want := zapLine(t, console, r, d); got != want {
+					t.Fatalf("record %d, %v, console %v:\n got %s\nwant %s", i, d, console, got, want)
+				}
+			}
+		}
+	}
+}
+
+// Every access line is written, stamped with the request's end: before
+// start and after close at once, in between in batches, the last of them
+// by close.
+func TestAccessLogWritesEveryLine(t *testing.T) {
+	var out lineBuffer
+	a := accessLog{w: &out, dropped: func(int) { t.Error("a line was dropped") }}
+	end := time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
+	line := func(id string) *record {
+		return &record{start: end, reqID: []byte(id), status: 200, ep: &discovery.Endpoint{URL: "http://10.0.0.1:8000"},
+			prefix: true, decision: routing.Decision{PrefixKey: 255}}
+	}
+	a.add(line("before-start"), 0)
+	if n := len(out.lines(t)); n != 1 {
+		t.Fatalf("%d lines before start, want 1 written at once", n)
+	}
+	a.start()
+	const n = 3000 // more than one batch
+	for range n {
+		a.add(line("batched"), 0)
+	}
+	a.close()
+	a.add(line("after-close"), 0)
+	got := out.lines(t)
+	if len(got) != n+2 {
+		t.Fatalf("%d lines, want %d", len(got), n+2)
+	}
+	for _, l := range got {
+		if l["ts"] != "2026-11-30T12:00:00.000Z" || l["msg"] != "request" || l["level"] != "info" {
+			t.Fatalf("line %v", l)
+		}
+	}
+	if l := got[1]; l["endpoint"] != "http://10.0.0.1:8000" || l["prefix_key"] != "ff" {
+		t.Errorf("fields %v", l)
+	}
+	if got[len(got)-1]["request_id"] != "after-close" {
 		t.Error("a line after close was lost")
 	}
+}
+
+// blockedWriter blocks every write until release is closed.
+type blockedWriter struct {
+	release chan struct{}
+	wrote   chan struct{}
+	once    sync.Once
+}
+
+func (w *blockedWriter) Write(p []byte) (int, error) {
+	w.once.Do(func() { close(w.wrote) })
+	<-w.release
+	return len(p), nil
+}
+
+// A log whose output is stuck costs requests nothing: past the bound of
+// lines waiting, lines are dropped and counted, and add never waits.
+func TestAccessLogDropsWhenBehind(t *testing.T) {
+	w := &blockedWriter{release: make(chan struct{}), wrote: make(chan struct{})}
+	var mu sync.Mutex
+	dropped := 0
+	a := accessLog{w: w, dropped: func(n int) { mu.Lock(); dropped += n; mu.Unlock() }}
+	a.start()
+	r := &record{start: time.Now(), reqID: []byte("stuck"), status: 200, method: []byte("POST"), path: []byte("/v1/completions")}
+	lineLen := len(appendAccessLine(nil, false, r, time.Millisecond))
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for range 2 * accessBatch / lineLen { // the writer takes this batch and blocks on it
+			a.add(r, time.Millisecond)
+		}
+		<-w.wrote
+		for range 2*accessMaxPending/lineLen + 10 { // then twice what may wait
+			a.add(r, time.Millisecond)
+		}
+	}()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("add waited for a stuck output")
+	}
+	mu.Lock()
+	got := dropped
+	mu.Unlock()
+	if want := 2*accessMaxPending/lineLen + 10 - (accessMaxPending/lineLen + 1); got < want-1 || got > want+1 {
+		t.Errorf("%d lines dropped, want about %d", got, want)
+	}
+	close(w.release)
+	a.close()
 }
 
 // A request's access line carries what an operator needs to follow it:
@@ -57,8 +240,8 @@ func TestAccessLogFieldsAndSampling(t *testing.T) {
 		want []int // the statuses logged, in order
 	}{{"every request", 0, []int{200, 404}}, {"errors only", 1, []int{404}}} {
 		t.Run(tc.name, func(t *testing.T) {
-			core, logs := observer.New(zapcore.InfoLevel)
-			h := startProxy(t, nil, Options{Logger: zap.New(core), AccessLog: true, AccessLogSkip: tc.skip}, fleet.URL(0))
+			var out lineBuffer
+			h := startProxy(t, nil, Options{AccessLog: &out, AccessLogSkip: tc.skip}, fleet.URL(0))
 			const tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 			for _, model := range []string{"m", "unknown"} {
 				req, _ := http.NewRequest("POST", h.url+"/v1/completions", strings.NewReader(`{"model":"`+model+`","prompt":"hello","max_tokens":2}`))
@@ -72,11 +255,10 @@ func TestAccessLogFieldsAndSampling(t *testing.T) {
 			}
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			defer cancel()
-			_ = h.srv.Shutdown(ctx) // writes the queued lines
+			_ = h.srv.Shutdown(ctx) // writes the lines waiting
 			var got []int
-			for _, e := range logs.FilterMessage("request").All() {
-				f := e.ContextMap()
-				got = append(got, int(f["status"].(int64)))
+			for _, f := range out.lines(t) {
+				got = append(got, int(f["status"].(float64)))
 				if f["trace_id"] != "4bf92f3577b34da6a3ce929d0e0e4736" || f["endpoint"] != fleet.URL(0) || f["request_id"] == "" {
 					t.Errorf("line %v", f)
 				}

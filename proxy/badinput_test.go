@@ -388,13 +388,17 @@ func TestBadInput(t *testing.T) {
 	cases := loadBadCases(t)
 	be := startFakeVLLM(t)
 	core, logs := observer.New(zapcore.DebugLevel)
+	var access lineBuffer
 	opt := Options{Limits: Limits{MaxBodyBytes: badMaxBodyBytes, MaxHeaderBytes: badMaxHeaderBytes,
-		MaxPromptTokens: badMaxPromptTokens}, Logger: zap.New(core), AccessLog: true}
+		MaxPromptTokens: badMaxPromptTokens}, Logger: zap.New(core), AccessLog: &access}
 	checkLogs := func(t *testing.T) {
 		for _, e := range logs.TakeAll() {
 			if line := logLine(e); strings.Contains(line, badSecret) {
 				t.Errorf("kvroute's log leaks the secret: %s", line)
 			}
+		}
+		if strings.Contains(access.String(), badSecret) {
+			t.Errorf("kvroute's access log leaks the secret: %s", access.String())
 		}
 	}
 	// Registered before the proxy, so it runs after the proxy's shutdown,

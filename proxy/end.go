@@ -86,27 +86,8 @@ func (s *Server) end(r *record, err error) {
 		s.opt.Logger.Warn("request failed", zap.ByteString("request_id", r.reqID),
 			zap.ByteString("path", r.path), zap.Int("status", r.status), zap.Error(err))
 	}
-	if !s.opt.AccessLog || r.status < 400 && s.opt.AccessLogSkip > 0 && rand.Float64() < s.opt.AccessLogSkip {
+	if s.opt.AccessLog == nil || r.status < 400 && s.opt.AccessLogSkip > 0 && rand.Float64() < s.opt.AccessLogSkip {
 		return
 	}
-	if !s.opt.Logger.Core().Enabled(zap.InfoLevel) {
-		return // the logger drops Info lines: copy nothing
-	}
-	l := accessLine{at: r.start.Add(d), reqID: string(r.reqID), traceID: string(r.traceID[:]), method: string(r.method),
-		path: string(r.path), model: string(r.model), status: r.status, attempts: r.attempts, duration: d, ttfb: r.ttfb,
-		pd: r.pdDecision, prefix: r.prefix, home: r.decision.Home, matched: r.decision.MatchedBlocks, prefixKey: r.decision.PrefixKey,
-		usage: r.usage, prompt: r.promptTokens, cached: r.cachedTokens}
-	if r.ep != nil {
-		l.endpoint, l.reason, l.bytes, l.uncached = r.ep.URL, r.decision.Reason, r.bytes, r.decision.Prefill
-	}
-	if r.prefill != nil {
-		l.prefillEndpoint = r.prefill.URL
-	}
-	if !r.prefilled.IsZero() {
-		l.prefill = r.prefilled.Sub(r.start)
-	}
-	if !r.sent.IsZero() {
-		l.decode = d - r.sent.Sub(r.start)
-	}
-	s.access.add(l)
+	s.access.add(r, d)
 }

@@ -41,8 +41,7 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 	// nothing of what the endpoint held before.
 	b.learn = b.scan && s.opt.Learner != nil && !st.pd.split
 	b.promptBytes = st.req.PromptBytes
-	b.cached.reset(patCachedTokens)
-	b.prompt.reset(patPromptTokens)
+	b.usage = usageScanner{}
 	b.rec = record{class: int(st.req.Kind), status: resp.StatusCode(), attempts: len(st.req.Tried), start: start,
 		reqID: append(b.rec.reqID[:0], reqID...), method: append(b.rec.method[:0], ctx.Method()...),
 		path: append(b.rec.path[:0], ctx.Path()...), model: append(b.rec.model[:0], st.req.Model...), ep: d.Endpoint, decision: d, prefix: b.learn,
@@ -134,8 +133,7 @@ type upstreamBody struct {
 	rec         record
 	scan        bool // scan the body for the engine's usage
 	learn       bool // and report it to the Learner
-	cached      numScanner
-	prompt      numScanner
+	usage       usageScanner
 	promptBytes int
 	stream      bool // a 200 SSE response
 	observe     bool // whose first byte is an observation of the endpoint's TTFT
@@ -170,8 +168,7 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 		}
 		b.rec.bytes += int64(n)
 		if b.scan {
-			b.cached.feed(p[:n])
-			b.prompt.feed(p[:n])
+			b.usage.feed(p[:n])
 		}
 		if n > 1 {
 			b.last = uint32(p[n-2])<<8 | uint32(p[n-1])
@@ -237,8 +234,8 @@ func (b *upstreamBody) CloseWithError(err error) error {
 	}
 	if err == nil && b.readErr == nil {
 		computed := discovery.Uncomputed
-		if b.scan && b.cached.Found && b.prompt.Found {
-			computed = max(0, b.prompt.Value-b.cached.Value)
+		if b.scan && b.usage.CachedFound && b.usage.PromptFound {
+			computed = max(0, b.usage.Prompt-b.usage.Cached)
 		}
 		b.lease.Complete(computed)
 	} else {
@@ -257,10 +254,10 @@ func (b *upstreamBody) CloseWithError(err error) error {
 		s.opt.Logger.Info("client closed the connection", zap.ByteString("request_id", b.rec.reqID),
 			zap.String("endpoint", ep.URL), zap.Int64("bytes", b.rec.bytes), zap.NamedError("cause", err))
 	}
-	if b.learn && err == nil && b.readErr == nil && b.cached.Found {
-		est := s.opt.Learner.Learn(b.rec.decision, b.promptBytes, b.prompt.Value, b.cached.Value)
-		s.opt.Metrics.CacheReport(est, b.cached.Value)
-		b.rec.usage, b.rec.promptTokens, b.rec.cachedTokens = true, b.prompt.Value, b.cached.Value
+	if b.learn && err == nil && b.readErr == nil && b.usage.CachedFound {
+		est := s.opt.Learner.Learn(b.rec.decision, b.promptBytes, b.usage.Prompt, b.usage.Cached)
+		s.opt.Metrics.CacheReport(est, b.usage.Cached)
+		b.rec.usage, b.rec.promptTokens, b.rec.cachedTokens = true, b.usage.Prompt, b.usage.Cached
 	}
 	s.end(&b.rec, err)
 	b.resp, b.rd, b.readErr, b.att, b.leg = nil, nil, nil, nil, nil

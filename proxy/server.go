@@ -3,6 +3,7 @@ package proxy
 import (
 	"context"
 	"errors"
+	"io"
 	"math/rand/v2"
 	"net"
 	"sync"
@@ -54,10 +55,13 @@ type Options struct {
 	NearMissBlocks int
 	// NormalizePrompts rewrites prompts to normal form (normalize.go).
 	NormalizePrompts bool
-	// AccessLog writes one Info line per request to Logger, but for the
-	// share AccessLogSkip of successful ones (status < 400), at random.
-	AccessLog     bool
-	AccessLogSkip float64
+	// AccessLog, when set, receives one line per request (accesslog.go),
+	// but for the share AccessLogSkip of successful ones (status < 400), at
+	// random: in zap's production JSON layout, or its console layout with
+	// AccessLogConsole.
+	AccessLog        io.Writer
+	AccessLogConsole bool
+	AccessLogSkip    float64
 	// AdminToken guards the admin handler's mutating endpoints and pprof
 	// (Server.guard); "" turns them off.
 	AdminToken string
@@ -126,7 +130,7 @@ func New(opt Options) *Server {
 	if opt.NearMissBlocks > 0 {
 		s.near = prefix.NewNearMisses(nearMissMemory)
 	}
-	s.access.log = opt.Logger
+	s.access.w, s.access.console, s.access.dropped = opt.AccessLog, opt.AccessLogConsole, opt.Metrics.AccessLogDropped
 	s.budget.init(opt.RetryBudget, opt.MinRetries)
 	s.queue.init(opt.MaxQueue)
 	s.states.New = func() any { return new(reqState) }
@@ -175,9 +179,7 @@ func (q quietLogger) Printf(format string, _ ...any) {
 // Serve accepts client connections on ln until Shutdown.
 func (s *Server) Serve(ln net.Listener) error {
 	s.attempts.start(s.opt.Metrics.Cancelled)
-	if s.opt.AccessLog {
-		s.access.start()
-	}
+	s.access.start()
 	return s.srv.Serve(clientListener{Listener: ln, body: s.opt.ClientBodyTimeout})
 }
 

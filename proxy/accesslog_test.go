@@ -121,7 +121,7 @@ func TestAccessLineMatchesZap(t *testing.T) {
 		{status: 200, attempts: 1, start: start, reqID: []byte("r-2"), method: []byte("POST"), path: []byte("/v1/chat/completions"),
 			model: []byte("meta-llama/Llama-3.1-8B-Instruct"), traceID: trace, ttfb: 41 * time.Millisecond, ep: ep, bytes: 12345,
 			decision: routing.Decision{Reason: "warm", Prefill: 77, Home: true, MatchedBlocks: 12, PrefixKey: 0xdeadbeef},
-			prefix: true, usage: true, promptTokens: 2048, cachedTokens: 1984},
+			prefix:   true, usage: true, promptTokens: 2048, cachedTokens: 1984},
 		{status: 200, attempts: 2, start: start, reqID: []byte("r-3"), method: []byte("POST"), path: []byte("/v1/completions"),
 			model: []byte("m"), traceID: trace, ttfb: 3 * time.Millisecond, ep: ep, decision: routing.Decision{Reason: "cold"},
 			pdDecision: "disaggregated", prefill: pf, prefilled: start.Add(90 * time.Millisecond), sent: start.Add(91 * time.Millisecond), prefix: true},

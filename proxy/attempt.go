@@ -231,6 +231,17 @@ func (a *attempt) link(c *timedConn) {
 	}
 }
 
+// upstream returns the attempt's upstream connection (nil before the
+// request is on one, or when it is not known).
+func (a *attempt) upstream() *timedConn {
+	if a == nil {
+		return nil
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.conn
+}
+
 // drainBy makes the attempt's connection give up reading at t.
 func (a *attempt) drainBy(t time.Time) {
 	a.mu.Lock()
@@ -289,6 +300,10 @@ type timedConn struct {
 	tailN        int
 	until        time.Time // when set, the one read deadline (draining an answer)
 	used         bool      // a request was written before: the connection is reused
+	// beforeRead, while a response body streams from the connection, is
+	// called before every read from the socket: what its reader buffered
+	// is used up (upstreamBody.WriteTo).
+	beforeRead func()
 }
 
 func (c *timedConn) Write(p []byte) (int, error) {
@@ -339,6 +354,9 @@ func (c *timedConn) Read(p []byte) (int, error) {
 	case c.deadline:
 		_ = c.Conn.SetReadDeadline(time.Time{})
 		c.deadline = false
+	}
+	if c.beforeRead != nil {
+		c.beforeRead()
 	}
 	n, err := c.Conn.Read(p)
 	if n > 0 && c.inHeader && headerEnds(&c.tail, &c.tailN, p[:n]) {

@@ -3,6 +3,7 @@ package proxy
 import (
 	"io"
 	"net"
+	"sync"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -97,19 +98,11 @@ func (s *Server) closeDelimited(ctx *fasthttp.RequestCtx, b *upstreamBody) {
 	ctx.Hijack(func(c net.Conn) {
 		defer s.hijacked.Done()
 		_, err := c.Write(head)
-		buf := make([]byte, 16<<10)
-		for err == nil {
-			var n int
-			n, err = b.Read(buf)
-			if n > 0 {
-				if _, werr := c.Write(buf[:n]); werr != nil {
-					err = werr
-					break
-				}
-			}
+		if err == nil {
+			_, err = b.WriteTo(c)
 		}
-		if err == io.EOF || b.readErr != nil {
-			err = nil // the end, or the endpoint's failure that CloseWithError reports
+		if b.readErr != nil {
+			err = nil // the endpoint's failure, which CloseWithError reports
 		}
 		_ = b.CloseWithError(err)
 	})
@@ -139,8 +132,17 @@ type upstreamBody struct {
 	observe     bool // whose first byte is an observation of the endpoint's TTFT
 	leg         *sgLeg
 	firstByte   bool
-	lastChunk   time.Time // a stream's last chunk (for the gaps between chunks)
+	lastChunk   time.Time // a stream's last write to the client (for the gaps between them)
 	readErr     error
+	// WriteTo's state: the chunk writer, the buffer (nil while waiting
+	// for the endpoint) and what it holds not yet written, the first
+	// client write error, and the one byte read while waiting.
+	w          io.Writer
+	buf        *[streamBufSize]byte
+	start, end int
+	werr       error
+	one        [1]byte
+	probing    bool // in the one-byte read
 	last        uint32 // the last two bytes read (whether an event ended there)
 	tail        []byte // after a cut: the error event still to send (empty, not nil, once sent)
 }
@@ -158,13 +160,6 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 	if n > 0 {
 		if !b.firstByte {
 			b.markFirstByte()
-		}
-		if b.stream {
-			now := time.Now()
-			if !b.lastChunk.IsZero() {
-				b.s.opt.Metrics.ChunkGap(now.Sub(b.lastChunk).Seconds())
-			}
-			b.lastChunk = now
 		}
 		b.rec.bytes += int64(n)
 		if b.scan {
@@ -187,6 +182,119 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 		}
 	}
 	return n, err
+}
+
+// streamBufSize is the most of an answer upstreamBody.WriteTo writes at
+// once.
+const streamBufSize = 16 << 10
+
+var streamBufs = sync.Pool{New: func() any { return new([streamBufSize]byte) }}
+
+// SupportsBodyWriteTo tells fasthttp to write the body with WriteTo
+// (fasthttp.BodyWriterTo): it does what Read does, and frames each of its
+// writes as one chunk.
+func (b *upstreamBody) SupportsBodyWriteTo() bool { return true }
+
+// WriteTo writes the body to w, fasthttp's chunk writer (each write one
+// chunk, flushed) or the connection of an HTTP/1.0 client. It writes what
+// has arrived from the endpoint in one write: the endpoint's chunks are
+// gathered until its connection's reader has used up what it buffered
+// and is about to read the socket (timedConn.beforeRead), and written
+// then, so that no event waits for the next. Reads alternate between one
+// byte (the next chunk's first) and the rest of that chunk; when the
+// reader must wait for the endpoint during a one-byte read, what waits is
+// written and the buffer goes back to the pool, so that a stream waiting
+// for its next token holds no buffer here. Without the upstream
+// connection (not linked), every read is written at once.
+func (b *upstreamBody) WriteTo(w io.Writer) (int64, error) {
+	b.w, b.werr = w, nil
+	conn := b.att.upstream()
+	if conn != nil {
+		conn.beforeRead = b.flushBeforeRead
+		defer func() { conn.beforeRead = nil }()
+	}
+	var written int64
+	for probe := true; ; probe = !probe {
+		var n int
+		var err error
+		if probe {
+			b.probing = true
+			n, err = b.Read(b.one[:])
+			b.probing = false
+			if n > 0 {
+				b.room()
+				b.buf[b.end] = b.one[0]
+				b.end++
+			}
+		} else {
+			b.room()
+			n, err = b.Read(b.buf[b.end:])
+			b.end += n
+		}
+		written += int64(n)
+		if conn == nil || err != nil {
+			b.flush()
+		}
+		if err != nil || b.werr != nil {
+			b.release()
+			if b.werr != nil {
+				err = b.werr
+			}
+			if err == io.EOF {
+				err = nil
+			}
+			return written, err
+		}
+		if b.buf != nil && b.start == b.end {
+			b.start, b.end = 0, 0
+		}
+	}
+}
+
+// room makes room in the buffer for at least one byte.
+func (b *upstreamBody) room() {
+	switch {
+	case b.buf == nil:
+		b.buf = streamBufs.Get().(*[streamBufSize]byte)
+		b.start, b.end = 0, 0
+	case b.end == len(b.buf):
+		b.flush()
+		b.start, b.end = 0, 0
+	}
+}
+
+// flushBeforeRead writes what waits before the endpoint's connection reads
+// its socket. During a one-byte read the buffer is no read's target, so it
+// goes back to the pool.
+func (b *upstreamBody) flushBeforeRead() {
+	b.flush()
+	if b.probing {
+		b.release()
+	}
+}
+
+// flush writes what waits in the buffer (nothing after a write failed).
+func (b *upstreamBody) flush() {
+	if b.buf == nil || b.start == b.end || b.werr != nil {
+		return
+	}
+	if b.stream {
+		now := time.Now()
+		if !b.lastChunk.IsZero() {
+			b.s.opt.Metrics.ChunkGap(now.Sub(b.lastChunk).Seconds())
+		}
+		b.lastChunk = now
+	}
+	_, b.werr = b.w.Write(b.buf[b.start:b.end])
+	b.start = b.end
+}
+
+// release gives the buffer back.
+func (b *upstreamBody) release() {
+	if b.buf != nil {
+		streamBufs.Put(b.buf)
+		b.buf, b.start, b.end = nil, 0, 0
+	}
 }
 
 // streamCutEvent is the end of an event stream the endpoint cut; sep

@@ -1,0 +1,141 @@
+package proxy
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"io"
+	"net"
+	"net/textproto"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// scriptedSSE is an endpoint on loopback that answers one request with a
+// chunked event stream, one chunk per event, written in the steps it is
+// sent: each step in one write to the socket.
+type scriptedSSE struct {
+	addr  string
+	steps chan []string // the events of one write; close to end the stream
+}
+
+func startScriptedSSE(t *testing.T) *scriptedSSE {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &scriptedSSE{addr: ln.Addr().String(), steps: make(chan []string, 4)}
+	done := make(chan struct{})
+	t.Cleanup(func() { ln.Close(); <-done })
+	go func() {
+		defer close(done)
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		tp := textproto.NewReader(bufio.NewReader(c))
+		if _, err := tp.ReadLine(); err != nil {
+			return
+		}
+		h, err := tp.ReadMIMEHeader()
+		if err != nil {
+			return
+		}
+		n, _ := strconv.Atoi(h.Get("Content-Length"))
+		if _, err := io.CopyN(io.Discard, tp.R, int64(n)); err != nil {
+			return
+		}
+		if _, err := io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"); err != nil {
+			return
+		}
+		for step := range e.steps {
+			var b bytes.Buffer
+			for _, ev := range step {
+				fmt.Fprintf(&b, "%x\r\n%s\r\n", len(ev), ev)
+			}
+			if _, err := c.Write(b.Bytes()); err != nil {
+				return
+			}
+		}
+		_, _ = io.WriteString(c, "0\r\n\r\n")
+	}()
+	return e
+}
+
+// readChunk reads one chunk of a chunked body.
+func readChunk(t *testing.T, r *bufio.Reader) string {
+	t.Helper()
+	line, err := r.ReadString('\n')
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, err := strconv.ParseUint(strings.TrimSpace(line), 16, 32)
+	if err != nil {
+		t.Fatalf("chunk size %q: %v", line, err)
+	}
+	b := make([]byte, n+2)
+	if _, err := io.ReadFull(r, b); err != nil {
+		t.Fatal(err)
+	}
+	return string(b[:n])
+}
+
+// Events that arrived together leave in one write (one chunk to the
+// client); an event that arrived alone leaves at once, before the
+// endpoint sends anything more.
+func TestStreamWritesWhatArrivedAtOnce(t *testing.T) {
+	e := startScriptedSSE(t)
+	h := startProxy(t, nil, Options{}, "http://"+e.addr)
+	c, err := net.Dial("tcp", strings.TrimPrefix(h.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(30 * time.Second)) // a held-back event fails here rather than hanging
+	body := `{"model":"m","prompt":"hi","stream":true}`
+	fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: kvroute\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	r := bufio.NewReader(c)
+	tp := textproto.NewReader(r)
+	if status, err := tp.ReadLine(); err != nil || !strings.Contains(status, " 200 ") {
+		t.Fatalf("status line %q: %v", status, err)
+	}
+	if _, err := tp.ReadMIMEHeader(); err != nil {
+		t.Fatal(err)
+	}
+	event := func(i int) string { return fmt.Sprintf("data: {\"choices\":[{\"text\":\"t%d\"}]}\n\n", i) }
+
+	e.steps <- []string{event(0)}
+	if got := readChunk(t, r); got != event(0) {
+		t.Fatalf("first chunk %q, want the first event alone", got)
+	}
+	var batch []string
+	want := ""
+	for i := 1; i <= 20; i++ {
+		batch = append(batch, event(i))
+		want += event(i)
+	}
+	e.steps <- batch
+	got, chunks := "", 0
+	for got != want && len(got) < len(want) {
+		got += readChunk(t, r)
+		chunks++
+	}
+	if got != want {
+		t.Fatalf("the batch arrived as %q", got)
+	}
+	if chunks != 1 {
+		t.Errorf("20 events that arrived in one write left in %d writes, want 1", chunks)
+	}
+	e.steps <- []string{event(21)}
+	if got := readChunk(t, r); got != event(21) {
+		t.Fatalf("chunk %q, want the last event alone", got)
+	}
+	close(e.steps)
+	if last := readChunk(t, r); last != "" {
+		t.Fatalf("after the end: %q", last)
+	}
+}

@@ -142,9 +142,9 @@ type upstreamBody struct {
 	start, end int
 	werr       error
 	one        [1]byte
-	probing    bool // in the one-byte read
-	last        uint32 // the last two bytes read (whether an event ended there)
-	tail        []byte // after a cut: the error event still to send (empty, not nil, once sent)
+	probing    bool   // in the one-byte read
+	last       uint32 // the last two bytes read (whether an event ended there)
+	tail       []byte // after a cut: the error event still to send (empty, not nil, once sent)
 }
 
 // Read implements io.Reader.

@@ -299,6 +299,7 @@ type timedConn struct {
 	tail         [3]byte  // the last bytes of the header read so far
 	tailN        int
 	until        time.Time // when set, the one read deadline (draining an answer)
+	idleUntil    time.Time // the stream-idle deadline set (zero: none is)
 	used         bool      // a request was written before: the connection is reused
 	// beforeRead, while a response body streams from the connection, is
 	// called before every read from the socket: what its reader buffered
@@ -310,6 +311,7 @@ func (c *timedConn) Write(p []byte) (int, error) {
 	first := !c.writing
 	if first { // the first write of a new request
 		c.writing, c.linking, c.inHeader, c.armed, c.tailN, c.att, c.until = true, true, true, false, 0, nil, time.Time{}
+		c.idleUntil = time.Time{}
 	}
 	if c.linking {
 		if a := c.as.find(p); a != nil {
@@ -332,6 +334,18 @@ func (c *timedConn) Write(p []byte) (int, error) {
 	return n, err
 }
 
+// SetReadDeadline and SetDeadline forget the stream-idle deadline set,
+// which t replaces.
+func (c *timedConn) SetReadDeadline(t time.Time) error {
+	c.idleUntil = time.Time{}
+	return c.Conn.SetReadDeadline(t)
+}
+
+func (c *timedConn) SetDeadline(t time.Time) error {
+	c.idleUntil = time.Time{}
+	return c.Conn.SetDeadline(t)
+}
+
 // errStaleConn: a pooled connection its endpoint had closed.
 var errStaleConn = errors.New("proxy: pooled upstream connection closed by the endpoint")
 
@@ -339,24 +353,30 @@ var crlfcrlf = []byte("\r\n\r\n")
 
 func (c *timedConn) Read(p []byte) (int, error) {
 	c.writing = false
+	if c.beforeRead != nil {
+		c.beforeRead() // before the deadline: writing to the client may wait
+	}
 	switch {
 	case !c.until.IsZero():
 		_ = c.Conn.SetReadDeadline(c.until)
-		c.deadline = true
+		c.deadline, c.idleUntil = true, time.Time{}
 	case c.inHeader && c.header > 0:
 		if !c.armed {
 			_ = c.Conn.SetReadDeadline(time.Now().Add(c.header))
-			c.armed, c.deadline = true, true
+			c.armed, c.deadline, c.idleUntil = true, true, time.Time{}
 		}
 	case c.idle > 0:
-		_ = c.Conn.SetReadDeadline(time.Now().Add(c.idle))
-		c.deadline = true
+		// Moving the deadline costs a timer update per read: it moves once
+		// more than idle/16 has passed since it last did, to idle·17/16
+		// ahead, so silence times out after between idle and idle·17/16.
+		if now := time.Now(); c.idleUntil.Sub(now) < c.idle {
+			c.idleUntil = now.Add(c.idle + c.idle/16)
+			_ = c.Conn.SetReadDeadline(c.idleUntil)
+			c.deadline = true
+		}
 	case c.deadline:
 		_ = c.Conn.SetReadDeadline(time.Time{})
-		c.deadline = false
-	}
-	if c.beforeRead != nil {
-		c.beforeRead()
+		c.deadline, c.idleUntil = false, time.Time{}
 	}
 	n, err := c.Conn.Read(p)
 	if n > 0 && c.inHeader && headerEnds(&c.tail, &c.tailN, p[:n]) {

@@ -96,6 +96,10 @@ func classifyUpstream(err error) (string, error) {
 		(errors.As(err, &ne) && ne.Timeout()) {
 		return failTimeout, fmt.Errorf("%w: %v", ErrUpstreamTimeout, err)
 	}
+	var small *fasthttp.ErrSmallBuffer
+	if errors.As(err, &small) {
+		return failConnect, fmt.Errorf("%w: the model server's response header block is larger than %d KiB", ErrUpstream, upstreamHeaderBytes>>10)
+	}
 	return failConnect, fmt.Errorf("%w: %v", ErrUpstream, err)
 }
 

@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/valyala/fasthttp"
+
 	"github.com/kvroute/kvroute/routing"
 )
 
@@ -483,6 +485,40 @@ func TestTraceparentOnEveryAttempt(t *testing.T) {
 		tp := e.Headers["Traceparent"]
 		if len(tp) != 1 || len(tp[0]) != 55 || !strings.HasPrefix(tp[0], "00-") || strings.HasPrefix(tp[0], "00-0000") || !strings.HasSuffix(tp[0], "-00") {
 			t.Fatalf("client traceparent %q: upstream %v, want a new trace", bad, tp)
+		}
+	}
+}
+
+// An endpoint's response header block is bounded by the upstream read
+// buffer: one that fits passes, a larger one is a 502 that says so and
+// quotes nothing the endpoint sent.
+func TestEndpointHeaderBound(t *testing.T) {
+	for _, tc := range []struct {
+		size   int
+		status int
+	}{{upstreamHeaderBytes - 1024, 200}, {upstreamHeaderBytes + 1024, 502}} {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
+			ctx.Response.Header.Set("X-Big", strings.Repeat("s", tc.size))
+			ctx.SetBodyString(`{"ok":1}`)
+		}}
+		go func() { _ = s.Serve(ln) }()
+		t.Cleanup(func() { _ = s.Shutdown() })
+		h := startProxy(t, nil, Options{}, "http://"+ln.Addr().String())
+		resp, err := http.Post(h.url+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"x"}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != tc.status {
+			t.Fatalf("header of %d bytes: %d %s", tc.size, resp.StatusCode, b)
+		}
+		if tc.status == 502 && (!strings.Contains(string(b), "response header block is larger than 8 KiB") || strings.Contains(string(b), "sss")) {
+			t.Errorf("502 body %s", b)
 		}
 	}
 }

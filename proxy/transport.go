@@ -9,6 +9,11 @@ import (
 	"github.com/kvroute/kvroute/discovery"
 )
 
+// upstreamHeaderBytes is the upstream connections' read buffer, hence
+// the largest response header block an endpoint may send (nginx's
+// proxy_buffer_size is 4 or 8 KiB).
+const upstreamHeaderBytes = 8 << 10
+
 // client returns the endpoint's HostClient, creating it on first use.
 func (s *Server) client(ep *discovery.Endpoint) *fasthttp.HostClient {
 	if c, ok := s.clients.Load(ep); ok {
@@ -23,7 +28,8 @@ func (s *Server) client(ep *discovery.Endpoint) *fasthttp.HostClient {
 		MaxConns:                      s.opt.MaxConnsPerEndpoint,
 		MaxIdleConnDuration:           s.opt.UpstreamIdleTimeout,
 		StreamResponseBody:            true,
-		ReadBufferSize:                16 << 10,
+		ReadBufferSize:                upstreamHeaderBytes,
+		SecureErrorLogMessage:         true, // errors never quote what the endpoint sent
 		Dial:                          s.dial,
 		RetryIfErr: func(_ *fasthttp.Request, attempts int, err error) (bool, bool) {
 			// A pooled keep-alive connection the endpoint had closed, found

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"iter"
 	"net/netip"
 
 	"github.com/valyala/fasthttp"
@@ -15,16 +16,17 @@ var (
 )
 
 // hopHeaders are RFC 9110 §7.6.1's connection-specific fields (plus the
-// legacy Keep-Alive and Proxy-Connection). fasthttp manages Connection,
-// Transfer-Encoding and Content-Length itself.
+// legacy Keep-Alive and Proxy-Connection), in lower case. fasthttp
+// manages Connection, Transfer-Encoding and Content-Length itself.
 var hopHeaders = [...]string{
-	"Keep-Alive", "Proxy-Connection", "Proxy-Authenticate", "Proxy-Authorization",
-	"TE", "Trailer", "Upgrade",
+	"keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization",
+	"te", "trailer", "upgrade",
 }
 
 type headerDeleter interface {
 	Peek(key string) []byte
 	Del(key string)
+	All() iter.Seq2[[]byte, []byte]
 }
 
 // removeHopHeaders deletes hop-by-hop fields, including those named by the
@@ -37,8 +39,20 @@ func removeHopHeaders(h headerDeleter) {
 			}
 		}
 	}
-	for _, k := range hopHeaders {
-		h.Del(k)
+	// One pass finds those present; Del, which normalises its key and
+	// scans every field, runs only for them (usually none).
+	var found [len(hopHeaders)]bool
+	for k := range h.All() {
+		for i, hk := range hopHeaders {
+			if !found[i] && equalFoldASCII(k, hk) {
+				found[i] = true
+			}
+		}
+	}
+	for i, f := range found {
+		if f {
+			h.Del(hopHeaders[i])
+		}
 	}
 }
 

@@ -78,6 +78,7 @@ type Measure struct {
 	// The proxy's own cost per request (its process and children, from
 	// /proc): CPU time and system calls; zero for direct.
 	CPUus    float64 `json:"cpu_us_per_request,omitempty"`
+	SysUs    float64 `json:"system_cpu_us_per_request,omitempty"` // of CPUus, in the kernel
 	Syscalls float64 `json:"syscalls_per_request,omitempty"`
 	requests float64
 }
@@ -495,6 +496,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 				}
 				if after := procs[t].usage(); before.ok && after.ok && m.requests > 0 {
 					m.CPUus = (after.cpu - before.cpu).Seconds() * 1e6 / m.requests
+					m.SysUs = (after.sys - before.sys).Seconds() * 1e6 / m.requests
 					m.Syscalls = float64(after.syscalls-before.syscalls) / m.requests
 				}
 				if err != nil {
@@ -502,8 +504,8 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 				}
 				samples[i][t] = append(samples[i][t], m)
 				if cfg.Log != nil {
-					fmt.Fprintf(cfg.Log, "round %d %s c=%d %-8s %9.0f req/s  p50 %7.0f µs  p99 %7.0f µs  cpu %5.1f µs/req  %4.1f syscalls/req  errors %d\n",
-						r+1, c.Name, c.Conns, t, m.RPS, m.P50us, m.P99us, m.CPUus, m.Syscalls, m.Errs)
+					fmt.Fprintf(cfg.Log, "round %d %s c=%d %-8s %9.0f req/s  p50 %7.0f µs  p99 %7.0f µs  cpu %5.1f µs/req (%5.1f system)  %4.1f reads+writes/req  errors %d\n",
+						r+1, c.Name, c.Conns, t, m.RPS, m.P50us, m.P99us, m.CPUus, m.SysUs, m.Syscalls, m.Errs)
 				}
 			}
 		}
@@ -549,6 +551,7 @@ func median(ms []Measure) Measure {
 	}
 	out := Measure{RPS: pick(func(m Measure) float64 { return m.RPS }), P50us: pick(func(m Measure) float64 { return m.P50us }),
 		P99us: pick(func(m Measure) float64 { return m.P99us }), CPUus: pick(func(m Measure) float64 { return m.CPUus }),
+		SysUs:    pick(func(m Measure) float64 { return m.SysUs }),
 		Syscalls: pick(func(m Measure) float64 { return m.Syscalls })}
 	for _, m := range ms {
 		out.Errs += m.Errs
@@ -596,20 +599,20 @@ func (r *Report) Markdown() string {
 			}
 			cpu, sys := "–", "–"
 			if m.CPUus > 0 {
-				cpu, sys = fmt.Sprintf("%.1f µs", m.CPUus), fmt.Sprintf("%.1f", m.Syscalls)
+				cpu, sys = fmt.Sprintf("%.1f µs (%.1f system)", m.CPUus, m.SysUs), fmt.Sprintf("%.1f", m.Syscalls)
 			}
 			fmt.Fprintf(&b, "| %s | %d | %s | %s | %s | %.0f µs | %s | %.0f µs | %s | %s | %d |\n", row.Case.Name, row.Case.Conns, t, rps,
 				vsNginx, m.P50us, added, m.P99us, cpu, sys, m.Errs)
 		}
 	}
-	fmt.Fprintf(&b, "\nCPU per request: the proxy's processes' user and system time over the requests wrk completed. Read/write calls: /proc's syscr + syscw, which count read(2)/write(2)-family calls (Go's), not recv(2)/send(2) (nginx's and HAProxy's reads).\n")
+	fmt.Fprintf(&b, "\nCPU per request: the proxy's processes' user and system time (system in brackets) over the requests wrk completed. Read/write calls: /proc's syscr + syscw, which count read(2)/write(2)-family calls (Go's), not recv(2)/send(2) (nginx's and HAProxy's reads).\n")
 	fmt.Fprintf(&b, "\nTools: %s.\n", strings.Join(r.Versions, "; "))
 	return b.String()
 }
 
 // procUsage is a process tree's CPU time and system calls so far.
 type procUsage struct {
-	cpu      time.Duration
+	cpu, sys time.Duration
 	syscalls int64
 	ok       bool
 }
@@ -643,6 +646,7 @@ func (p *proxyProc) usage() procUsage {
 		ut, _ := strconv.ParseInt(f[11], 10, 64)
 		st, _ := strconv.ParseInt(f[12], 10, 64)
 		u.cpu += time.Duration(ut+st) * 10 * time.Millisecond
+		u.sys += time.Duration(st) * 10 * time.Millisecond
 		io, err := os.ReadFile("/proc/" + pid + "/io")
 		if err != nil {
 			return procUsage{}

@@ -132,7 +132,7 @@ func TestAccessLineMatchesZap(t *testing.T) {
 		for _, d := range []time.Duration{0, 1, 999 * time.Microsecond, 1234567891 * time.Nanosecond, 3 * time.Hour} {
 			for _, console := range []bool{false, true} {
 				r := &records[i]
-				got := string(appendAccessLine(nil, console, r, d))
+				got := string(appendAccessLine(nil, &isoClock{}, console, r, d))
 				if want := zapLine(t, console, r, d); got != want {
 					t.Fatalf("record %d, %v, console %v:\n got %s\nwant %s", i, d, console, got, want)
 				}
@@ -202,7 +202,7 @@ func TestAccessLogDropsWhenBehind(t *testing.T) {
 	a := accessLog{w: w, dropped: func(n int) { mu.Lock(); dropped += n; mu.Unlock() }}
 	a.start()
 	r := &record{start: time.Now(), reqID: []byte("stuck"), status: 200, method: []byte("POST"), path: []byte("/v1/completions")}
-	lineLen := len(appendAccessLine(nil, false, r, time.Millisecond))
+	lineLen := len(appendAccessLine(nil, &isoClock{}, false, r, time.Millisecond))
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -272,5 +272,23 @@ func TestAccessLogFieldsAndSampling(t *testing.T) {
 				t.Errorf("logged statuses %v, want %v", got, tc.want)
 			}
 		})
+	}
+}
+
+// The clock's cached second gives what time.AppendFormat gives, across
+// milliseconds, seconds, zones and years of other than four digits.
+func TestISOClock(t *testing.T) {
+	var c isoClock
+	base := time.Date(2026, 12, 2, 9, 30, 59, 0, time.UTC)
+	paris := time.FixedZone("CET", 3600)
+	var times []time.Time
+	for _, d := range []time.Duration{0, 1, time.Millisecond, 999999999, time.Second, time.Second + 5*time.Millisecond, time.Hour} {
+		times = append(times, base.Add(d), base.Add(d).In(paris), base.Add(d).Local())
+	}
+	times = append(times, time.Date(999, 1, 1, 0, 0, 0, 7e6, time.UTC), time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC), base)
+	for _, at := range times {
+		if got, want := string(c.append(nil, at)), at.Format(iso8601); got != want {
+			t.Errorf("%v: %s, want %s", at, got, want)
+		}
 	}
 }

@@ -84,6 +84,7 @@ func newFlags(c *config) *app.Flags {
 	backends.IntVar(&c.Retries, "retries", c.Retries, "times a request may be re-sent to another endpoint when it provably never started: connection refused, no free connection, a failed write, or a 429/503 answer (never after a timeout)")
 	backends.Float64Var(&c.RetryBudget, "retry-budget", c.RetryBudget, "share of recent requests (10 s window) that may be retries (0: no budget)")
 	backends.IntVar(&c.MinRetries, "min-retries", c.MinRetries, "retries allowed per window whatever the budget")
+	backends.IntVar(&c.MaxMigrations, "max-migrations", c.MaxMigrations, "times a streamed completion or chat answer whose pod fails mid-stream is continued on another pod, text-exact (0: never; each counts as a retry in the budget)")
 	backends.DurationVar(&c.QueueTimeout, "queue-timeout", c.QueueTimeout, "when every eligible endpoint is saturated, wait this long in kvroute for one, then answer 429 (0: at once)")
 	backends.IntVar(&c.MaxQueue, "max-queue", c.MaxQueue, "most requests waiting for a saturated fleet; beyond, 429 at once")
 	backends.IntVar(&c.MaxInFlightPerEndpoint, "max-in-flight-per-endpoint", c.MaxInFlightPerEndpoint, "this router's requests in flight per endpoint before it counts as saturated (0: no cap but --max-conns-per-endpoint)")

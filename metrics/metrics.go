@@ -73,6 +73,8 @@ type Metrics struct {
 	modelsMu   sync.RWMutex
 	models     map[string]string // model names an endpoint accepted → their label value
 	chunkGap   prometheus.Observer
+	migrations *prometheus.CounterVec
+	migrGap    prometheus.Observer
 	logDropped prometheus.Counter
 	nearMisses *prometheus.CounterVec
 	rewrites   prometheus.Counter
@@ -282,6 +284,14 @@ func (m *Metrics) PromptRewrite() { m.rewrites.Inc() }
 // stream interval, plus the network.
 func (m *Metrics) ChunkGap(seconds float64) { m.chunkGap.Observe(seconds) }
 
+// Migration counts a streamed answer whose endpoint failed mid-stream, by
+// cause and outcome.
+func (m *Metrics) Migration(cause, outcome string) { m.migrations.WithLabelValues(cause, outcome).Inc() }
+
+// MigrationGap records the time from a stream's failure to its
+// continuation's first event written to the client.
+func (m *Metrics) MigrationGap(seconds float64) { m.migrGap.Observe(seconds) }
+
 // AccessLogDropped counts n access-log lines dropped.
 func (m *Metrics) AccessLogDropped(n int) { m.logDropped.Add(float64(n)) }
 
@@ -393,7 +403,19 @@ func (m *Metrics) registerPD(reg prometheus.Registerer) {
 		return h
 	}
 	m.chunkGap = hist(Namespace+"_stream_chunk_gap_seconds",
-		"Time between two successive chunks of a streamed answer (server-sent events) as the router received them from the endpoint.")
+		"Time between two successive writes of a streamed answer (server-sent events) to the client: the endpoint's gaps between tokens as the router forwarded them (events that arrived together leave in one write).")
+	m.migrGap = hist(Namespace+"_migration_gap_seconds",
+		"Streamed answers continued on another endpoint after theirs failed mid-stream: time from the failure to the continuation's first event written to the client.")
+	m.migrations = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: Namespace, Name: "migrations_total",
+		Help: "Streamed answers whose endpoint failed mid-stream, by cause (cut: the connection failed or closed early; timeout: the stream-idle timeout; error: the engine sent an error event) and outcome (continued on another endpoint; failed: the continuation could not start; not_continued: the answer could not be continued faithfully, or the migrations or the retry budget were spent).",
+	}, []string{"cause", "outcome"})
+	reg.MustRegister(m.migrations)
+	for _, c := range []string{"cut", "timeout", "error"} {
+		for _, o := range []string{"continued", "failed", "not_continued"} {
+			m.migrations.WithLabelValues(c, o)
+		}
+	}
 	m.e2e = hist("llm_request_e2e_seconds",
 		"Time from reading an inference request (completions, chat, responses) to the end of its response, every stage included.")
 	m.prefillQueue = hist("llm_prefill_queue_seconds",

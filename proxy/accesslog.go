@@ -200,6 +200,9 @@ func appendAccessLine(b []byte, clock *isoClock, console bool, r *record, d time
 			}
 		}
 	}
+	if r.migrations > 0 {
+		b = strconv.AppendInt(appendKey(b, console, ",", "migrations"), int64(r.migrations), 10)
+	}
 	if r.ttfb > 0 {
 		b = appendSeconds(appendKey(b, console, ",", "ttfb"), r.ttfb)
 	}

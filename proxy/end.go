@@ -52,6 +52,7 @@ type record struct {
 	traceID                 [32]byte   // hex, as the upstream traceparent carries it
 	span                    trace.Span // with tracing: the request's span, ended by end
 	ttfb                    time.Duration
+	migrations              int // times the streamed answer continued on another endpoint
 	// The endpoint's answer; zero when kvroute answered itself.
 	ep       *discovery.Endpoint
 	decision routing.Decision

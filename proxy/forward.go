@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -29,7 +30,9 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 		return nil, routing.Decision{}, &unknownModelError{strings.Clone(m)}
 	}
 	st.req.MaxInFlight = int64(s.opt.MaxInFlightPerEndpoint)
-	s.budget.request()
+	if !st.migrating {
+		s.budget.request()
+	}
 	var lastErr error = ErrNoEndpoint
 	var busy []*discovery.Endpoint // tried endpoints that had no free connection
 	var queued time.Time
@@ -247,7 +250,9 @@ func (s *Server) failed(ep *discovery.Endpoint, a *attempt, err error, tries int
 	f.busy = !gone && errors.Is(err, fasthttp.ErrNoFreeConns)
 	// A decode leg that failed before its first byte is resent: its prompt
 	// was computed elsewhere, so it had not started.
-	f.retry = s.mayRetry(tries, gone, f.busy, neverSent(err, a) || split)
+	// A refused connection, like a busy endpoint, cost no engine anything:
+	// its retry is outside the retry budget (not outside --retries).
+	f.retry = s.mayRetry(tries, gone, f.busy || tries < s.opt.Retries && errors.Is(err, syscall.ECONNREFUSED), neverSent(err, a) || split)
 	switch {
 	case gone:
 		f.err, kind = fmt.Errorf("%w: %v", ErrClientGone, err), failCancelled

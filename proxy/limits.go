@@ -50,6 +50,10 @@ type Limits struct {
 	RetryBudget float64
 	// MinRetries: see RetryBudget.
 	MinRetries int
+	// MaxMigrations is how many times a streamed answer whose endpoint
+	// failed mid-stream may be continued on another (migrate.go); each
+	// counts as a retry in RetryBudget. 0: never.
+	MaxMigrations int
 	// QueueTimeout is how long a request waits in kvroute when every
 	// eligible endpoint is saturated, before a 429; 0 answers at once.
 	QueueTimeout time.Duration
@@ -94,8 +98,9 @@ func DefaultLimits() Limits {
 		// it answers longer prompts with the same error.
 		MaxPromptTokens: 131072,
 		// Envoy's retry budget: 20% of requests, at least 3 retries.
-		RetryBudget:  0.2,
-		MinRetries:   3,
+		RetryBudget:   0.2,
+		MinRetries:    3,
+		MaxMigrations: 2,
 		QueueTimeout: 5 * time.Second,
 		MaxQueue:     1024,
 	}

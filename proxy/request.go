@@ -55,6 +55,9 @@ type reqState struct {
 	prompts, n int
 	clientKV   bool
 	pd         pdState
+	// migrating: the request continues a streamed answer (migrate.go); its
+	// retry was counted.
+	migrating bool
 }
 
 // reset readies a pooled st for a new request; the rest of its fields are
@@ -62,7 +65,7 @@ type reqState struct {
 func (st *reqState) reset() {
 	st.req.Reset()
 	st.att, st.root, st.prompts, st.n, st.clientKV = nil, nil, 0, 0, false
-	st.span, st.tctx = nil, nil
+	st.span, st.tctx, st.migrating = nil, nil, false
 	st.pd.reset()
 }
 

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"errors"
 	"io"
 	"net"
 	"sync"
@@ -69,6 +70,8 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 		return
 	}
 	b.rd = rd
+	b.ctx, b.flags, b.legFirst = ctx, st.flags, true
+	b.track.reset(b.stream && s.continuable(st), st.req.Kind == routing.KindChat)
 	size := resp.Header.ContentLength()
 	if size < 0 || isEventStream(resp) {
 		if !ctx.Request.Header.IsHTTP11() {
@@ -93,6 +96,7 @@ func (s *Server) closeDelimited(ctx *fasthttp.RequestCtx, b *upstreamBody) {
 	h.SetContentLength(-2) // no length, no chunking
 	h.SetConnectionClose()
 	head := append([]byte(nil), h.Header()...)
+	b.ctx, b.track.on = nil, false // ctx is gone once the connection is taken over
 	ctx.HijackSetNoResponse(true)
 	s.hijacked.Add(1)
 	ctx.Hijack(func(c net.Conn) {
@@ -142,9 +146,18 @@ type upstreamBody struct {
 	start, end int
 	werr       error
 	one        [1]byte
-	probing    bool   // in the one-byte read
-	last       uint32 // the last two bytes read (whether an event ended there)
-	tail       []byte // after a cut: the error event still to send (empty, not nil, once sent)
+	probing    bool       // in the one-byte read
+	conn       *timedConn // the upstream connection, while WriteTo runs
+	last       uint32     // the last two bytes read (whether an event ended there)
+	// Mid-stream failover (migrate.go): the client's request context
+	// (valid while fasthttp writes the body; nil for an HTTP/1.0 client),
+	// the upstream trace flags, the answer's tracking, and whether the
+	// current leg's first byte came.
+	ctx      *fasthttp.RequestCtx
+	flags    [2]byte
+	track    streamTrack
+	legFirst bool
+	tail     []byte // after a cut: the error event still to send (empty, not nil, once sent)
 }
 
 // Read implements io.Reader.
@@ -160,7 +173,10 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 	if n > 0 {
 		if !b.firstByte {
 			b.markFirstByte()
+		} else if !b.legFirst {
+			b.lease.FirstByte(false) // a continuation's prompt is computed
 		}
+		b.legFirst = true
 		b.rec.bytes += int64(n)
 		if b.scan {
 			b.usage.feed(p[:n])
@@ -174,14 +190,24 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 	if err != nil && err != io.EOF {
 		b.readErr = err
 		if b.stream && !b.att.clientGone() {
-			// An event stream the endpoint cut ends, as vLLM ends a stream
-			// that failed, with an error event and [DONE]: clients see an
-			// error, not a stream that may look complete.
-			b.tail = streamCutEvent(b.last&0xffff != '\n'<<8|'\n')
+			if b.track.on {
+				return n, errLegFailed // WriteTo continues the answer elsewhere, or ends it
+			}
+			b.cut()
 			return n, nil
 		}
 	}
 	return n, err
+}
+
+// errLegFailed: the endpoint of a stream that may be continued failed.
+var errLegFailed = errors.New("proxy: the stream's endpoint failed")
+
+// cut ends a stream its endpoint cut as vLLM ends a stream that failed:
+// with an error event and [DONE], so that clients see an error, not a
+// stream that may look complete.
+func (b *upstreamBody) cut() {
+	b.tail = streamCutEvent(b.last&0xffff != '\n'<<8|'\n')
 }
 
 // streamBufSize is the most of an answer upstreamBody.WriteTo writes at
@@ -205,14 +231,13 @@ func (b *upstreamBody) SupportsBodyWriteTo() bool { return true }
 // reader must wait for the endpoint during a one-byte read, what waits is
 // written and the buffer goes back to the pool, so that a stream waiting
 // for its next token holds no buffer here. Without the upstream
-// connection (not linked), every read is written at once.
+// connection (not linked), every read is written at once. A stream that
+// may be continued elsewhere (migrate.go) is written event by event, and
+// when its endpoint fails, WriteTo continues it on another.
 func (b *upstreamBody) WriteTo(w io.Writer) (int64, error) {
 	b.w, b.werr = w, nil
-	conn := b.att.upstream()
-	if conn != nil {
-		conn.beforeRead = b.flushBeforeRead
-		defer func() { conn.beforeRead = nil }()
-	}
+	b.hook()
+	defer b.unhook()
 	var written int64
 	for probe := true; ; probe = !probe {
 		var n int
@@ -232,8 +257,38 @@ func (b *upstreamBody) WriteTo(w io.Writer) (int64, error) {
 			b.end += n
 		}
 		written += int64(n)
-		if conn == nil || err != nil {
+		if b.conn == nil || err != nil {
 			b.flush()
+		}
+		if (err == errLegFailed || b.track.failed) && b.werr == nil {
+			cause := migrateError
+			if err == errLegFailed {
+				cause = causeOf(b.readErr)
+			}
+			if b.migrate(cause) {
+				b.end = b.start // what is left of the failed leg
+				b.track.failed = false
+				probe = false // the next read is a probe
+				continue
+			}
+			// Not continued: what is left (the engine's error event and
+			// [DONE], or kvroute's cut event) goes as it is.
+			b.track.on, b.track.rewrite, b.track.failed = false, false, false
+			switch {
+			case b.resp == nil:
+				// The continuation failed after the leg ended: the client
+				// gets what a cut stream gets (the rest of the leg, an
+				// error event of the engine's included, is dropped).
+				b.end = b.start
+				b.tail = streamCutEvent(false) // the client's last event was complete
+				err = nil
+			default: // a cut ends as today
+				b.flush()
+				if err == errLegFailed {
+					b.cut()
+					err = nil
+				}
+			}
 		}
 		if err != nil || b.werr != nil {
 			b.release()
@@ -251,13 +306,34 @@ func (b *upstreamBody) WriteTo(w io.Writer) (int64, error) {
 	}
 }
 
+// hook makes the current upstream connection flush what waits before it
+// reads its socket; unhook undoes it.
+func (b *upstreamBody) hook() {
+	b.conn = b.att.upstream()
+	if b.conn != nil {
+		b.conn.beforeRead = b.flushBeforeRead
+	}
+}
+
+func (b *upstreamBody) unhook() {
+	if b.conn != nil {
+		b.conn.beforeRead = nil
+		b.conn = nil
+	}
+}
+
 // room makes room in the buffer for at least one byte.
 func (b *upstreamBody) room() {
 	switch {
 	case b.buf == nil:
 		b.buf = streamBufs.Get().(*[streamBufSize]byte)
 		b.start, b.end = 0, 0
-	case b.end == len(b.buf):
+	case b.end < len(b.buf):
+	case b.start > 0: // a partial event waits: move it to the front
+		b.end = copy(b.buf[:], b.buf[b.start:b.end])
+		b.start = 0
+	default: // an event larger than the buffer: written as it comes
+		b.track.on, b.track.rewrite = false, false
 		b.flush()
 		b.start, b.end = 0, 0
 	}
@@ -265,28 +341,57 @@ func (b *upstreamBody) room() {
 
 // flushBeforeRead writes what waits before the endpoint's connection reads
 // its socket. During a one-byte read the buffer is no read's target, so it
-// goes back to the pool.
+// goes back to the pool, unless part of an event waits in it.
 func (b *upstreamBody) flushBeforeRead() {
 	b.flush()
-	if b.probing {
+	if b.probing && b.start == b.end {
 		b.release()
 	}
 }
 
-// flush writes what waits in the buffer (nothing after a write failed).
+// flush writes what waits in the buffer (nothing after a write failed):
+// all of it, or, for a stream that may be continued, its complete events.
 func (b *upstreamBody) flush() {
 	if b.buf == nil || b.start == b.end || b.werr != nil {
 		return
 	}
+	p, out := b.buf[b.start:b.end], b.buf[b.start:b.end]
+	if t := &b.track; t.on || t.rewrite {
+		done := 0
+		t.out = t.out[:0]
+		for !t.failed {
+			n := eventEnd(p[done:])
+			if n < 0 {
+				break
+			}
+			if ev := p[done : done+n]; t.rewrite && !t.rewriteEvent(ev) || !t.rewrite && !t.follow(ev) {
+				break // an error event: the leg failed (WriteTo)
+			}
+			done += n
+		}
+		out = p[:done]
+		if t.rewrite {
+			out = t.out
+		}
+		b.start += done
+	} else {
+		b.start = b.end
+	}
+	if len(out) == 0 {
+		return
+	}
+	now := time.Now()
 	if b.stream {
-		now := time.Now()
 		if !b.lastChunk.IsZero() {
 			b.s.opt.Metrics.ChunkGap(now.Sub(b.lastChunk).Seconds())
 		}
 		b.lastChunk = now
 	}
-	_, b.werr = b.w.Write(b.buf[b.start:b.end])
-	b.start = b.end
+	if t := &b.track; !t.migratedAt.IsZero() {
+		b.s.opt.Metrics.MigrationGap(now.Sub(t.migratedAt).Seconds())
+		t.migratedAt = time.Time{}
+	}
+	_, b.werr = b.w.Write(out)
 }
 
 // release gives the buffer back.
@@ -331,8 +436,10 @@ func (b *upstreamBody) markFirstByte() {
 func (b *upstreamBody) CloseWithError(err error) error {
 	s, ep := b.s, b.rec.ep
 	s.attempts.end(b.att) // before the connection goes back to the pool
-	_ = b.resp.CloseBodyStream()
-	fasthttp.ReleaseResponse(b.resp)
+	if b.resp != nil { // nil after a failed migration (migrate.go)
+		_ = b.resp.CloseBodyStream()
+		fasthttp.ReleaseResponse(b.resp)
+	}
 	if b.leg != nil {
 		b.leg.decodeEnd(err == nil && b.readErr == nil && b.rec.status == fasthttp.StatusOK)
 	}
@@ -368,7 +475,7 @@ func (b *upstreamBody) CloseWithError(err error) error {
 		b.rec.usage, b.rec.promptTokens, b.rec.cachedTokens = true, b.usage.Prompt, b.usage.Cached
 	}
 	s.end(&b.rec, err)
-	b.resp, b.rd, b.readErr, b.att, b.leg = nil, nil, nil, nil, nil
+	b.resp, b.rd, b.readErr, b.att, b.leg, b.ctx = nil, nil, nil, nil, nil, nil
 	b.rec.ep, b.rec.decision = nil, routing.Decision{}
 	s.bodies.Put(b)
 	return nil

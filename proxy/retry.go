@@ -91,16 +91,17 @@ func backoff(n int) time.Duration {
 
 // mayRetry is the retry rule: whether a request whose tries-th retry
 // failed is sent to another endpoint. Never when the client has gone; always
-// when the endpoint had no free connection (busy: nothing was sent, and
-// that is no retry); otherwise only when the request provably never
+// when the endpoint had no free connection or refused the connection
+// (free: nothing was sent, no engine did any work, and that is no retry);
+// otherwise only when the request provably never
 // started there (unstarted: a connection refused or closed before the
 // request was written, a 429 or 503 answer, a decode leg's failure),
 // within --retries and the retry budget.
-func (s *Server) mayRetry(tries int, gone, busy, unstarted bool) bool {
+func (s *Server) mayRetry(tries int, gone, free, unstarted bool) bool {
 	switch {
 	case gone:
 		return false
-	case busy:
+	case free:
 		return true
 	case tries >= s.opt.Retries || !unstarted:
 		return false

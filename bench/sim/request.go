@@ -391,6 +391,19 @@ func renderChat(v *fastjson.Value) ([]byte, *apiError) {
 		}
 		addGen = b
 	}
+	// vLLM's continue_final_message: the last message (the assistant's,
+	// partial) stays open, for the model to continue.
+	cont := false
+	if c := v.Get("continue_final_message"); c != nil && c.Type() != fastjson.TypeNull {
+		b, err := c.Bool()
+		if err != nil {
+			return nil, badRequest("continue_final_message must be a boolean")
+		}
+		cont = b
+	}
+	if cont && addGen {
+		return nil, badRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+	}
 	b := append(make([]byte, 0, 256), ChatBOS...)
 	if tools := v.Get("tools"); tools != nil && tools.Type() != fastjson.TypeNull {
 		if tools.Type() != fastjson.TypeArray {
@@ -400,7 +413,7 @@ func renderChat(v *fastjson.Value) ([]byte, *apiError) {
 		b = tools.MarshalTo(b)
 		b = append(b, ChatEOT...)
 	}
-	for _, m := range items {
+	for i, m := range items {
 		if m.Type() != fastjson.TypeObject {
 			return nil, badRequest("each message must be an object")
 		}
@@ -436,6 +449,9 @@ func renderChat(v *fastjson.Value) ([]byte, *apiError) {
 		}
 		if tc := m.Get("tool_calls"); tc != nil && tc.Type() == fastjson.TypeArray && len(tc.GetArray()) > 0 {
 			b = tc.MarshalTo(b)
+		}
+		if cont && i == len(items)-1 {
+			break
 		}
 		b = append(b, ChatEOT...)
 	}

@@ -1,0 +1,468 @@
+package proxy
+
+import (
+	"bytes"
+	"errors"
+	"net"
+	"os"
+	"strconv"
+	"time"
+
+	"github.com/valyala/fasthttp"
+	"github.com/valyala/fastjson"
+	"go.uber.org/zap"
+
+	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/routing"
+)
+
+// Mid-stream failover (migration). When the endpoint of a streamed
+// /v1/completions or /v1/chat/completions answer fails after its first
+// byte (the connection reset or closed early, the stream-idle timeout, an
+// error event from the engine), another endpoint picked by the policy
+// continues the generation, and the client reads one stream:
+//
+//   - completions: the original prompt followed by exactly the text already
+//     sent; chat: the messages followed by the partial assistant message,
+//     with vLLM's continue_final_message and add_generation_prompt false;
+//     max_tokens (max_completion_tokens, min_tokens) less the tokens already
+//     generated; every other parameter unchanged;
+//   - the continuation's events carry the first leg's id, created and model;
+//     its role-only first chat event is dropped; its usage chunk reports the
+//     original prompt's tokens and the completion tokens of both legs.
+//
+// streamTrack follows the answer event by event to make that possible. It
+// reads each event the client receives with two anchored searches (the
+// text, the end), so the first leg costs a stream little; only a
+// continuation's events are parsed and rewritten. An event is written only
+// once it is complete, so the client never holds half an event when the
+// leg fails.
+type streamTrack struct {
+	on   bool // the answer may be continued (continuable), and tracking holds
+	chat bool
+	// text is the text the client has received, as the JSON string
+	// content the engine wrote (escaped as it escaped it); tokens counts
+	// the answer's events, one token each as vLLM streams by default.
+	text   []byte
+	tokens int
+	given  int // of them, those the current continuation was given
+	// The first leg's id, created and model (raw JSON values), from its
+	// first event.
+	id, created, model []byte
+	legs               int  // continuations so far
+	ended              bool // the answer's last event (a finish_reason) went by
+	failed             bool // the engine sent an error event: the leg failed
+	done               bool // [DONE] went by
+	// A continuation's state: its events are rewritten into out; the
+	// role-only first event of a chat continuation is dropped; usage of
+	// the continuation's prompt is corrected by prompt (the tokens of the
+	// text it was given).
+	rewrite   bool
+	out       []byte
+	parser    fastjson.Parser // a continuation's event
+	legParser fastjson.Parser // leg1's values
+	arena     fastjson.Arena
+	leg1      []*fastjson.Value // id, created, model
+	// When the last migration began (for the gap until its first event).
+	migratedAt time.Time
+}
+
+func (t *streamTrack) reset(on, chat bool) {
+	t.on, t.chat = on, chat
+	t.text, t.tokens, t.given = t.text[:0], 0, 0
+	t.id, t.created, t.model = t.id[:0], t.created[:0], t.model[:0]
+	t.legs, t.ended, t.failed, t.done, t.rewrite = 0, false, false, false, false
+}
+
+// eventEnd returns the length of p's first complete event (through its
+// blank line: "\n\n", or "\r\n\r\n"), or -1.
+func eventEnd(p []byte) int {
+	for i := 0; ; {
+		j := bytes.IndexByte(p[i:], '\n')
+		if j < 0 {
+			return -1
+		}
+		k := i + j + 1
+		switch {
+		case k < len(p) && p[k] == '\n':
+			return k + 1
+		case k+1 < len(p) && p[k] == '\r' && p[k+1] == '\n':
+			return k + 2
+		}
+		i = k
+	}
+}
+
+var (
+	anchorText      = []byte(`"text":"`)
+	anchorContent   = []byte(`"content":"`)
+	anchorFinish    = []byte(`"finish_reason":"`)
+	anchorRole      = []byte(`"role":"assistant"`)
+	anchorToolCalls = []byte(`"tool_calls":[`)
+	anchorReasoning = []byte(`"reasoning_content":"`)
+	eventDone       = []byte("data: [DONE]")
+	eventData       = []byte("data: ")
+)
+
+// jsonStringEnd returns the index of the quote that ends the JSON string
+// content starting at p[0], or -1.
+func jsonStringEnd(p []byte) int {
+	for i := 0; i < len(p); i++ {
+		switch p[i] {
+		case '\\':
+			i++
+		case '"':
+			return i
+		}
+	}
+	return -1
+}
+
+// follow reads one complete event the client is about to receive: its
+// text, its token, its end. It returns false for an error event, which
+// the client must not receive (the leg failed).
+func (t *streamTrack) follow(ev []byte) bool {
+	data, ok := bytes.CutPrefix(ev, eventData)
+	if !ok {
+		return true // a comment or another field: nothing of the answer
+	}
+	if bytes.HasPrefix(data, eventDone[len(eventData):]) {
+		t.done = true
+		return true
+	}
+	if isErrorEvent(data) {
+		t.failed = true
+		return false
+	}
+	if len(t.id) == 0 {
+		t.firstEvent(data)
+	}
+	anchor := anchorText
+	if t.chat {
+		if bytes.Contains(data, anchorToolCalls) || bytes.Contains(data, anchorReasoning) {
+			t.on = false // a tool call or reasoning half streamed cannot be continued
+			return true
+		}
+		if bytes.Contains(data, anchorRole) && bytes.Contains(data, []byte(`"content":""`)) {
+			return true // the role-only first event
+		}
+		anchor = anchorContent
+	}
+	if i := bytes.Index(data, anchor); i >= 0 {
+		s := data[i+len(anchor):]
+		if j := jsonStringEnd(s); j >= 0 {
+			t.text = append(t.text, s[:j]...)
+			t.tokens++
+		} else {
+			t.on = false
+		}
+	}
+	if bytes.Contains(data, anchorFinish) {
+		t.ended = true
+	}
+	return true
+}
+
+// isErrorEvent reports whether an event's data is an engine's error
+// object (vLLM's nested {"error": {...}} or its older flat envelope).
+func isErrorEvent(data []byte) bool {
+	if bytes.HasPrefix(data, []byte(`{"id"`)) {
+		return false // every answer chunk starts so (cheap to rule out)
+	}
+	var p fastjson.Parser
+	v, err := p.ParseBytes(bytes.TrimSpace(data))
+	if err != nil || v.Type() != fastjson.TypeObject {
+		return false
+	}
+	return v.Get("error") != nil || string(v.GetStringBytes("object")) == "error"
+}
+
+// firstEvent keeps the first leg's id, created and model.
+func (t *streamTrack) firstEvent(data []byte) {
+	var p fastjson.Parser
+	v, err := p.ParseBytes(bytes.TrimSpace(data))
+	if err != nil {
+		return
+	}
+	for _, f := range []struct {
+		dst *[]byte
+		key string
+	}{{&t.id, "id"}, {&t.created, "created"}, {&t.model, "model"}} {
+		if x := v.Get(f.key); x != nil {
+			*f.dst = x.MarshalTo((*f.dst)[:0])
+		}
+	}
+	if len(t.id) == 0 {
+		t.on = false // not an answer chunk kvroute can rewrite a continuation after
+	}
+}
+
+// rewriteEvent appends a continuation's complete event ev to t.out as
+// the client must see it, and follows it. It returns false for an error
+// event.
+func (t *streamTrack) rewriteEvent(ev []byte) bool {
+	data, ok := bytes.CutPrefix(ev, eventData)
+	if !ok || bytes.HasPrefix(data, eventDone[len(eventData):]) {
+		t.out = append(t.out, ev...)
+		t.follow(ev)
+		return true
+	}
+	if isErrorEvent(data) {
+		t.failed = true
+		return false
+	}
+	v, err := t.parser.ParseBytes(bytes.TrimSpace(data))
+	if err != nil || v.Type() != fastjson.TypeObject {
+		t.out = append(t.out, ev...) // not JSON: as it came
+		return true
+	}
+	if t.chat {
+		if d := v.Get("choices", "0", "delta"); d != nil && d.Get("role") != nil && len(d.GetStringBytes("content")) == 0 &&
+			d.Get("tool_calls") == nil && len(v.GetStringBytes("choices", "0", "finish_reason")) == 0 {
+			return true // the continuation's role-only first event
+		}
+	}
+	for i, k := range [...]string{"id", "created", "model"} {
+		if i < len(t.leg1) {
+			v.Set(k, t.leg1[i])
+		}
+	}
+	if u := v.Get("usage"); u != nil && u.Type() == fastjson.TypeObject {
+		t.fixUsage(u)
+	}
+	start := len(t.out)
+	t.out = append(v.MarshalTo(append(t.out, eventData...)), "\n\n"...)
+	t.follow(t.out[start:])
+	return true
+}
+
+// fixUsage makes a continuation's usage the answer's: the prompt's tokens
+// are the continuation's less the first legs' text (what it was given),
+// the completion tokens those of every leg.
+func (t *streamTrack) fixUsage(u *fastjson.Value) {
+	prompt, completion := u.GetInt("prompt_tokens"), u.GetInt("completion_tokens")
+	prompt = max(0, prompt-t.given)
+	completion += t.given
+	u.Set("prompt_tokens", t.arena.NewNumberInt(prompt))
+	u.Set("completion_tokens", t.arena.NewNumberInt(completion))
+	u.Set("total_tokens", t.arena.NewNumberInt(prompt+completion))
+}
+
+// continuable reports whether st's answer, if it streams, could be
+// continued by another endpoint: a streamed completion of one string
+// prompt or a chat, one choice, no log probabilities, no echo, no
+// continuation of the client's own, no disaggregation.
+func (s *Server) continuable(st *reqState) bool {
+	r, v := &st.req, st.root
+	if s.opt.MaxMigrations <= 0 || s.pd != nil || !r.Stream || st.n > 1 || v == nil || st.clientKV {
+		return false
+	}
+	for _, k := range [...]string{"logprobs", "top_logprobs", "prompt_logprobs", "echo", "best_of", "suffix", "continue_final_message"} {
+		if x := v.Get(k); x != nil && x.Type() != fastjson.TypeNull && x.Type() != fastjson.TypeFalse && !(k == "best_of" && x.GetInt() <= 1) {
+			return false
+		}
+	}
+	switch r.Kind {
+	case routing.KindCompletions:
+		p := v.Get("prompt")
+		return p != nil && p.Type() == fastjson.TypeString
+	case routing.KindChat:
+		m := v.Get("messages")
+		return m != nil && m.Type() == fastjson.TypeArray
+	}
+	return false
+}
+
+// continuation returns the body of the request that continues body's
+// answer after text (JSON string content) and tokens generated tokens.
+func continuation(body []byte, chat bool, text []byte, tokens int) ([]byte, error) {
+	var p fastjson.Parser
+	v, err := p.ParseBytes(body)
+	if err != nil {
+		return nil, err
+	}
+	o, err := v.Object()
+	if err != nil {
+		return nil, err
+	}
+	out := make([]byte, 0, len(body)+len(text)+128)
+	out = append(out, '{')
+	field := func(k string) {
+		if len(out) > 1 {
+			out = append(out, ',')
+		}
+		out = append(appendJSONString(out, k), ':')
+	}
+	var bad error
+	o.Visit(func(kb []byte, x *fastjson.Value) {
+		k := string(kb)
+		switch k {
+		case "continue_final_message", "add_generation_prompt":
+			return // set below
+		case "max_tokens", "max_completion_tokens", "min_tokens":
+			if x.Type() == fastjson.TypeNumber {
+				n := x.GetInt() - tokens
+				if k != "min_tokens" {
+					n = max(n, 1)
+				}
+				field(k)
+				out = strconv.AppendInt(out, int64(max(n, 0)), 10)
+				return
+			}
+		case "prompt":
+			if !chat && x.Type() == fastjson.TypeString {
+				field(k)
+				q := x.MarshalTo(nil)
+				out = append(append(append(out, q[:len(q)-1]...), text...), '"')
+				return
+			}
+		case "messages":
+			if chat && x.Type() == fastjson.TypeArray {
+				field(k)
+				q := x.MarshalTo(nil)
+				q = q[:len(q)-1] // without its closing bracket
+				out = append(out, q...)
+				if len(q) > 1 {
+					out = append(out, ',')
+				}
+				out = append(append(append(out, `{"role":"assistant","content":"`...), text...), `"}]`...)
+				return
+			}
+			bad = errors.New("messages is not an array")
+		}
+		field(k)
+		out = x.MarshalTo(out)
+	})
+	if bad != nil {
+		return nil, bad
+	}
+	if chat {
+		field("continue_final_message")
+		out = append(out, "true"...)
+		field("add_generation_prompt")
+		out = append(out, "false"...)
+	}
+	return append(out, '}'), nil
+}
+
+// Causes of a migration (kvroute_migrations_total's cause label).
+const (
+	migrateCut     = "cut"     // the connection failed or closed before the end
+	migrateTimeout = "timeout" // the stream-idle timeout
+	migrateError   = "error"   // the engine sent an error event
+)
+
+// migrate continues the answer on another endpoint after its leg failed
+// for cause, and reports whether the body now streams from it. ctx is
+// the client's request, valid while fasthttp writes the body.
+func (b *upstreamBody) migrate(cause string) bool {
+	s, t := b.s, &b.track
+	if !t.on || t.ended || b.ctx == nil || t.legs >= s.opt.MaxMigrations || b.att.clientGone() {
+		if t.on || cause == migrateError {
+			s.opt.Metrics.Migration(cause, "not_continued")
+		}
+		return false
+	}
+	if !s.budget.allow() {
+		s.opt.Metrics.RetryDenied()
+		s.opt.Metrics.Migration(cause, "not_continued")
+		return false
+	}
+	start := time.Now()
+	ctx := b.ctx
+	body, err := continuation(ctx.PostBody(), t.chat, t.text, t.tokens)
+	if err != nil {
+		s.opt.Metrics.Migration(cause, "failed")
+		return false
+	}
+	failedEP, failedAtt, legErr := b.rec.ep, b.att, b.readErr
+	if legErr == nil {
+		legErr = errEngineError
+	}
+	b.endLeg()
+	b.readErr = legErr // until the continuation streams
+
+	st := s.states.Get().(*reqState)
+	st.reset()
+	defer s.release(st)
+	defer st.lease.Release()
+	st.req.Kind, st.migrating = routing.Kind(b.rec.class), true
+	st.traceID, st.flags = b.rec.traceID, b.flags
+	st.uri = append(st.uri[:0], ctx.Request.RequestURI()...)
+	ctx.Request.SetBody(body)
+	if err := st.parse(st.req.Kind, ctx.PostBody(), s.opt.BlockSize, s.opt.MaxBlocks); err != nil {
+		s.opt.Metrics.Migration(cause, "failed")
+		return false
+	}
+	st.req.Tried = append(st.req.Tried, failedEP)
+	resp, d, err := s.forward(ctx, st)
+	if err == nil && (resp.StatusCode() != fasthttp.StatusOK || !isEventStream(resp) || resp.BodyStream() == nil) {
+		s.discard(resp, st.att)
+		s.attempts.end(st.att)
+		fasthttp.ReleaseResponse(resp)
+		err = &statusError{endpoint: d.Endpoint.URL, code: resp.StatusCode()}
+	}
+	if err != nil {
+		s.opt.Logger.Warn("stream migration failed", zap.ByteString("request_id", b.rec.reqID), zap.String("cause", cause), zap.Error(err))
+		s.opt.Metrics.Migration(cause, "failed")
+		return false
+	}
+	// The body streams from the continuation now.
+	b.legFailed(failedEP, failedAtt, legErr)
+	b.resp, b.rd, b.att = resp, resp.BodyStream(), st.att
+	b.lease = st.lease.Take()
+	b.rec.ep, b.rec.decision, b.rec.attempts = d.Endpoint, d, b.rec.attempts+len(st.req.Tried)-1
+	b.rec.migrations++
+	b.readErr, b.observe, b.legFirst = nil, false, false
+	b.usage, b.promptBytes = usageScanner{}, st.req.PromptBytes
+	t.legs++
+	if !t.rewrite {
+		t.rewrite = true
+		raw := append(append(append(append(append(append(t.out[:0], '['), t.id...), ','), t.created...), ','), t.model...)
+		t.leg1 = nil
+		if v, err := t.legParser.ParseBytes(append(raw, ']')); err == nil && len(t.created) > 0 && len(t.model) > 0 {
+			t.leg1 = v.GetArray()
+		}
+	}
+	t.migratedAt, t.given = start, t.tokens
+	b.hook()
+	s.opt.Metrics.Migration(cause, "continued")
+	s.opt.Logger.Info("stream migrated", zap.ByteString("request_id", b.rec.reqID), zap.String("cause", cause),
+		zap.String("from", failedEP.URL), zap.String("to", d.Endpoint.URL), zap.Int("tokens", t.tokens),
+		zap.Duration("took", time.Since(start)))
+	return true
+}
+
+// endLeg ends the failed leg: its connection (closed, unless drained),
+// attempt and lease. b.resp is nil from then on: the leg cannot be read.
+func (b *upstreamBody) endLeg() {
+	b.unhook()
+	b.s.attempts.end(b.att)
+	_ = b.resp.CloseBodyStream()
+	fasthttp.ReleaseResponse(b.resp)
+	b.lease.Release()
+	b.resp, b.rd = nil, nil
+}
+
+// legFailed counts a failed leg against its endpoint (unless kvroute cut
+// it) and in kvroute_upstream_errors_total.
+func (b *upstreamBody) legFailed(ep *discovery.Endpoint, a *attempt, err error) {
+	if !a.wasAborted() {
+		ep.ReportFailure()
+	}
+	b.s.opt.Metrics.UpstreamError(failBody)
+	b.s.opt.Logger.Warn("upstream body failed", zap.ByteString("request_id", b.rec.reqID),
+		zap.String("endpoint", ep.URL), zap.Error(err))
+}
+
+// errEngineError: the engine ended its answer with an error event.
+var errEngineError = errors.New("proxy: the engine sent an error event mid-stream")
+
+// causeOf names the cause of a leg's read failure err.
+func causeOf(err error) string {
+	var ne net.Error
+	if errors.Is(err, os.ErrDeadlineExceeded) || errors.As(err, &ne) && ne.Timeout() {
+		return migrateTimeout
+	}
+	return migrateCut
+}

@@ -1,0 +1,438 @@
+package proxy
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/textproto"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+
+	"github.com/kvroute/kvroute/bench/sim"
+)
+
+// rawEndpoint is an engine on loopback whose answers a test writes by
+// hand: serve gets each request's body and the connection, after the
+// request was read.
+type rawEndpoint struct {
+	url    string
+	mu     sync.Mutex
+	bodies []string
+}
+
+func startRawEndpoint(t *testing.T, serve func(c net.Conn, body []byte)) *rawEndpoint {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &rawEndpoint{url: "http://" + ln.Addr().String()}
+	var wg sync.WaitGroup
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+				tp := textproto.NewReader(bufio.NewReader(c))
+				for {
+					if _, err := tp.ReadLine(); err != nil {
+						return
+					}
+					h, err := tp.ReadMIMEHeader()
+					if err != nil {
+						return
+					}
+					n, _ := strconv.Atoi(h.Get("Content-Length"))
+					body := make([]byte, n)
+					if _, err := io.ReadFull(tp.R, body); err != nil {
+						return
+					}
+					e.mu.Lock()
+					e.bodies = append(e.bodies, string(body))
+					e.mu.Unlock()
+					serve(c, body)
+				}
+			}()
+		}
+	}()
+	return e
+}
+
+func (e *rawEndpoint) received() []string {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return append([]string(nil), e.bodies...)
+}
+
+// sseHead starts a chunked event stream; sseEvent writes one event as
+// one chunk.
+func sseHead(c net.Conn) {
+	_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+}
+
+func sseEvent(c net.Conn, ev string) {
+	ev = "data: " + ev + "\n\n"
+	_, _ = fmt.Fprintf(c, "%x\r\n%s\r\n", len(ev), ev)
+}
+
+func sseEnd(c net.Conn) {
+	sseEvent(c, "[DONE]")
+	_, _ = io.WriteString(c, "0\r\n\r\n")
+}
+
+// reset closes c with a TCP reset.
+func reset(c net.Conn) {
+	_ = c.(*net.TCPConn).SetLinger(0)
+	_ = c.Close()
+}
+
+// chunkOf is a vLLM stream chunk of id with one token of text.
+func chunkOf(chat bool, id, model, text string, finish string) string {
+	fr := "null"
+	if finish != "" {
+		fr = strconv.Quote(finish)
+	}
+	t, _ := json.Marshal(text)
+	if chat {
+		return fmt.Sprintf(`{"id":%q,"object":"chat.completion.chunk","created":1700000001,"model":%q,"choices":[{"index":0,"delta":{"content":%s},"logprobs":null,"finish_reason":%s}]}`, id, model, t, fr)
+	}
+	return fmt.Sprintf(`{"id":%q,"object":"text_completion","created":1700000001,"model":%q,"choices":[{"index":0,"text":%s,"logprobs":null,"finish_reason":%s,"stop_reason":null}],"usage":null}`, id, model, t, fr)
+}
+
+// readStream reads a streamed answer through kvroute: the events' data.
+func readStream(t *testing.T, url, body string) []string {
+	t.Helper()
+	resp, err := http.Post(url, "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d: %s", resp.StatusCode, b)
+	}
+	var out []string
+	for _, ev := range strings.Split(strings.TrimSuffix(string(b), "\n\n"), "\n\n") {
+		d, ok := strings.CutPrefix(ev, "data: ")
+		if !ok {
+			t.Fatalf("event %q", ev)
+		}
+		out = append(out, d)
+	}
+	return out
+}
+
+// A stream whose endpoint fails after some tokens (reset, stalled past
+// the idle timeout, an error event) is continued on another: the
+// continuation's request is the original followed by exactly the text
+// sent, with the tokens left; the client reads one stream with the first
+// leg's id, created and model, the usage of both legs and one [DONE].
+func TestMigrateContinuesTheText(t *testing.T) {
+	const sent = 3 // tokens the first leg sends before it fails
+	first := []string{" Hello", ", \"w\u00f6rld\"", " \\n"}
+	for _, tc := range []struct {
+		name, body, cause string
+		chat              bool
+		fail              func(c net.Conn)
+	}{
+		{name: "completion reset", cause: "cut",
+			body: `{"model":"m","prompt":"Say \"hi\"","max_tokens":5,"min_tokens":4,"stream":true,"stream_options":{"include_usage":true},"ignore_eos":true}`,
+			fail: reset},
+		{name: "chat closed early", cause: "cut", chat: true,
+			body: `{"model":"m","messages":[{"role":"user","content":"Say hi"}],"max_completion_tokens":5,"stream":true,"stream_options":{"include_usage":true}}`,
+			fail: func(c net.Conn) { _ = c.Close() }},
+		{name: "completion stalled", cause: "timeout",
+			body: `{"model":"m","prompt":"Say hi","max_tokens":5,"stream":true,"stream_options":{"include_usage":true}}`,
+			fail: func(c net.Conn) { time.Sleep(2 * time.Second) }},
+		{name: "chat error event", cause: "error", chat: true,
+			body: `{"model":"m","messages":[{"role":"user","content":"Say hi"}],"max_tokens":5,"stream":true,"stream_options":{"include_usage":true}}`,
+			fail: func(c net.Conn) {
+				sseEvent(c, `{"error":{"message":"EngineCore died","type":"InternalServerError","param":null,"code":500}}`)
+				sseEnd(c)
+			}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := startRawEndpoint(t, func(c net.Conn, _ []byte) {
+				sseHead(c)
+				if tc.chat {
+					sseEvent(c, `{"id":"chatcmpl-A","object":"chat.completion.chunk","created":1700000001,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}`)
+				}
+				for _, x := range first {
+					sseEvent(c, chunkOf(tc.chat, "cmpl-A", "m", x, ""))
+				}
+				tc.fail(c)
+			})
+			b := startRawEndpoint(t, func(c net.Conn, _ []byte) {
+				sseHead(c)
+				if tc.chat {
+					sseEvent(c, `{"id":"chatcmpl-B","object":"chat.completion.chunk","created":1800000002,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}`)
+				}
+				sseEvent(c, chunkOf(tc.chat, "cmpl-B", "m", " again", ""))
+				sseEvent(c, chunkOf(tc.chat, "cmpl-B", "m", "!", "length"))
+				sseEvent(c, `{"id":"cmpl-B","object":"chat.completion.chunk","created":1800000002,"model":"m","choices":[],"usage":{"prompt_tokens":12,"total_tokens":14,"completion_tokens":2}}`)
+				sseEnd(c)
+			})
+			h := startProxy(t, fixedOrder{}, Options{Limits: Limits{MaxMigrations: 2, StreamIdleTimeout: 300 * time.Millisecond}}, a.url, b.url)
+			path := "/v1/completions"
+			if tc.chat {
+				path = "/v1/chat/completions"
+			}
+			events := readStream(t, h.url+path, tc.body)
+
+			// What B was asked: the original, the text sent, the tokens left.
+			got := b.received()
+			if len(got) != 1 {
+				t.Fatalf("B received %d requests", len(got))
+			}
+			var req map[string]any
+			if err := json.Unmarshal([]byte(got[0]), &req); err != nil {
+				t.Fatalf("continuation body %s: %v", got[0], err)
+			}
+			text := strings.Join(first, "")
+			if tc.chat {
+				msgs := req["messages"].([]any)
+				last := msgs[len(msgs)-1].(map[string]any)
+				if len(msgs) != 2 || last["role"] != "assistant" || last["content"] != text ||
+					req["continue_final_message"] != true || req["add_generation_prompt"] != false {
+					t.Errorf("chat continuation %s", got[0])
+				}
+			} else if req["prompt"] != `Say "hi"`+text && req["prompt"] != "Say hi"+text {
+				t.Errorf("prompt %q, want the original followed by %q", req["prompt"], text)
+			}
+			for _, k := range []string{"max_tokens", "max_completion_tokens", "min_tokens"} {
+				var orig map[string]any
+				_ = json.Unmarshal([]byte(tc.body), &orig)
+				if v, ok := orig[k]; ok && req[k] != v.(float64)-sent {
+					t.Errorf("%s %v, want %v", k, req[k], v.(float64)-sent)
+				}
+			}
+			if req["stream"] != true || req["model"] != "m" {
+				t.Errorf("continuation %s", got[0])
+			}
+
+			// What the client read: one stream.
+			var all string
+			done, usage := 0, 0
+			for _, ev := range events {
+				if ev == "[DONE]" {
+					done++
+					continue
+				}
+				var c struct {
+					ID, Model string
+					Created   int
+					Error     any
+					Choices   []struct {
+						Text  string
+						Delta struct{ Content string }
+					}
+					Usage *struct {
+						PromptTokens     int `json:"prompt_tokens"`
+						CompletionTokens int `json:"completion_tokens"`
+						TotalTokens      int `json:"total_tokens"`
+					} `json:"usage"`
+				}
+				if err := json.Unmarshal([]byte(ev), &c); err != nil {
+					t.Fatalf("event %q: %v", ev, err)
+				}
+				if c.Error != nil {
+					t.Fatalf("the client got an error event: %s", ev)
+				}
+				if (c.ID != "cmpl-A" && c.ID != "chatcmpl-A") || c.Created != 1700000001 || c.Model != "m" {
+					t.Errorf("event of another stream: %s", ev)
+				}
+				for _, ch := range c.Choices {
+					all += ch.Text + ch.Delta.Content
+				}
+				if c.Usage != nil {
+					usage++
+					if c.Usage.CompletionTokens != sent+2 || c.Usage.PromptTokens != 12-sent || c.Usage.TotalTokens != 12+2 {
+						t.Errorf("usage %+v", *c.Usage)
+					}
+				}
+			}
+			if all != text+" again!" || done != 1 || usage != 1 {
+				t.Errorf("text %q, %d [DONE], %d usage chunks", all, done, usage)
+			}
+			if v := counterValue(t, h.reg, "kvroute_migrations_total", map[string]string{"cause": tc.cause, "outcome": "continued"}); v != 1 {
+				t.Errorf("kvroute_migrations_total{cause=%q,outcome=continued} = %v", tc.cause, v)
+			}
+		})
+	}
+}
+
+// What cannot be continued faithfully ends as before, with the error
+// event: two choices, log probabilities, migrations off.
+func TestMigrateOnlyWhatContinues(t *testing.T) {
+	for _, tc := range []struct {
+		name, body string
+		max        int
+	}{
+		{"two choices", `{"model":"m","prompt":"x","n":2,"stream":true}`, 2},
+		{"logprobs", `{"model":"m","prompt":"x","logprobs":1,"stream":true}`, 2},
+		{"token ids", `{"model":"m","prompt":[1,2,3],"stream":true}`, 2},
+		{"off", `{"model":"m","prompt":"x","stream":true}`, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := startRawEndpoint(t, func(c net.Conn, _ []byte) {
+				sseHead(c)
+				sseEvent(c, chunkOf(false, "cmpl-A", "m", " one", ""))
+				reset(c)
+			})
+			b := startRawEndpoint(t, func(c net.Conn, _ []byte) { t.Error("B was asked to continue") })
+			h := startProxy(t, fixedOrder{}, Options{Limits: Limits{MaxMigrations: tc.max}}, a.url, b.url)
+			events := readStream(t, h.url+"/v1/completions", tc.body)
+			if len(events) < 3 || !strings.Contains(events[len(events)-2], "upstream_stream_cut") || events[len(events)-1] != "[DONE]" {
+				t.Errorf("events %q, want the cut's error event and [DONE]", events)
+			}
+		})
+	}
+}
+
+// On the simulated engine: a pod that drops every stream after 5 tokens
+// beside a healthy one. Every client stream, completion or chat, read
+// with the OpenAI SDK, completes with max_tokens completion tokens,
+// finish_reason length and no error, and its text is the first leg's
+// followed by the continuation's (what the healthy pod was given).
+func TestMigrateOnTheSimulator(t *testing.T) {
+	cfg := sim.DefaultConfig()
+	cfg.TimeScale = 100
+	cfg.Model = "m"
+	fleet := startSimFleet(t, 2, cfg)
+	if err := fleet.Pod(0).SetFaults(sim.Faults{DropAfterTokens: 5}); err != nil {
+		t.Fatal(err)
+	}
+	h := startProxy(t, fixedOrder{}, Options{Limits: Limits{MaxMigrations: 2}}, fleet.URLs()...)
+	client := openai.NewClient(option.WithBaseURL(h.url+"/v1"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	const maxTokens = 16
+	for i := range 3 {
+		stream := client.Completions.NewStreaming(ctx, openai.CompletionNewParams{
+			Model:         openai.CompletionNewParamsModel("m"),
+			Prompt:        openai.CompletionNewParamsPromptUnion{OfString: openai.String(fmt.Sprintf("Request %d: tell a story. ", i))},
+			MaxTokens:     openai.Int(maxTokens),
+			StreamOptions: openai.ChatCompletionStreamOptionsParam{IncludeUsage: openai.Bool(true)},
+		}, option.WithJSONSet("ignore_eos", true))
+		var text, finish, id string
+		var completion int64
+		for stream.Next() {
+			c := stream.Current()
+			if id == "" {
+				id = c.ID
+			}
+			if c.ID != id {
+				t.Fatalf("stream %d: chunk of %s in the stream of %s", i, c.ID, id)
+			}
+			for _, ch := range c.Choices {
+				text += ch.Text
+				if ch.FinishReason != "" {
+					finish = string(ch.FinishReason)
+				}
+			}
+			if c.Usage.CompletionTokens > 0 {
+				completion = c.Usage.CompletionTokens
+			}
+		}
+		if err := stream.Err(); err != nil {
+			t.Fatalf("completion stream %d: %v", i, err)
+		}
+		if completion != maxTokens || finish != "length" || text == "" {
+			t.Errorf("completion stream %d: %d completion tokens, finish %q, text %q", i, completion, finish, text)
+		}
+
+		chat := client.Chat.Completions.NewStreaming(ctx, openai.ChatCompletionNewParams{
+			Model:               "m",
+			Messages:            []openai.ChatCompletionMessageParamUnion{openai.UserMessage(fmt.Sprintf("Chat %d: tell a story.", i))},
+			MaxCompletionTokens: openai.Int(maxTokens),
+			StreamOptions:       openai.ChatCompletionStreamOptionsParam{IncludeUsage: openai.Bool(true)},
+		}, option.WithJSONSet("ignore_eos", true))
+		var acc openai.ChatCompletionAccumulator
+		for chat.Next() {
+			acc.AddChunk(chat.Current())
+		}
+		if err := chat.Err(); err != nil {
+			t.Fatalf("chat stream %d: %v", i, err)
+		}
+		if acc.Usage.CompletionTokens != maxTokens || len(acc.Choices) != 1 || acc.Choices[0].FinishReason != "length" || acc.Choices[0].Message.Content == "" {
+			t.Errorf("chat stream %d: usage %+v, choices %+v", i, acc.Usage, acc.Choices)
+		}
+	}
+	if v := counterValue(t, h.reg, "kvroute_migrations_total", map[string]string{"cause": "cut", "outcome": "continued"}); v != 6 {
+		t.Errorf("%v streams continued, want 6 (every one started on the failing pod)", v)
+	}
+	h.waitIdle(t)
+}
+
+// A continuation that cannot start (the other endpoint answers 500, or
+// sends an error event itself) ends the stream as a cut one ends: the
+// client gets the text it had, one error event and one [DONE].
+func TestMigrateFailsVisibly(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		b    func(c net.Conn)
+	}{
+		{"continuation refused", func(c net.Conn) {
+			_, _ = io.WriteString(c, "HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+		}},
+		{"continuation fails too", func(c net.Conn) {
+			sseHead(c)
+			sseEvent(c, chunkOf(false, "cmpl-B", "m", " two", ""))
+			reset(c)
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := startRawEndpoint(t, func(c net.Conn, _ []byte) {
+				sseHead(c)
+				sseEvent(c, chunkOf(false, "cmpl-A", "m", " one", ""))
+				reset(c)
+			})
+			b := startRawEndpoint(t, func(c net.Conn, _ []byte) { tc.b(c) })
+			h := startProxy(t, fixedOrder{}, Options{Limits: Limits{MaxMigrations: 1}}, a.url, b.url)
+			events := readStream(t, h.url+"/v1/completions", `{"model":"m","prompt":"x","stream":true}`)
+			text, cuts, done := "", 0, 0
+			for _, ev := range events {
+				switch {
+				case ev == "[DONE]":
+					done++
+				case strings.Contains(ev, "upstream_stream_cut"):
+					cuts++
+				default:
+					var c struct{ Choices []struct{ Text string } }
+					if err := json.Unmarshal([]byte(ev), &c); err != nil {
+						t.Fatalf("event %q: %v", ev, err)
+					}
+					for _, ch := range c.Choices {
+						text += ch.Text
+					}
+				}
+			}
+			if cuts != 1 || done != 1 || !strings.HasPrefix(text, " one") {
+				t.Errorf("events %q", events)
+			}
+			h.waitIdle(t)
+		})
+	}
+}

@@ -101,8 +101,8 @@ func DefaultLimits() Limits {
 		RetryBudget:   0.2,
 		MinRetries:    3,
 		MaxMigrations: 2,
-		QueueTimeout: 5 * time.Second,
-		MaxQueue:     1024,
+		QueueTimeout:  5 * time.Second,
+		MaxQueue:      1024,
 	}
 }
 

@@ -49,10 +49,10 @@ type streamTrack struct {
 	// The first leg's id, created and model (raw JSON values), from its
 	// first event.
 	id, created, model []byte
-	legs               int  // continuations so far
-	ended              bool // the answer's last event (a finish_reason) went by
-	failed             bool // the engine sent an error event: the leg failed
-	done               bool // [DONE] went by
+	last               []byte // the last event's data
+	legs               int    // continuations so far
+	failed             bool   // the engine sent an error event: the leg failed
+	done               bool   // [DONE] went by
 	// A continuation's state: its events are rewritten into out; the
 	// role-only first event of a chat continuation is dropped; usage of
 	// the continuation's prompt is corrected by prompt (the tokens of the
@@ -71,7 +71,8 @@ func (t *streamTrack) reset(on, chat bool) {
 	t.on, t.chat = on, chat
 	t.text, t.tokens, t.given = t.text[:0], 0, 0
 	t.id, t.created, t.model = t.id[:0], t.created[:0], t.model[:0]
-	t.legs, t.ended, t.failed, t.done, t.rewrite = 0, false, false, false, false
+	t.legs, t.failed, t.done, t.rewrite = 0, false, false, false
+	t.last = t.last[:0]
 }
 
 // eventEnd returns the length of p's first complete event (through its
@@ -93,15 +94,23 @@ func eventEnd(p []byte) int {
 	}
 }
 
+// The keys follow looks for. A search for a pattern that starts with a
+// quote tests nearly every byte of JSON (bytes.Index looks for the first
+// byte, then compares); these start with a byte that is rare in an
+// answer chunk ('x' of "text", '{' before vLLM's delta content), and the
+// bytes before the match are checked: keyBefore.
 var (
-	anchorText      = []byte(`"text":"`)
-	anchorContent   = []byte(`"content":"`)
-	anchorFinish    = []byte(`"finish_reason":"`)
+	anchorText      = []byte(`xt":"`)        // "text":"
+	anchorDelta     = []byte(`{"content":"`) // vLLM's "delta":{"content":"
+	anchorContent   = []byte(`"content":"`)  // any other layout
 	anchorRole      = []byte(`"role":"assistant"`)
 	anchorToolCalls = []byte(`"tool_calls":[`)
 	anchorReasoning = []byte(`"reasoning_content":"`)
+	anchorFinish    = []byte(`"finish_reason":"`)
+	anchorUsageOnly = []byte(`"choices":[]`)
 	eventDone       = []byte("data: [DONE]")
 	eventData       = []byte("data: ")
+	chunkStart      = []byte(`{"id"`)
 )
 
 // jsonStringEnd returns the index of the quote that ends the JSON string
@@ -118,59 +127,83 @@ func jsonStringEnd(p []byte) int {
 	return -1
 }
 
+// textAt returns the offset in data of the answer's text in this event
+// (the JSON string content after "text": or the delta's "content":), or
+// -1 when the event has none.
+func (t *streamTrack) textAt(data []byte) int {
+	if !t.chat {
+		for off := 0; ; {
+			i := bytes.Index(data[off:], anchorText)
+			if i < 0 {
+				return -1
+			}
+			if i += off; i >= 3 && string(data[i-3:i]) == `"te` {
+				return i + len(anchorText)
+			}
+			off = i + 1
+		}
+	}
+	if i := bytes.Index(data, anchorDelta); i >= 0 {
+		return i + len(anchorDelta)
+	}
+	// Another key first in the delta (the role of the first event, or
+	// another engine's layout).
+	i := bytes.Index(data, anchorContent)
+	if i < 0 || bytes.Contains(data, anchorRole) {
+		return -1 // no text, or the role-only first event
+	}
+	return i + len(anchorContent)
+}
+
 // follow reads one complete event the client is about to receive: its
-// text, its token, its end. It returns false for an error event, which
-// the client must not receive (the leg failed).
+// text and its token. It returns false for an error event, which the
+// client must not receive (the leg failed).
 func (t *streamTrack) follow(ev []byte) bool {
 	data, ok := bytes.CutPrefix(ev, eventData)
 	if !ok {
 		return true // a comment or another field: nothing of the answer
 	}
-	if bytes.HasPrefix(data, eventDone[len(eventData):]) {
-		t.done = true
-		return true
-	}
-	if isErrorEvent(data) {
-		t.failed = true
-		return false
+	if !bytes.HasPrefix(data, chunkStart) {
+		if bytes.HasPrefix(data, eventDone[len(eventData):]) {
+			t.done = true
+			return true
+		}
+		if t.isErrorEvent(data) {
+			t.failed = true
+			return false
+		}
 	}
 	if len(t.id) == 0 {
 		t.firstEvent(data)
 	}
-	anchor := anchorText
-	if t.chat {
-		if bytes.Contains(data, anchorToolCalls) || bytes.Contains(data, anchorReasoning) {
+	t.last = append(t.last[:0], data...)
+	i := t.textAt(data)
+	if i < 0 {
+		if t.chat && (bytes.Contains(data, anchorToolCalls) || bytes.Contains(data, anchorReasoning)) {
 			t.on = false // a tool call or reasoning half streamed cannot be continued
-			return true
 		}
-		if bytes.Contains(data, anchorRole) && bytes.Contains(data, []byte(`"content":""`)) {
-			return true // the role-only first event
-		}
-		anchor = anchorContent
+		return true
 	}
-	if i := bytes.Index(data, anchor); i >= 0 {
-		s := data[i+len(anchor):]
-		if j := jsonStringEnd(s); j >= 0 {
-			t.text = append(t.text, s[:j]...)
-			t.tokens++
-		} else {
-			t.on = false
-		}
+	j := jsonStringEnd(data[i:])
+	if j < 0 {
+		t.on = false
+		return true
 	}
-	if bytes.Contains(data, anchorFinish) {
-		t.ended = true
-	}
+	t.text = append(t.text, data[i:i+j]...)
+	t.tokens++
 	return true
+}
+
+// ended reports whether the answer's end went by: [DONE], a finish
+// reason, or the usage chunk that follows it, in the last event.
+func (t *streamTrack) ended() bool {
+	return t.done || bytes.Contains(t.last, anchorFinish) || bytes.Contains(t.last, anchorUsageOnly)
 }
 
 // isErrorEvent reports whether an event's data is an engine's error
 // object (vLLM's nested {"error": {...}} or its older flat envelope).
-func isErrorEvent(data []byte) bool {
-	if bytes.HasPrefix(data, []byte(`{"id"`)) {
-		return false // every answer chunk starts so (cheap to rule out)
-	}
-	var p fastjson.Parser
-	v, err := p.ParseBytes(bytes.TrimSpace(data))
+func (t *streamTrack) isErrorEvent(data []byte) bool {
+	v, err := t.parser.ParseBytes(bytes.TrimSpace(data))
 	if err != nil || v.Type() != fastjson.TypeObject {
 		return false
 	}
@@ -179,8 +212,7 @@ func isErrorEvent(data []byte) bool {
 
 // firstEvent keeps the first leg's id, created and model.
 func (t *streamTrack) firstEvent(data []byte) {
-	var p fastjson.Parser
-	v, err := p.ParseBytes(bytes.TrimSpace(data))
+	v, err := t.parser.ParseBytes(bytes.TrimSpace(data))
 	if err != nil {
 		return
 	}
@@ -207,7 +239,7 @@ func (t *streamTrack) rewriteEvent(ev []byte) bool {
 		t.follow(ev)
 		return true
 	}
-	if isErrorEvent(data) {
+	if !bytes.HasPrefix(data, chunkStart) && t.isErrorEvent(data) {
 		t.failed = true
 		return false
 	}
@@ -357,7 +389,7 @@ const (
 // the client's request, valid while fasthttp writes the body.
 func (b *upstreamBody) migrate(cause string) bool {
 	s, t := b.s, &b.track
-	if !t.on || t.ended || b.ctx == nil || t.legs >= s.opt.MaxMigrations || b.att.clientGone() {
+	if !t.on || t.ended() || b.ctx == nil || t.legs >= s.opt.MaxMigrations || b.att.clientGone() {
 		if t.on || cause == migrateError {
 			s.opt.Metrics.Migration(cause, "not_continued")
 		}

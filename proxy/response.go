@@ -436,7 +436,7 @@ func (b *upstreamBody) markFirstByte() {
 func (b *upstreamBody) CloseWithError(err error) error {
 	s, ep := b.s, b.rec.ep
 	s.attempts.end(b.att) // before the connection goes back to the pool
-	if b.resp != nil { // nil after a failed migration (migrate.go)
+	if b.resp != nil {    // nil after a failed migration (migrate.go)
 		_ = b.resp.CloseBodyStream()
 		fasthttp.ReleaseResponse(b.resp)
 	}

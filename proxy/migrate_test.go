@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -18,6 +19,7 @@ import (
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
 
+	"github.com/kvroute/kvroute/bench/llmd"
 	"github.com/kvroute/kvroute/bench/sim"
 )
 
@@ -433,6 +435,104 @@ func TestMigrateFailsVisibly(t *testing.T) {
 				t.Errorf("events %q", events)
 			}
 			h.waitIdle(t)
+		})
+	}
+}
+
+// On the external engine (llm-d's simulator, where ../shared has it): a
+// pod killed mid-stream (SIGKILL, its connections reset). The completion
+// and the chat it was streaming complete on the other pod with max_tokens
+// completion tokens, finish_reason length and no error event.
+func TestMigrateOnTheExternalSimulator(t *testing.T) {
+	bin, err := llmd.Binary("")
+	if errors.Is(err, llmd.ErrNoBinary) {
+		t.Skipf("external engine absent: %v", err)
+	} else if err != nil {
+		t.Fatal(err)
+	}
+	for _, chat := range []bool{false, true} {
+		t.Run(fmt.Sprintf("chat=%v", chat), func(t *testing.T) {
+			s := llmd.Settings{Model: "sim-model", BlockSize: 16, KVBlocks: 1024, MaxNumSeqs: 8, MaxModelLen: 4096,
+				PrefillOverhead: time.Millisecond, PrefillPerToken: 10 * time.Microsecond, InterTokenLatency: 20 * time.Millisecond, Seed: 1}
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			fleet, err := llmd.Start(ctx, bin, []llmd.Settings{s, s})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer fleet.Close()
+			h := startProxy(t, fixedOrder{}, Options{Limits: Limits{MaxMigrations: 2}}, fleet.URLs()...)
+			const maxTokens = 30
+			path, body := "/v1/completions", fmt.Sprintf(`{"model":"sim-model","prompt":"tell a long story about the sea","max_tokens":%d,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, maxTokens)
+			if chat {
+				path, body = "/v1/chat/completions", fmt.Sprintf(`{"model":"sim-model","messages":[{"role":"user","content":"tell a long story about the sea"}],"max_tokens":%d,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, maxTokens)
+			}
+			resp, err := http.Post(h.url+path, "application/json", strings.NewReader(body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer resp.Body.Close()
+			rd := bufio.NewReader(resp.Body)
+			var events []string
+			killed := false
+			for {
+				line, err := rd.ReadString('\n')
+				if err == io.EOF {
+					break
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				d, ok := strings.CutPrefix(strings.TrimSpace(line), "data: ")
+				if !ok {
+					continue
+				}
+				events = append(events, d)
+				if len(events) == 5 && !killed {
+					if err := fleet.Kill(0); err != nil {
+						t.Fatal(err)
+					}
+					killed = true
+				}
+			}
+			var completion int
+			var finish, text string
+			done := 0
+			for _, ev := range events {
+				if ev == "[DONE]" {
+					done++
+					continue
+				}
+				var c struct {
+					Error   any
+					Choices []struct {
+						Text         string
+						Delta        struct{ Content string }
+						FinishReason string `json:"finish_reason"`
+					}
+					Usage *struct {
+						CompletionTokens int `json:"completion_tokens"`
+					}
+				}
+				if err := json.Unmarshal([]byte(ev), &c); err != nil || c.Error != nil {
+					t.Fatalf("event %q: %v", ev, err)
+				}
+				for _, ch := range c.Choices {
+					text += ch.Text + ch.Delta.Content
+					if ch.FinishReason != "" {
+						finish = ch.FinishReason
+					}
+				}
+				if c.Usage != nil {
+					completion = c.Usage.CompletionTokens
+				}
+			}
+			if !killed || completion != maxTokens || finish != "length" || done != 1 || text == "" {
+				t.Errorf("killed %v: %d completion tokens, finish %q, %d [DONE]; text %q", killed, completion, finish, done, text)
+			}
+			if v := counterValue(t, h.reg, "kvroute_migrations_total", map[string]string{"cause": "cut", "outcome": "continued"}); v != 1 {
+				t.Errorf("%v streams continued, want 1", v)
+			}
 		})
 	}
 }

@@ -319,6 +319,17 @@ func (f *Fleet) URLs() []string {
 	return urls
 }
 
+// Kill kills pod i at once (SIGKILL: its connections reset, as when its
+// node dies) and waits for it.
+func (f *Fleet) Kill(i int) error {
+	p := f.pods[i]
+	if err := p.cmd.Process.Kill(); err != nil {
+		return err
+	}
+	<-p.done
+	return nil
+}
+
 // stopGrace is how long a pod may take to exit after SIGTERM before it is
 // killed.
 const stopGrace = 5 * time.Second

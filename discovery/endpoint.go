@@ -102,7 +102,12 @@ type Endpoint struct {
 	// Passive health: consecutive failures reported by the proxy, and the
 	// ejection bookkeeping (the plain fields are guarded by owner.ejectMu).
 	passiveFails atomic.Int32
-	ejectLevel   int           // ejections in a row; the cooldown doubles with each
+	// Shedding: the endpoint answers 429 ("too many requests"): it takes
+	// no new requests until shedUntil (Unix ns; 0: not shedding); sheds
+	// counts the 429s in a row.
+	shedUntil  atomic.Int64
+	sheds      atomic.Int32
+	ejectLevel int // ejections in a row; the cooldown doubles with each
 	cooldown     time.Duration // of the current or last ejection
 	ejectedUntil time.Time
 	lastReturn   time.Time // when the last ejection ended
@@ -187,6 +192,36 @@ func (e *Endpoint) ReportSuccess() {
 	if e.passiveFails.Load() != 0 {
 		e.passiveFails.Store(0)
 	}
+	if e.sheds.Load() != 0 {
+		e.sheds.Store(0)
+	}
+}
+
+// Shedding backoff: an endpoint that answered 429 takes no new requests
+// for ShedFirst, doubling with each 429 in a row up to ShedMax, or for its
+// Retry-After when longer (capped at ShedMax).
+const (
+	ShedFirst = 250 * time.Millisecond
+	ShedMax   = 8 * time.Second
+)
+
+// ReportShed tells the endpoint's users that it answered 429, with the
+// Retry-After it gave (0: none): it sheds load, so policies skip it, like
+// a saturated endpoint, until the backoff passes. A 429 storm thus cannot
+// absorb the fleet's traffic, and is not a failure (it does not eject).
+// Safe for concurrent use.
+func (e *Endpoint) ReportShed(retryAfter time.Duration) {
+	n := min(e.sheds.Add(1), 16)
+	d := min(max(ShedFirst<<(n-1), retryAfter), ShedMax)
+	e.shedUntil.Store(time.Now().Add(d).UnixNano())
+}
+
+// Shedding reports whether the endpoint answered 429 recently enough
+// that it takes no new requests (ReportShed). One atomic load when it
+// does not shed.
+func (e *Endpoint) Shedding() bool {
+	until := e.shedUntil.Load()
+	return until != 0 && time.Now().UnixNano() < until
 }
 
 // ReportFailure tells passive health checking that a request to e failed

@@ -30,14 +30,19 @@ func instantBackend(tb testing.TB) string { return instantAnswer(tb, completionR
 // instantAnswer is a fasthttp server on loopback that answers every
 // request at once with the JSON answer.
 func instantAnswer(tb testing.TB, answer string) string {
+	return instantHandler(tb, func(ctx *fasthttp.RequestCtx) {
+		ctx.SetContentType("application/json")
+		ctx.SetBodyString(answer)
+	})
+}
+
+// instantHandler is a fasthttp server on loopback serving h.
+func instantHandler(tb testing.TB, h fasthttp.RequestHandler) string {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		tb.Fatal(err)
 	}
-	s := &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
-		ctx.SetContentType("application/json")
-		ctx.SetBodyString(answer)
-	}}
+	s := &fasthttp.Server{Handler: h}
 	go func() { _ = s.Serve(ln) }()
 	tb.Cleanup(func() { _ = s.Shutdown() })
 	return "http://" + ln.Addr().String()

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -213,6 +214,9 @@ func (s *Server) isAnswer(st *reqState, ep *discovery.Endpoint, a *attempt, resp
 	pd := &st.pd
 	code := resp.StatusCode()
 	a.answered(code)
+	if code == fasthttp.StatusTooManyRequests {
+		ep.ReportShed(retryAfter(resp)) // it takes no new requests for a while
+	}
 	if s.pd != nil {
 		pd.decodeAnswered(code)
 	}
@@ -239,6 +243,17 @@ func (s *Server) isAnswer(st *reqState, ep *discovery.Endpoint, a *attempt, resp
 		ep.ReportFailure()
 	}
 	return false
+}
+
+// retryAfter is a 429 answer's Retry-After in seconds (RFC 9110 §10.2.3;
+// an HTTP date, or none, is 0).
+func retryAfter(resp *fasthttp.Response) time.Duration {
+	v := resp.Header.Peek("Retry-After")
+	n, err := strconv.Atoi(string(v))
+	if err != nil || n < 0 {
+		return 0
+	}
+	return time.Duration(min(n, 3600)) * time.Second
 }
 
 // failed is attempt a's transport failure err on ep, the tries-th retry

@@ -13,11 +13,12 @@ import (
 
 // saturated reports, once the policy found no endpoint usable for r,
 // whether that is because routable endpoints are saturated — at r's
-// in-flight cap (not yet tried), or out of connections (busy) — so that
+// in-flight cap (not yet tried), out of connections (busy), or shedding
+// load (answering 429) — so that
 // the request may wait for one, rather than because all failed it.
 func saturated(set *discovery.Set, r *routing.Request, busy []*discovery.Endpoint) bool {
 	for _, e := range set.Serving {
-		if e.Routable() && e.Serves(r.Model) && (!slices.Contains(r.Tried, e) || slices.Contains(busy, e)) {
+		if e.Routable() && e.Serves(r.Model) && (!slices.Contains(r.Tried, e) || slices.Contains(busy, e) || e.Shedding()) {
 			return true
 		}
 	}

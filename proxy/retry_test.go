@@ -9,7 +9,10 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"github.com/valyala/fasthttp"
+
 	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/routing"
 )
 
 // TestRealPoliciesRetry: under the real least-request and prefix policies
@@ -116,4 +119,33 @@ func retryUntilTried(t *testing.T, h *harness, bad *discovery.Endpoint) int {
 	}
 	h.waitIdle(t)
 	return n
+}
+
+// A pod that answers 429 to everything sheds load: after its first 429 it
+// takes no new requests for a while (doubling while the storm lasts), so
+// it cannot absorb the fleet's traffic; every request succeeds elsewhere.
+func TestShedding429Storm(t *testing.T) {
+	var hits atomic.Int64
+	storm := instantHandler(t, func(ctx *fasthttp.RequestCtx) {
+		hits.Add(1)
+		ctx.SetStatusCode(fasthttp.StatusTooManyRequests)
+		ctx.SetBodyString(`{"error":{"message":"busy","type":"RateLimitError","param":null,"code":429}}`)
+	})
+	h := startProxy(t, routing.NewRoundRobin(), Options{Limits: Limits{Retries: 2}}, storm, instantBackend(t), instantBackend(t))
+	const n = 90
+	for i := range n {
+		resp, err := http.Post(h.url+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"x"}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("request %d: %d", i, resp.StatusCode)
+		}
+	}
+	// Without shedding the pod got 44 of the 90 in a run.
+	if v := hits.Load(); v > 3 {
+		t.Errorf("the 429 pod got %d of %d requests", v, n)
+	}
 }

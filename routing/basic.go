@@ -15,10 +15,11 @@ const (
 
 // Usable reports whether r may be sent to e: e is routable (not down,
 // ejected or draining), serves r's model (as far as its model list is
-// known), is not saturated (r.MaxInFlight), and r was not already sent
-// there. Every policy must pick only usable endpoints.
+// known), is not saturated (r.MaxInFlight) nor shedding load (it answered
+// 429 lately: Endpoint.Shedding), and r was not already sent there. Every
+// policy must pick only usable endpoints.
 func Usable(r *Request, e *discovery.Endpoint) bool {
-	return e.Routable() && !r.tried(e) && (r.MaxInFlight <= 0 || e.InFlight() < r.MaxInFlight) && e.Serves(r.Model)
+	return e.Routable() && !r.tried(e) && (r.MaxInFlight <= 0 || e.InFlight() < r.MaxInFlight) && e.Serves(r.Model) && !e.Shedding()
 }
 
 // usableAt returns the endpoint of eps usable for r, other than skip,

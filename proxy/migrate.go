@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"net"
 	"os"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/valyala/fasthttp"
 	"github.com/valyala/fastjson"
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 
 	"github.com/kvroute/kvroute/discovery"
@@ -420,6 +422,9 @@ func (b *upstreamBody) migrate(cause string) bool {
 	defer st.lease.Release()
 	st.req.Kind, st.migrating = routing.Kind(b.rec.class), true
 	st.traceID, st.flags = b.rec.traceID, b.flags
+	if b.rec.span != nil { // the continuation's pick and attempt are spans of the request
+		st.span, st.tctx = b.rec.span, trace.ContextWithSpan(context.Background(), b.rec.span)
+	}
 	st.uri = append(st.uri[:0], ctx.Request.RequestURI()...)
 	ctx.Request.SetBody(body)
 	if err := st.parse(st.req.Kind, ctx.PostBody(), s.opt.BlockSize, s.opt.MaxBlocks); err != nil {

@@ -105,9 +105,9 @@ type Endpoint struct {
 	// Shedding: the endpoint answers 429 ("too many requests"): it takes
 	// no new requests until shedUntil (Unix ns; 0: not shedding); sheds
 	// counts the 429s in a row.
-	shedUntil  atomic.Int64
-	sheds      atomic.Int32
-	ejectLevel int // ejections in a row; the cooldown doubles with each
+	shedUntil    atomic.Int64
+	sheds        atomic.Int32
+	ejectLevel   int           // ejections in a row; the cooldown doubles with each
 	cooldown     time.Duration // of the current or last ejection
 	ejectedUntil time.Time
 	lastReturn   time.Time // when the last ejection ended

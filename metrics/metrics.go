@@ -286,7 +286,9 @@ func (m *Metrics) ChunkGap(seconds float64) { m.chunkGap.Observe(seconds) }
 
 // Migration counts a streamed answer whose endpoint failed mid-stream, by
 // cause and outcome.
-func (m *Metrics) Migration(cause, outcome string) { m.migrations.WithLabelValues(cause, outcome).Inc() }
+func (m *Metrics) Migration(cause, outcome string) {
+	m.migrations.WithLabelValues(cause, outcome).Inc()
+}
 
 // MigrationGap records the time from a stream's failure to its
 // continuation's first event written to the client.

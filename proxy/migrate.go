@@ -55,10 +55,9 @@ type streamTrack struct {
 	legs               int    // continuations so far
 	failed             bool   // the engine sent an error event: the leg failed
 	done               bool   // [DONE] went by
-	// A continuation's state: its events are rewritten into out; the
-	// role-only first event of a chat continuation is dropped; usage of
-	// the continuation's prompt is corrected by prompt (the tokens of the
-	// text it was given).
+	// A continuation's state: its events are rewritten into out (the
+	// role-only first event of a chat continuation dropped, its usage
+	// corrected by given), with the first leg's values in leg1.
 	rewrite   bool
 	out       []byte
 	parser    fastjson.Parser // a continuation's event
@@ -71,11 +70,18 @@ type streamTrack struct {
 
 func (t *streamTrack) reset(on, chat bool) {
 	t.on, t.chat = on, chat
+	if cap(t.text) > keptTrackBytes || cap(t.out) > keptTrackBytes { // a long answer's buffers are not pooled
+		t.text, t.out = nil, nil
+	}
 	t.text, t.tokens, t.given = t.text[:0], 0, 0
 	t.id, t.created, t.model = t.id[:0], t.created[:0], t.model[:0]
-	t.legs, t.failed, t.done, t.rewrite = 0, false, false, false
+	t.legs, t.failed, t.done, t.rewrite, t.leg1, t.migratedAt = 0, false, false, false, nil, time.Time{}
+	t.arena.Reset()
 	t.last = t.last[:0]
 }
+
+// keptTrackBytes is the largest text or output buffer a pooled body keeps.
+const keptTrackBytes = 64 << 10
 
 // eventEnd returns the length of p's first complete event (through its
 // blank line: "\n\n", or "\r\n\r\n"), or -1.

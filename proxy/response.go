@@ -63,6 +63,8 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 	b.stream = resp.StatusCode() == fasthttp.StatusOK && isEventStream(resp)
 	b.observe = b.stream && !st.pd.split
 	rd := resp.BodyStream()
+	b.ctx, b.flags, b.legFirst = ctx, st.flags, true
+	b.track.reset(b.stream && rd != nil && s.continuable(st), st.req.Kind == routing.KindChat)
 	if rd == nil { // HEAD, 204, 304: no body
 		b.markFirstByte()
 		b.rd = eofReader{}
@@ -70,8 +72,6 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 		return
 	}
 	b.rd = rd
-	b.ctx, b.flags, b.legFirst = ctx, st.flags, true
-	b.track.reset(b.stream && s.continuable(st), st.req.Kind == routing.KindChat)
 	size := resp.Header.ContentLength()
 	if size < 0 || isEventStream(resp) {
 		if !ctx.Request.Header.IsHTTP11() {

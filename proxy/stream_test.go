@@ -23,35 +23,9 @@ type scriptedSSE struct {
 
 func startScriptedSSE(t *testing.T) *scriptedSSE {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	e := &scriptedSSE{addr: ln.Addr().String(), steps: make(chan []string, 4)}
-	done := make(chan struct{})
-	t.Cleanup(func() { ln.Close(); <-done })
-	go func() {
-		defer close(done)
-		c, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		defer c.Close()
-		tp := textproto.NewReader(bufio.NewReader(c))
-		if _, err := tp.ReadLine(); err != nil {
-			return
-		}
-		h, err := tp.ReadMIMEHeader()
-		if err != nil {
-			return
-		}
-		n, _ := strconv.Atoi(h.Get("Content-Length"))
-		if _, err := io.CopyN(io.Discard, tp.R, int64(n)); err != nil {
-			return
-		}
-		if _, err := io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"); err != nil {
-			return
-		}
+	e := &scriptedSSE{steps: make(chan []string, 4)}
+	raw := startRawEndpoint(t, func(c net.Conn, _ []byte) {
+		sseHead(c)
 		for step := range e.steps {
 			var b bytes.Buffer
 			for _, ev := range step {
@@ -62,7 +36,8 @@ func startScriptedSSE(t *testing.T) *scriptedSSE {
 			}
 		}
 		_, _ = io.WriteString(c, "0\r\n\r\n")
-	}()
+	})
+	e.addr = strings.TrimPrefix(raw.url, "http://")
 	return e
 }
 

@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/pprof"
+	"strconv"
 	"strings"
 
 	"github.com/kvroute/kvroute/discovery"
@@ -93,6 +94,11 @@ type explanation struct {
 	// PD explains the disaggregation decision when the pick is a decode
 	// endpoint.
 	PD *pdExplanation `json:"pd,omitempty"`
+	// Continuation: the body was the continuation of a stream that failed
+	// on FailedEndpoint after Text (migrate.go); the pick is the
+	// continuation's.
+	Continuation   bool   `json:"continuation,omitempty"`
+	FailedEndpoint string `json:"failed_endpoint,omitempty"`
 }
 
 // pdExplanation is /debug/route's account of a disaggregation decision and
@@ -111,7 +117,10 @@ type pdExplanation struct {
 
 // HandleExplain serves POST /debug/route?path=/v1/chat/completions: it
 // parses the body as the proxy would and returns the policy's decision with
-// every endpoint's terms, without forwarding or recording anything.
+// every endpoint's terms, without forwarding or recording anything. With
+// failed=URL (and text=T, tokens=N), it explains instead where the
+// continuation of the body's stream would go had it failed on the
+// endpoint URL after the text T of N tokens (migrate.go).
 func (s *Server) HandleExplain(mux *http.ServeMux, e Explainer) {
 	mux.HandleFunc("POST /debug/route", func(w http.ResponseWriter, r *http.Request) {
 		path := r.URL.Query().Get("path")
@@ -128,15 +137,33 @@ func (s *Server) HandleExplain(mux *http.ServeMux, e Explainer) {
 			http.Error(w, "cannot read body", http.StatusBadRequest)
 			return
 		}
+		q := r.URL.Query()
+		failed := q.Get("failed")
+		if failed != "" {
+			text := appendJSONString(nil, q.Get("text"))
+			tokens, _ := strconv.Atoi(q.Get("tokens"))
+			if body, err = continuation(body, kind == routing.KindChat, text[1:len(text)-1], tokens); err != nil {
+				http.Error(w, "invalid JSON body: "+err.Error(), http.StatusBadRequest)
+				return
+			}
+		}
 		st := reqState{maxTokens: s.opt.MaxPromptTokens}
 		if err := st.parse(kind, body, s.opt.BlockSize, s.opt.MaxBlocks); err != nil {
 			http.Error(w, err.Error(), http.StatusBadRequest)
 			return
 		}
-		d, terms := e.Explain(&st.req, s.opt.Pool.Load())
+		set := s.opt.Pool.Load()
+		if failed != "" {
+			for _, ep := range set.Endpoints {
+				if ep.URL == failed {
+					st.req.Tried = append(st.req.Tried, ep)
+				}
+			}
+		}
+		d, terms := e.Explain(&st.req, set)
 		out := explanation{Path: path, Model: st.req.Model, PromptBytes: st.req.PromptBytes,
 			PromptTokens: st.req.PromptTokens, Blocks: len(st.req.Hashes), Reason: d.Reason,
-			MatchedBlocks: d.MatchedBlocks, Prefill: d.Prefill, Endpoints: terms}
+			MatchedBlocks: d.MatchedBlocks, Prefill: d.Prefill, Endpoints: terms, Continuation: failed != "", FailedEndpoint: failed}
 		if d.Endpoint != nil {
 			out.Pick = d.Endpoint.URL
 			if d.Endpoint.Role == discovery.RoleDecode && s.pd != nil {

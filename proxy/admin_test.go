@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"testing"
 
@@ -45,7 +46,23 @@ func TestAdminExplainAndParams(t *testing.T) {
 		t.Fatalf("warm explanation %+v", warm)
 	}
 
-	resp, err := http.Post(admin.URL+"/debug/route?path=/v1/models", "application/json", strings.NewReader(body))
+	// Had the stream failed on the warm pick, its continuation would go to
+	// the other endpoint, with the text in its prompt.
+	resp, err := http.Post(admin.URL+"/debug/route?path=/v1/completions&failed="+url.QueryEscape(warm.Pick)+"&text="+url.QueryEscape(` "so" far`)+"&tokens=3",
+		"application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cont explanation
+	if err := json.NewDecoder(resp.Body).Decode(&cont); err != nil || resp.StatusCode != 200 {
+		t.Fatalf("continuation: status %d: %v", resp.StatusCode, err)
+	}
+	resp.Body.Close()
+	if !cont.Continuation || cont.FailedEndpoint != warm.Pick || cont.Pick == "" || cont.Pick == warm.Pick || cont.PromptBytes <= warm.PromptBytes {
+		t.Fatalf("continuation explanation %+v (warm %+v)", cont, warm)
+	}
+
+	resp, err = http.Post(admin.URL+"/debug/route?path=/v1/models", "application/json", strings.NewReader(body))
 	if err != nil || resp.StatusCode != 400 {
 		t.Fatalf("non-inference path: %v %d", err, resp.StatusCode)
 	}

@@ -410,10 +410,10 @@ func (m *Metrics) registerPD(reg prometheus.Registerer) {
 		"Streamed answers continued on another endpoint after theirs failed mid-stream: time from the failure to the continuation's first event written to the client.")
 	m.migrations = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: Namespace, Name: "migrations_total",
-		Help: "Streamed answers whose endpoint failed mid-stream, by cause (cut: the connection failed or closed early; timeout: the stream-idle timeout; error: the engine sent an error event) and outcome (continued on another endpoint; failed: the continuation could not start; not_continued: the answer could not be continued faithfully, or the migrations or the retry budget were spent).",
+		Help: "Streamed answers whose endpoint failed mid-stream, by cause (cut: the connection failed or closed early; timeout: the stream-idle timeout; error: the engine sent an error event; drained: the endpoint left discovery or drains) and outcome (continued on another endpoint; failed: the continuation could not start; not_continued: the answer could not be continued faithfully, or the migrations or the retry budget were spent).",
 	}, []string{"cause", "outcome"})
 	reg.MustRegister(m.migrations)
-	for _, c := range []string{"cut", "timeout", "error"} {
+	for _, c := range []string{"cut", "timeout", "error", "drained"} {
 		for _, o := range []string{"continued", "failed", "not_continued"} {
 			m.migrations.WithLabelValues(c, o)
 		}

@@ -13,6 +13,8 @@ import (
 
 	"github.com/valyala/fasthttp"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/kvroute/kvroute/discovery"
 )
 
 // An attempt is one upstream try of a request. It links the request's
@@ -31,8 +33,12 @@ type attempt struct {
 	id     uint64
 	client net.Conn // the client's connection; nil when unknown
 
+	ep *discovery.Endpoint // where it was sent
+
 	mu      sync.Mutex
 	conn    *timedConn // the upstream connection, once the request is on it, until end
+	movable bool       // its answer streams and may be continued elsewhere (migrate.go)
+	drained bool       // aborted because its endpoint left discovery or drains
 	gone    bool       // the client left; conn was closed for it
 	aborted bool       // kvroute gave the attempt up; conn was closed for it
 	failed  bool       // a write of the request failed
@@ -45,7 +51,10 @@ type attempt struct {
 // attempts are the attempts in flight, by id, and the watcher that checks
 // their clients.
 type attempts struct {
-	m    sync.Map // uint64 → *attempt
+	m sync.Map // uint64 → *attempt
+	// tick, when set, is called each round while attempts are in flight
+	// (the server's check for endpoints that left: drainGone).
+	tick func()
 	n    atomic.Int64
 	stop chan struct{}
 	once sync.Once
@@ -75,6 +84,9 @@ func (as *attempts) start(cancelled func()) {
 				}
 				if as.n.Load() == 0 {
 					continue
+				}
+				if as.tick != nil {
+					as.tick()
 				}
 				as.m.Range(func(_, v any) bool {
 					a := v.(*attempt)
@@ -181,6 +193,34 @@ func (a *attempt) abort() {
 	if a.conn != nil {
 		_ = a.conn.Conn.Close()
 	}
+}
+
+// setMovable marks the attempt's answer as a stream that may be continued
+// elsewhere.
+func (a *attempt) setMovable() {
+	a.mu.Lock()
+	a.movable = true
+	a.mu.Unlock()
+}
+
+// drain aborts a movable attempt because its endpoint left or drains, and
+// reports whether it did.
+func (a *attempt) drain() bool {
+	a.mu.Lock()
+	movable := a.movable && !a.ended && !a.aborted
+	a.drained = a.drained || movable
+	a.mu.Unlock()
+	if movable {
+		a.abort()
+	}
+	return movable
+}
+
+// wasDrained reports whether drain aborted the attempt.
+func (a *attempt) wasDrained() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.drained
 }
 
 // wasAborted reports whether abort was called.

@@ -21,7 +21,8 @@ import (
 // Mid-stream failover (migration). When the endpoint of a streamed
 // /v1/completions or /v1/chat/completions answer fails after its first
 // byte (the connection reset or closed early, the stream-idle timeout, an
-// error event from the engine), another endpoint picked by the policy
+// error event from the engine, the endpoint leaving discovery:
+// drainGone), another endpoint picked by the policy
 // continues the generation, and the client reads one stream:
 //
 //   - completions: the original prompt followed by exactly the text already
@@ -390,6 +391,7 @@ const (
 	migrateCut     = "cut"     // the connection failed or closed before the end
 	migrateTimeout = "timeout" // the stream-idle timeout
 	migrateError   = "error"   // the engine sent an error event
+	migrateDrained = "drained" // the endpoint left discovery or drains
 )
 
 // migrate continues the answer on another endpoint after its leg failed
@@ -469,6 +471,9 @@ func (b *upstreamBody) migrate(cause string) bool {
 	}
 	t.migratedAt, t.given = start, t.tokens
 	b.hook()
+	if t.on {
+		b.att.setMovable()
+	}
 	s.opt.Metrics.Migration(cause, "continued")
 	s.opt.Logger.Info("stream migrated", zap.ByteString("request_id", b.rec.reqID), zap.String("cause", cause),
 		zap.String("from", failedEP.URL), zap.String("to", d.Endpoint.URL), zap.Int("tokens", t.tokens),
@@ -501,8 +506,11 @@ func (b *upstreamBody) legFailed(ep *discovery.Endpoint, a *attempt, err error) 
 // errEngineError: the engine ended its answer with an error event.
 var errEngineError = errors.New("proxy: the engine sent an error event mid-stream")
 
-// causeOf names the cause of a leg's read failure err.
-func causeOf(err error) string {
+// causeOf names the cause of a leg's read failure err on attempt a.
+func causeOf(a *attempt, err error) string {
+	if a.wasDrained() {
+		return migrateDrained
+	}
 	var ne net.Error
 	if errors.Is(err, os.ErrDeadlineExceeded) || errors.As(err, &ne) && ne.Timeout() {
 		return migrateTimeout

@@ -536,3 +536,58 @@ func TestMigrateOnTheExternalSimulator(t *testing.T) {
 		})
 	}
 }
+
+// A pod that leaves discovery while it streams (a rollout, a scale-down)
+// hands its stream over: within the watcher's round the stream moves to
+// another pod and completes there, text-exact in length.
+func TestMigrateWhenTheEndpointLeaves(t *testing.T) {
+	cfg := sim.DefaultConfig()
+	cfg.Model = "m" // real time: about 10 ms a token
+	fleet := startSimFleet(t, 2, cfg)
+	h := startProxy(t, fixedOrder{}, Options{Limits: Limits{MaxMigrations: 2}}, fleet.URLs()...)
+	const maxTokens = 150
+	resp, err := http.Post(h.url+"/v1/completions", "application/json", strings.NewReader(fmt.Sprintf(
+		`{"model":"m","prompt":"tell a long story","max_tokens":%d,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, maxTokens)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	rd := bufio.NewReader(resp.Body)
+	events, completion, left := 0, 0, false
+	for {
+		line, err := rd.ReadString('\n')
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		d, ok := strings.CutPrefix(strings.TrimSpace(line), "data: ")
+		if !ok || d == "[DONE]" {
+			continue
+		}
+		var c struct {
+			Error   any
+			Choices []struct{ Text string }
+			Usage   *struct {
+				CompletionTokens int `json:"completion_tokens"`
+			}
+		}
+		if err := json.Unmarshal([]byte(d), &c); err != nil || c.Error != nil {
+			t.Fatalf("event %q: %v", d, err)
+		}
+		if c.Usage != nil {
+			completion = c.Usage.CompletionTokens
+		}
+		if events++; events == 5 && !left {
+			h.pool.Publish(h.pool.Load().Endpoints[1:]) // the first pod leaves
+			left = true
+		}
+	}
+	if completion != maxTokens {
+		t.Errorf("%d completion tokens, want %d", completion, maxTokens)
+	}
+	if v := counterValue(t, h.reg, "kvroute_migrations_total", map[string]string{"cause": "drained", "outcome": "continued"}); v != 1 {
+		t.Errorf("%v streams moved off the pod that left, want 1", v)
+	}
+}

@@ -65,6 +65,9 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 	rd := resp.BodyStream()
 	b.ctx, b.flags, b.legFirst = ctx, st.flags, true
 	b.track.reset(b.stream && rd != nil && s.continuable(st), st.req.Kind == routing.KindChat)
+	if b.track.on {
+		b.att.setMovable() // an endpoint that leaves hands it over (drainGone)
+	}
 	if rd == nil { // HEAD, 204, 304: no body
 		b.markFirstByte()
 		b.rd = eofReader{}
@@ -263,7 +266,7 @@ func (b *upstreamBody) WriteTo(w io.Writer) (int64, error) {
 		if (err == errLegFailed || b.track.failed) && b.werr == nil {
 			cause := migrateError
 			if err == errLegFailed {
-				cause = causeOf(b.readErr)
+				cause = causeOf(b.att, b.readErr)
 			}
 			if b.migrate(cause) {
 				b.end = b.start // what is left of the failed leg

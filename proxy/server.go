@@ -178,6 +178,7 @@ func (q quietLogger) Printf(format string, _ ...any) {
 
 // Serve accepts client connections on ln until Shutdown.
 func (s *Server) Serve(ln net.Listener) error {
+	s.attempts.tick = s.checkSet
 	s.attempts.start(s.opt.Metrics.Cancelled)
 	s.access.start()
 	return s.srv.Serve(clientListener{Listener: ln, body: s.opt.ClientBodyTimeout})

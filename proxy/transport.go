@@ -82,6 +82,30 @@ func (s *Server) prune(set *discovery.Set) {
 		}
 		return true
 	})
+	s.drainGone(present)
+}
+
+// drainGone moves the streams that may be continued (migrate.go) off the
+// endpoints that left the Set or drain: their attempts are aborted, and
+// each answer continues on another endpoint.
+func (s *Server) drainGone(present map[*discovery.Endpoint]bool) {
+	if s.opt.MaxMigrations <= 0 {
+		return
+	}
+	s.attempts.m.Range(func(_, v any) bool {
+		if a := v.(*attempt); a.ep != nil && (!present[a.ep] || a.ep.State() == discovery.StateDraining) {
+			a.drain()
+		}
+		return true
+	})
+}
+
+// checkSet prunes when the Set changed (the watcher's tick, so that
+// streams leave an endpoint that left even when no request comes).
+func (s *Server) checkSet() {
+	if set := s.opt.Pool.Load(); set != nil && set.Version != s.pruned.Load() {
+		s.prune(set)
+	}
 }
 
 // dial connects to an endpoint within ConnectTimeout and wraps the

@@ -291,6 +291,45 @@ func TestFaultStallMidStream(t *testing.T) {
 	r.checkIdle()
 }
 
+// The same stall with a second pod (issue #28): the stalled stream
+// continues on the other pod once --stream-idle-timeout passes, and the
+// client reads it to the end, every token and no error; the stalled pod
+// aborts its request.
+func TestFaultStallMidStreamContinues(t *testing.T) {
+	faultLeakCheck(t)
+	cfg := faultSimConfig()
+	cfg.EOSProbability = 0 // every answer is max_tokens long
+	fleet := startFaultFleet(t, 2, cfg)
+	relays := []*faultRelay{startFaultRelay(t, fleet.URL(0)[len("http://"):], 0), startFaultRelay(t, fleet.URL(1)[len("http://"):], 0)}
+	r := startFaultRig(t, []string{relays[0].URL(), relays[1].URL()}, cfg.Model, func(c *app.Config) {
+		c.StreamIdleTimeout = 300 * time.Millisecond
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), faultGuard)
+	defer cancel()
+	const tokens = 400
+	c := r.open(ctx, faultBody(cfg.Model, "stall mid-stream, then elsewhere", tokens, true), true)
+	for range 3 {
+		if !c.event() {
+			t.Fatalf("stream ended early: %v", c.finish())
+		}
+	}
+	victim := 0
+	if relays[1].fromPod.Load() > relays[0].fromPod.Load() {
+		victim = 1
+	}
+	relays[victim].frozen.Store(true)
+	res := c.finish()
+	if !res.completed() || res.Events < tokens {
+		t.Fatalf("want the whole stream (%d events), got %v", tokens, res)
+	}
+	if v := r.metric("kvroute_migrations_total", "cause=timeout", "outcome=continued"); v != 1 {
+		t.Errorf("streams continued after the idle timeout = %v, want 1", v)
+	}
+	r.waitFor("the stalled pod to abort its request", func() bool { return podAborted(t, fleet.Pod(victim)) == 1 })
+	t.Logf("%d events; the stalled pod %d", res.Events, victim)
+	r.checkIdle()
+}
+
 // Pods that all drop their connections mid-stream (DropAfterTokens): each
 // stream is continued on another pod (issue #28), which drops it too, until
 // --max-migrations (2) or the retry budget is spent; then the client sees

@@ -77,7 +77,10 @@ type Measure struct {
 	Errs  int     `json:"errors"`
 	// The proxy's own cost per request (its process and children, from
 	// /proc): CPU time and system calls; zero for direct.
-	CPUus    float64 `json:"cpu_us_per_request,omitempty"`
+	// FirstEventUs: for a stream at one connection, the median time from
+	// sending the request to the first event's bytes (firstEvents).
+	FirstEventUs float64 `json:"first_event_p50_us,omitempty"`
+	CPUus        float64 `json:"cpu_us_per_request,omitempty"`
 	SysUs    float64 `json:"system_cpu_us_per_request,omitempty"` // of CPUus, in the kernel
 	Syscalls float64 `json:"syscalls_per_request,omitempty"`
 	requests float64
@@ -499,6 +502,9 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 					m.SysUs = (after.sys - before.sys).Seconds() * 1e6 / m.requests
 					m.Syscalls = float64(after.syscalls-before.syscalls) / m.requests
 				}
+				if err == nil && c.Stream && c.Conns == 1 {
+					m.FirstEventUs, err = firstEvents(procs[t].url+c.Path, c.body, firstEventSamples)
+				}
 				if err != nil {
 					return nil, fmt.Errorf("%s via %s: %w", c.Name, t, err)
 				}
@@ -539,6 +545,48 @@ func cpuProfile(p *proxyProc, round int, c Case, t string, d time.Duration) <-ch
 	return done
 }
 
+// firstEventSamples is how many sequential streams firstEvents times.
+const firstEventSamples = 300
+
+// firstEvents posts body to url n times, one stream at a time on one
+// keep-alive connection, and returns the median time in µs from sending
+// the request to reading the first event's first bytes (the rest of each
+// stream is read and discarded).
+func firstEvents(url string, body []byte, n int) (float64, error) {
+	c := &fasthttp.Client{StreamResponseBody: true, MaxConnsPerHost: 1, ReadTimeout: 10 * time.Second, WriteTimeout: 10 * time.Second}
+	times := make([]float64, 0, n)
+	buf := make([]byte, 4096)
+	for range n {
+		req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
+		req.SetRequestURI(url)
+		req.Header.SetMethod("POST")
+		req.Header.SetContentType("application/json")
+		req.SetBody(body)
+		start := time.Now()
+		err := c.Do(req, resp)
+		if err == nil && resp.StatusCode() != 200 {
+			err = fmt.Errorf("status %d", resp.StatusCode())
+		}
+		if err == nil {
+			rd := resp.BodyStream()
+			var k int
+			k, err = rd.Read(buf)
+			if k > 0 {
+				times = append(times, float64(time.Since(start).Microseconds()))
+				err = nil
+			}
+			_, _ = io.Copy(io.Discard, rd)
+		}
+		fasthttp.ReleaseRequest(req)
+		fasthttp.ReleaseResponse(resp)
+		if err != nil {
+			return 0, fmt.Errorf("first event: %w", err)
+		}
+	}
+	slices.Sort(times)
+	return times[len(times)/2], nil
+}
+
 // median returns the per-figure median of ms (errors summed).
 func median(ms []Measure) Measure {
 	pick := func(f func(Measure) float64) float64 {
@@ -551,6 +599,7 @@ func median(ms []Measure) Measure {
 	}
 	out := Measure{RPS: pick(func(m Measure) float64 { return m.RPS }), P50us: pick(func(m Measure) float64 { return m.P50us }),
 		P99us: pick(func(m Measure) float64 { return m.P99us }), CPUus: pick(func(m Measure) float64 { return m.CPUus }),
+		FirstEventUs: pick(func(m Measure) float64 { return m.FirstEventUs }),
 		SysUs:    pick(func(m Measure) float64 { return m.SysUs }),
 		Syscalls: pick(func(m Measure) float64 { return m.Syscalls })}
 	for _, m := range ms {
@@ -584,6 +633,9 @@ func (r *Report) Markdown() string {
 			rps := fmt.Sprintf("%.0f", m.RPS)
 			if row.Case.Stream {
 				rps += fmt.Sprintf(" (%.0fk events/s)", m.RPS*float64(r.Events)/1000)
+				if m.FirstEventUs > 0 {
+					rps += fmt.Sprintf("; first event %.0f µs", m.FirstEventUs)
+				}
 			}
 			// Ratios to nginx and added latency over direct only where
 			// those targets ran.

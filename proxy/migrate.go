@@ -61,8 +61,7 @@ type streamTrack struct {
 	// corrected by given), with the first leg's values in leg1.
 	rewrite   bool
 	out       []byte
-	parser    fastjson.Parser // a continuation's event
-	legParser fastjson.Parser // leg1's values
+	legParser fastjson.Parser // leg1's values (a migrated stream's)
 	arena     fastjson.Arena
 	leg1      []*fastjson.Value // id, created, model
 	// When the last migration began (for the gap until its first event).
@@ -212,16 +211,24 @@ func (t *streamTrack) ended() bool {
 // isErrorEvent reports whether an event's data is an engine's error
 // object (vLLM's nested {"error": {...}} or its older flat envelope).
 func (t *streamTrack) isErrorEvent(data []byte) bool {
-	v, err := t.parser.ParseBytes(bytes.TrimSpace(data))
+	p := parsers.Get()
+	defer parsers.Put(p)
+	v, err := p.ParseBytes(bytes.TrimSpace(data))
 	if err != nil || v.Type() != fastjson.TypeObject {
 		return false
 	}
 	return v.Get("error") != nil || string(v.GetStringBytes("object")) == "error"
 }
 
+// parsers parse the few events tracking reads whole, so that a stream
+// keeps no parser's memory.
+var parsers fastjson.ParserPool
+
 // firstEvent keeps the first leg's id, created and model.
 func (t *streamTrack) firstEvent(data []byte) {
-	v, err := t.parser.ParseBytes(bytes.TrimSpace(data))
+	p := parsers.Get()
+	defer parsers.Put(p)
+	v, err := p.ParseBytes(bytes.TrimSpace(data))
 	if err != nil {
 		return
 	}
@@ -252,7 +259,9 @@ func (t *streamTrack) rewriteEvent(ev []byte) bool {
 		t.failed = true
 		return false
 	}
-	v, err := t.parser.ParseBytes(bytes.TrimSpace(data))
+	p := parsers.Get()
+	defer parsers.Put(p)
+	v, err := p.ParseBytes(bytes.TrimSpace(data))
 	if err != nil || v.Type() != fastjson.TypeObject {
 		t.out = append(t.out, ev...) // not JSON: as it came
 		return true

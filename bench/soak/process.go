@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -277,8 +278,9 @@ func metricValue(m *dto.Metric) float64 {
 	return 0
 }
 
-// counters reads kvroute's request, retry and upstream-error counters, as
-// "name" or "name{label=value}" keys.
+// counters reads kvroute's request, retry, upstream-error and migration
+// counters, as "name" or "name{label=value,...}" keys, and the mean
+// migration gap in milliseconds.
 func (r *router) counters() (map[string]float64, error) {
 	resp, err := r.hc.Get(r.admin + "/metrics")
 	if err != nil {
@@ -291,23 +293,36 @@ func (r *router) counters() (map[string]float64, error) {
 		return nil, err
 	}
 	out := map[string]float64{}
-	for name, label := range map[string]string{
-		"kvroute_requests_total": "code", "kvroute_upstream_errors_total": "kind", "kvroute_retries_total": "",
-		"kvroute_upstream_cancellations_total": "", "kvroute_retries_budget_exhausted_total": "",
-		"kvroute_overload_rejections_total": "",
+	for name, labels := range map[string][]string{
+		"kvroute_requests_total": {"code"}, "kvroute_upstream_errors_total": {"kind"}, "kvroute_retries_total": nil,
+		"kvroute_upstream_cancellations_total": nil, "kvroute_retries_budget_exhausted_total": nil,
+		"kvroute_overload_rejections_total": nil, "kvroute_migrations_total": {"cause", "outcome"},
 	} {
 		f, ok := fams[name]
 		if !ok {
 			continue
 		}
 		for _, m := range f.GetMetric() {
-			key := name
+			var kv []string
 			for _, lp := range m.GetLabel() {
-				if label != "" && lp.GetName() == label {
-					key = name + "{" + label + "=" + lp.GetValue() + "}"
+				if slices.Contains(labels, lp.GetName()) {
+					kv = append(kv, lp.GetName()+"="+lp.GetValue())
 				}
 			}
-			out[key] += metricValue(m)
+			key := name
+			if len(kv) > 0 {
+				key += "{" + strings.Join(kv, ",") + "}"
+			}
+			if v := metricValue(m); v > 0 || len(kv) < 2 { // the migration pairs that happened
+				out[key] += v
+			}
+		}
+	}
+	if f, ok := fams["kvroute_migration_gap_seconds"]; ok {
+		for _, m := range f.GetMetric() {
+			if h := m.GetHistogram(); h.GetSampleCount() > 0 {
+				out["kvroute_migration_gap_seconds (mean, ms)"] = 1000 * h.GetSampleSum() / float64(h.GetSampleCount())
+			}
 		}
 	}
 	return out, nil

@@ -81,9 +81,9 @@ type Measure struct {
 	// sending the request to the first event's bytes (firstEvents).
 	FirstEventUs float64 `json:"first_event_p50_us,omitempty"`
 	CPUus        float64 `json:"cpu_us_per_request,omitempty"`
-	SysUs    float64 `json:"system_cpu_us_per_request,omitempty"` // of CPUus, in the kernel
-	Syscalls float64 `json:"syscalls_per_request,omitempty"`
-	requests float64
+	SysUs        float64 `json:"system_cpu_us_per_request,omitempty"` // of CPUus, in the kernel
+	Syscalls     float64 `json:"syscalls_per_request,omitempty"`
+	requests     float64
 }
 
 // Row is one case's median figures per target over the rounds.
@@ -600,8 +600,8 @@ func median(ms []Measure) Measure {
 	out := Measure{RPS: pick(func(m Measure) float64 { return m.RPS }), P50us: pick(func(m Measure) float64 { return m.P50us }),
 		P99us: pick(func(m Measure) float64 { return m.P99us }), CPUus: pick(func(m Measure) float64 { return m.CPUus }),
 		FirstEventUs: pick(func(m Measure) float64 { return m.FirstEventUs }),
-		SysUs:    pick(func(m Measure) float64 { return m.SysUs }),
-		Syscalls: pick(func(m Measure) float64 { return m.Syscalls })}
+		SysUs:        pick(func(m Measure) float64 { return m.SysUs }),
+		Syscalls:     pick(func(m Measure) float64 { return m.Syscalls })}
 	for _, m := range ms {
 		out.Errs += m.Errs
 	}

@@ -233,3 +233,57 @@ func attrs(s *tracepb.Span) string {
 	}
 	return b.String()
 }
+
+// A stream continued on other pods (issue #28) is one trace: each leg's
+// pick and attempt are spans of the request. Both pods drop every stream
+// after 3 tokens, so the answer has three legs (--max-migrations 2).
+func TestTracingMigratedStream(t *testing.T) {
+	cfg := sim.Config{TimeScale: 100, Model: "m", Faults: sim.Faults{DropAfterTokens: 3}}
+	fleet, err := sim.StartFleet(2, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = fleet.Close() })
+	recv := startOTLPReceiver(t)
+	addrs, stop := startKvroute(t, "--backends", fleet.URL(0)+","+fleet.URL(1), "--otlp-endpoint", recv.url)
+
+	const clientTrace = "4bf92f3577b34da6a3ce929d0e0e4736"
+	req, _ := http.NewRequest("POST", "http://"+addrs.API+"/v1/completions", strings.NewReader(
+		`{"model":"m","max_tokens":20,"ignore_eos":true,"stream":true,"prompt":"a story"}`))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("traceparent", "00-"+clientTrace+"-00f067aa0ba902b7-01")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || !bytes.Contains(body, []byte("upstream_stream_cut")) {
+		t.Fatalf("%d %s", resp.StatusCode, body) // three legs of 3 tokens, then the cut
+	}
+	stop()
+
+	recv.mu.Lock()
+	defer recv.mu.Unlock()
+	byName := map[string][]*tracepb.Span{}
+	for _, s := range recv.spans {
+		if hex.EncodeToString(s.GetTraceId()) == clientTrace {
+			byName[s.GetName()] = append(byName[s.GetName()], s)
+		}
+	}
+	root := byName["kvroute.request"]
+	if len(root) != 1 {
+		t.Fatalf("spans of the client's trace: %v", names(byName))
+	}
+	rootID := hex.EncodeToString(root[0].GetSpanId())
+	for name, want := range map[string]int{"kvroute.pick": 3, "kvroute.upstream": 3} {
+		if len(byName[name]) != want {
+			t.Errorf("%d %s spans, want %d (all: %v)", len(byName[name]), name, want, names(byName))
+		}
+		for _, s := range byName[name] {
+			if p := hex.EncodeToString(s.GetParentSpanId()); p != rootID {
+				t.Errorf("%s's parent %s, want the request span %s", name, p, rootID)
+			}
+		}
+	}
+}

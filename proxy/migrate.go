@@ -237,7 +237,7 @@ func (t *streamTrack) firstEvent(data []byte) {
 		key string
 	}{{&t.id, "id"}, {&t.created, "created"}, {&t.model, "model"}} {
 		if x := v.Get(f.key); x != nil {
-			*f.dst = x.MarshalTo((*f.dst)[:0])
+			*f.dst = appendJSON((*f.dst)[:0], x)
 		}
 	}
 	if len(t.id) == 0 {
@@ -281,7 +281,7 @@ func (t *streamTrack) rewriteEvent(ev []byte) bool {
 		t.fixUsage(u)
 	}
 	start := len(t.out)
-	t.out = append(v.MarshalTo(append(t.out, eventData...)), "\n\n"...)
+	t.out = append(appendJSON(append(t.out, eventData...), v), "\n\n"...)
 	t.follow(t.out[start:])
 	return true
 }
@@ -362,14 +362,14 @@ func continuation(body []byte, chat bool, text []byte, tokens int) ([]byte, erro
 		case "prompt":
 			if !chat && x.Type() == fastjson.TypeString {
 				field(k)
-				q := x.MarshalTo(nil)
+				q := appendJSON(nil, x)
 				out = append(append(append(out, q[:len(q)-1]...), text...), '"')
 				return
 			}
 		case "messages":
 			if chat && x.Type() == fastjson.TypeArray {
 				field(k)
-				q := x.MarshalTo(nil)
+				q := appendJSON(nil, x)
 				q = q[:len(q)-1] // without its closing bracket
 				out = append(out, q...)
 				if len(q) > 1 {
@@ -381,7 +381,7 @@ func continuation(body []byte, chat bool, text []byte, tokens int) ([]byte, erro
 			bad = errors.New("messages is not an array")
 		}
 		field(k)
-		out = x.MarshalTo(out)
+		out = appendJSON(out, x)
 	})
 	if bad != nil {
 		return nil, bad
@@ -393,6 +393,38 @@ func continuation(body []byte, chat bool, text []byte, tokens int) ([]byte, erro
 		out = append(out, "false"...)
 	}
 	return append(out, '}'), nil
+}
+
+// appendJSON appends v as JSON. fastjson's MarshalTo escapes a string
+// with a control byte or invalid UTF-8 as Go does (\x01), which is not
+// JSON; strings are escaped here as the access log escapes them.
+func appendJSON(b []byte, v *fastjson.Value) []byte {
+	switch v.Type() {
+	case fastjson.TypeString:
+		return appendJSONString(b, v.GetStringBytes())
+	case fastjson.TypeObject:
+		o, _ := v.Object()
+		b = append(b, '{')
+		first := true
+		o.Visit(func(k []byte, x *fastjson.Value) {
+			if !first {
+				b = append(b, ',')
+			}
+			first = false
+			b = appendJSON(append(appendJSONString(b, k), ':'), x)
+		})
+		return append(b, '}')
+	case fastjson.TypeArray:
+		b = append(b, '[')
+		for i, x := range v.GetArray() {
+			if i > 0 {
+				b = append(b, ',')
+			}
+			b = appendJSON(b, x)
+		}
+		return append(b, ']')
+	}
+	return v.MarshalTo(b) // numbers as written, true, false, null
 }
 
 // Causes of a migration (kvroute_migrations_total's cause label).

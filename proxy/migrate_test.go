@@ -591,3 +591,37 @@ func TestMigrateWhenTheEndpointLeaves(t *testing.T) {
 		t.Errorf("%v streams moved off the pod that left, want 1", v)
 	}
 }
+
+// Control bytes in the prompt and in the continuation's text stay valid
+// JSON in the continuation's body and in the events the client reads
+// (fastjson's own marshalling writes an unescaped string's control bytes
+// as Go escapes, \x01).
+func TestMigrateKeepsJSONValid(t *testing.T) {
+	a := startRawEndpoint(t, func(c net.Conn, _ []byte) {
+		sseHead(c)
+		sseEvent(c, chunkOf(false, "cmpl-A", "m", "\x02one", ""))
+		reset(c)
+	})
+	b := startRawEndpoint(t, func(c net.Conn, _ []byte) {
+		sseHead(c)
+		sseEvent(c, chunkOf(false, "cmpl-B", "m", "\x1b[1m two", "length"))
+		sseEnd(c)
+	})
+	h := startProxy(t, fixedOrder{}, Options{Limits: Limits{MaxMigrations: 1}}, a.url, b.url)
+	events := readStream(t, h.url+"/v1/completions", `{"model":"m","prompt":"x\u0001y","max_tokens":2,"stream":true}`)
+	var req struct{ Prompt string }
+	if got := b.received(); len(got) != 1 || json.Unmarshal([]byte(got[0]), &req) != nil || req.Prompt != "x\x01y\x02one" {
+		t.Fatalf("continuation %q: prompt %q", got, req.Prompt)
+	}
+	text := ""
+	for _, ev := range events[:len(events)-1] {
+		var c struct{ Choices []struct{ Text string } }
+		if err := json.Unmarshal([]byte(ev), &c); err != nil {
+			t.Fatalf("event %q: %v", ev, err)
+		}
+		text += c.Choices[0].Text
+	}
+	if text != "\x02one\x1b[1m two" || events[len(events)-1] != "[DONE]" {
+		t.Errorf("text %q, events %q", text, events)
+	}
+}

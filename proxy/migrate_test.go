@@ -120,6 +120,25 @@ func chunkOf(chat bool, id, model, text string, finish string) string {
 	return fmt.Sprintf(`{"id":%q,"object":"text_completion","created":1700000001,"model":%q,"choices":[{"index":0,"text":%s,"logprobs":null,"finish_reason":%s,"stop_reason":null}],"usage":null}`, id, model, t, fr)
 }
 
+// eachEvent calls f with the data of each event of the stream r, as it
+// arrives.
+func eachEvent(t *testing.T, r io.Reader, f func(data string)) {
+	t.Helper()
+	rd := bufio.NewReader(r)
+	for {
+		line, err := rd.ReadString('\n')
+		if err == io.EOF {
+			return
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d, ok := strings.CutPrefix(strings.TrimSpace(line), "data: "); ok {
+			f(d)
+		}
+	}
+}
+
 // readStream reads a streamed answer through kvroute: the events' data.
 func readStream(t *testing.T, url, body string) []string {
 	t.Helper()
@@ -472,21 +491,9 @@ func TestMigrateOnTheExternalSimulator(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer resp.Body.Close()
-			rd := bufio.NewReader(resp.Body)
 			var events []string
 			killed := false
-			for {
-				line, err := rd.ReadString('\n')
-				if err == io.EOF {
-					break
-				}
-				if err != nil {
-					t.Fatal(err)
-				}
-				d, ok := strings.CutPrefix(strings.TrimSpace(line), "data: ")
-				if !ok {
-					continue
-				}
+			eachEvent(t, resp.Body, func(d string) {
 				events = append(events, d)
 				if len(events) == 5 && !killed {
 					if err := fleet.Kill(0); err != nil {
@@ -494,7 +501,7 @@ func TestMigrateOnTheExternalSimulator(t *testing.T) {
 					}
 					killed = true
 				}
-			}
+			})
 			var completion int
 			var finish, text string
 			done := 0
@@ -552,19 +559,10 @@ func TestMigrateWhenTheEndpointLeaves(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	rd := bufio.NewReader(resp.Body)
 	events, completion, left := 0, 0, false
-	for {
-		line, err := rd.ReadString('\n')
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		d, ok := strings.CutPrefix(strings.TrimSpace(line), "data: ")
-		if !ok || d == "[DONE]" {
-			continue
+	eachEvent(t, resp.Body, func(d string) {
+		if d == "[DONE]" {
+			return
 		}
 		var c struct {
 			Error   any
@@ -583,7 +581,7 @@ func TestMigrateWhenTheEndpointLeaves(t *testing.T) {
 			h.pool.Publish(h.pool.Load().Endpoints[1:]) // the first pod leaves
 			left = true
 		}
-	}
+	})
 	if completion != maxTokens {
 		t.Errorf("%d completion tokens, want %d", completion, maxTokens)
 	}

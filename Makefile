@@ -35,7 +35,7 @@ bench:
 # Every native fuzz target in turn, FUZZTIME each (not part of test). A
 # crasher is kept under the package's testdata/fuzz/FuzzName/ as a seed.
 FUZZTIME ?= 30s
-FUZZ_TARGETS := ./proxy:FuzzParse ./proxy:FuzzRender ./proxy:FuzzUsageScanner \
+FUZZ_TARGETS := ./proxy:FuzzParse ./proxy:FuzzRender ./proxy:FuzzUsageScanner ./proxy:FuzzStreamTrack \
 	./discovery:FuzzParseEngine ./discovery:FuzzDNSAnswer ./discovery:FuzzDecodeKVBatch \
 	./discovery:FuzzZMTP ./prefix:FuzzHasher
 fuzz:

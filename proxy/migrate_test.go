@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -622,4 +623,39 @@ func TestMigrateKeepsJSONValid(t *testing.T) {
 	if text != "\x02one\x1b[1m two" || events[len(events)-1] != "[DONE]" {
 		t.Errorf("text %q, events %q", text, events)
 	}
+}
+
+// Whatever an endpoint streams, following and rewriting its events never
+// panics, and an event of valid JSON is rewritten into valid JSON.
+func FuzzStreamTrack(f *testing.F) {
+	f.Add([]byte("data: "+chunkOf(false, "cmpl-A", "m", " hi", "")+"\n\ndata: [DONE]\n\n"), true)
+	f.Add([]byte("data: "+chunkOf(true, "c", "m", "\"x\\", "stop")+"\r\n\r\ndata: {\"error\":{}}\n\n"), false)
+	f.Add([]byte("data: {\"id\":\"a\",\"choices\":[{\"delta\":{\"content\":\"\\u0001\"}}],\"usage\":{\"prompt_tokens\":3}}\n\n"), true)
+	f.Fuzz(func(t *testing.T, stream []byte, chat bool) {
+		var lead, cont streamTrack
+		lead.reset(true, chat)
+		cont.reset(true, chat)
+		cont.rewrite = true
+		cont.leg1 = nil
+		for p := stream; len(p) > 0; {
+			n := eventEnd(p)
+			if n < 0 {
+				break
+			}
+			lead.follow(p[:n])
+			cont.out = cont.out[:0]
+			if cont.rewriteEvent(p[:n]) && len(cont.out) > 0 {
+				in, _ := bytes.CutPrefix(p[:n], []byte("data: "))
+				if d, ok := bytes.CutPrefix(cont.out, []byte("data: ")); ok && json.Valid(bytes.TrimSpace(in)) {
+					if !json.Valid(bytes.TrimSpace(d)) {
+						t.Fatalf("rewritten %q into invalid JSON %q", p[:n], cont.out)
+					}
+				}
+			}
+			p = p[n:]
+		}
+		if len(lead.text) > len(stream) {
+			t.Fatalf("text %d bytes from a %d-byte stream", len(lead.text), len(stream))
+		}
+	})
 }

@@ -19,6 +19,7 @@ import (
 
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
+	"github.com/valyala/fasthttp"
 
 	"github.com/kvroute/kvroute/bench/llmd"
 	"github.com/kvroute/kvroute/bench/sim"
@@ -334,10 +335,12 @@ func TestMigrateOnlyWhatContinues(t *testing.T) {
 }
 
 // On the simulated engine: a pod that drops every stream after 5 tokens
-// beside a healthy one. Every client stream, completion or chat, read
-// with the OpenAI SDK, completes with max_tokens completion tokens,
-// finish_reason length and no error, and its text is the first leg's
-// followed by the continuation's (what the healthy pod was given).
+// beside a healthy one, each behind a tap that records what it received
+// and sent. Every client stream, completion or chat, read with the OpenAI
+// SDK, completes with max_tokens completion tokens, finish_reason length
+// and no error; the healthy pod was given the prompt followed by exactly
+// the failing pod's text, and the client read the failing pod's text
+// followed by the healthy pod's.
 func TestMigrateOnTheSimulator(t *testing.T) {
 	cfg := sim.DefaultConfig()
 	cfg.TimeScale = 100
@@ -346,7 +349,8 @@ func TestMigrateOnTheSimulator(t *testing.T) {
 	if err := fleet.Pod(0).SetFaults(sim.Faults{DropAfterTokens: 5}); err != nil {
 		t.Fatal(err)
 	}
-	h := startProxy(t, fixedOrder{}, Options{Limits: Limits{MaxMigrations: 2}}, fleet.URLs()...)
+	taps := []*tap{startTap(t, fleet.URL(0)), startTap(t, fleet.URL(1))}
+	h := startProxy(t, fixedOrder{}, Options{Limits: Limits{MaxMigrations: 2}}, taps[0].url, taps[1].url)
 	client := openai.NewClient(option.WithBaseURL(h.url+"/v1"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
@@ -384,6 +388,7 @@ func TestMigrateOnTheSimulator(t *testing.T) {
 		if completion != maxTokens || finish != "length" || text == "" {
 			t.Errorf("completion stream %d: %d completion tokens, finish %q, text %q", i, completion, finish, text)
 		}
+		checkLegs(t, taps[0].exchange(t, 2*i), taps[1].exchange(t, 2*i), false, fmt.Sprintf("Request %d: tell a story. ", i), text)
 
 		chat := client.Chat.Completions.NewStreaming(ctx, openai.ChatCompletionNewParams{
 			Model:               "m",
@@ -401,6 +406,7 @@ func TestMigrateOnTheSimulator(t *testing.T) {
 		if acc.Usage.CompletionTokens != maxTokens || len(acc.Choices) != 1 || acc.Choices[0].FinishReason != "length" || acc.Choices[0].Message.Content == "" {
 			t.Errorf("chat stream %d: usage %+v, choices %+v", i, acc.Usage, acc.Choices)
 		}
+		checkLegs(t, taps[0].exchange(t, 2*i+1), taps[1].exchange(t, 2*i+1), true, "", acc.Choices[0].Message.Content)
 	}
 	if v := counterValue(t, h.reg, "kvroute_migrations_total", map[string]string{"cause": "cut", "outcome": "continued"}); v != 6 {
 		t.Errorf("%v streams continued, want 6 (every one started on the failing pod)", v)
@@ -462,7 +468,9 @@ func TestMigrateFailsVisibly(t *testing.T) {
 // On the external engine (llm-d's simulator, where ../shared has it): a
 // pod killed mid-stream (SIGKILL, its connections reset). The completion
 // and the chat it was streaming complete on the other pod with max_tokens
-// completion tokens, finish_reason length and no error event.
+// completion tokens, finish_reason length and no error event, and the
+// text is the killed pod's followed by the other's (taps in front of
+// both record what they received and sent).
 func TestMigrateOnTheExternalSimulator(t *testing.T) {
 	bin, err := llmd.Binary("")
 	if errors.Is(err, llmd.ErrNoBinary) {
@@ -481,7 +489,9 @@ func TestMigrateOnTheExternalSimulator(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer fleet.Close()
-			h := startProxy(t, fixedOrder{}, Options{Limits: Limits{MaxMigrations: 2}}, fleet.URLs()...)
+			urls := fleet.URLs()
+			taps := []*tap{startTap(t, urls[0]), startTap(t, urls[1])}
+			h := startProxy(t, fixedOrder{}, Options{Limits: Limits{MaxMigrations: 2}}, taps[0].url, taps[1].url)
 			const maxTokens = 30
 			path, body := "/v1/completions", fmt.Sprintf(`{"model":"sim-model","prompt":"tell a long story about the sea","max_tokens":%d,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, maxTokens)
 			if chat {
@@ -538,6 +548,11 @@ func TestMigrateOnTheExternalSimulator(t *testing.T) {
 			if !killed || completion != maxTokens || finish != "length" || done != 1 || text == "" {
 				t.Errorf("killed %v: %d completion tokens, finish %q, %d [DONE]; text %q", killed, completion, finish, done, text)
 			}
+			prompt := "tell a long story about the sea"
+			if chat {
+				prompt = ""
+			}
+			checkLegs(t, taps[0].exchange(t, 0), taps[1].exchange(t, 0), chat, prompt, text)
 			if v := counterValue(t, h.reg, "kvroute_migrations_total", map[string]string{"cause": "cut", "outcome": "continued"}); v != 1 {
 				t.Errorf("%v streams continued, want 1", v)
 			}
@@ -658,4 +673,120 @@ func FuzzStreamTrack(f *testing.F) {
 			t.Fatalf("text %d bytes from a %d-byte stream", len(lead.text), len(stream))
 		}
 	})
+}
+
+// checkLegs checks a migrated answer against what its two pods received
+// and sent: the second pod was given the prompt followed by exactly the
+// first's text (a chat: the first's text as the assistant's message), and
+// the client read (got) the first pod's text followed by the second's.
+func checkLegs(t *testing.T, first, second *tapExchange, chat bool, prompt, got string) {
+	t.Helper()
+	var body struct {
+		Prompt   string
+		Messages []struct{ Role, Content string }
+	}
+	if err := json.Unmarshal([]byte(second.request), &body); err != nil {
+		t.Fatalf("continuation %s: %v", second.request, err)
+	}
+	given := body.Prompt
+	if chat {
+		last := body.Messages[len(body.Messages)-1]
+		if len(body.Messages) != 2 || last.Role != "assistant" {
+			t.Fatalf("continuation %s", second.request)
+		}
+		given = last.Content
+	}
+	if given != prompt+first.text || first.text == "" {
+		t.Errorf("the second pod was given %q, want %q followed by the first pod's text %q", given, prompt, first.text)
+	}
+	if got != first.text+second.text {
+		t.Errorf("the client read %q, want %q + %q", got, first.text, second.text)
+	}
+}
+
+// tap is a reverse proxy in front of an engine that records, for each
+// request, its body and the answer's bytes it passed on (up to a cut).
+type tap struct {
+	url string
+	mu  sync.Mutex
+	ex  []*tapExchange
+}
+
+type tapExchange struct {
+	request string
+	answer  bytes.Buffer
+	text    string // the answer's text, once read (exchange)
+}
+
+func startTap(t *testing.T, target string) *tap {
+	t.Helper()
+	tp := &tap{}
+	hc := &fasthttp.HostClient{Addr: strings.TrimPrefix(target, "http://"), StreamResponseBody: true}
+	tp.url = instantHandler(t, func(ctx *fasthttp.RequestCtx) {
+		x := &tapExchange{request: string(ctx.PostBody())}
+		tp.mu.Lock()
+		tp.ex = append(tp.ex, x)
+		tp.mu.Unlock()
+		resp := fasthttp.AcquireResponse()
+		if err := hc.Do(&ctx.Request, resp); err != nil {
+			fasthttp.ReleaseResponse(resp)
+			ctx.Error(err.Error(), fasthttp.StatusBadGateway)
+			return
+		}
+		resp.Header.CopyTo(&ctx.Response.Header)
+		ctx.Response.SetBodyStream(&tapBody{tp: tp, x: x, resp: resp}, -1)
+	})
+	return tp
+}
+
+// tapBody passes an answer on and records it.
+type tapBody struct {
+	tp   *tap
+	x    *tapExchange
+	resp *fasthttp.Response
+}
+
+func (b *tapBody) Read(p []byte) (int, error) {
+	n, err := b.resp.BodyStream().Read(p)
+	b.tp.mu.Lock()
+	b.x.answer.Write(p[:n])
+	b.tp.mu.Unlock()
+	return n, err
+}
+
+func (b *tapBody) Close() error {
+	err := b.resp.CloseBodyStream()
+	fasthttp.ReleaseResponse(b.resp)
+	return err
+}
+
+// exchange returns the n-th exchange, its answer's text read from its
+// complete events (a completion's text or a chat's content).
+func (tp *tap) exchange(t *testing.T, n int) *tapExchange {
+	t.Helper()
+	tp.mu.Lock()
+	defer tp.mu.Unlock()
+	if n >= len(tp.ex) {
+		t.Fatalf("the pod saw %d requests, not %d", len(tp.ex), n+1)
+	}
+	x := tp.ex[n]
+	x.text = ""
+	for _, ev := range strings.Split(x.answer.String(), "\n\n") {
+		d, ok := strings.CutPrefix(ev, "data: ")
+		if !ok || d == "[DONE]" {
+			continue
+		}
+		var c struct {
+			Choices []struct {
+				Text  string
+				Delta struct{ Content string }
+			}
+		}
+		if json.Unmarshal([]byte(d), &c) == nil {
+			for _, ch := range c.Choices {
+				x.text += ch.Text + ch.Delta.Content
+			}
+		}
+	}
+	return x
 }

@@ -3,6 +3,7 @@ package proxy
 import (
 	"errors"
 	"fmt"
+	"io"
 	"slices"
 	"strconv"
 	"strings"
@@ -140,12 +141,17 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 	}
 	var f failure
 	var kind string
-	if err == nil {
-		if s.isAnswer(st, ep, a, resp, tries) {
+	switch {
+	case err == nil && s.isAnswer(st, ep, a, resp, tries):
+		perr := s.peekBody(st, resp)
+		if perr == nil {
 			return resp, d, failure{}
 		}
+		st.att = nil
+		f, kind = s.bodyFailed(ep, a, perr, tries)
+	case err == nil:
 		f, kind = failure{err: &statusError{endpoint: ep.URL, code: resp.StatusCode()}, retry: true}, failStatus
-	} else {
+	default:
 		f, kind = s.failed(ep, a, err, tries, pd.split)
 	}
 	s.attempts.end(a)
@@ -243,6 +249,42 @@ func (s *Server) isAnswer(st *reqState, ep *discovery.Endpoint, a *attempt, resp
 		ep.ReportFailure()
 	}
 	return false
+}
+
+// peekBody reads the first bytes of a whole (not streamed) answer before
+// anything of it reaches the client, into st.pre: an endpoint that fails
+// between its header and its body is then a failed attempt, and the
+// request is sent elsewhere whole, instead of the client getting a header
+// and a cut body.
+func (s *Server) peekBody(st *reqState, resp *fasthttp.Response) error {
+	rd := resp.BodyStream()
+	if rd == nil || st.pd.split || resp.StatusCode() != fasthttp.StatusOK || isEventStream(resp) {
+		return nil
+	}
+	st.pre = st.pre[:cap(st.pre)]
+	if len(st.pre) == 0 {
+		st.pre = make([]byte, 512)
+	}
+	n, err := rd.Read(st.pre)
+	st.pre = st.pre[:n]
+	if err != nil && err != io.EOF {
+		return err
+	}
+	return nil
+}
+
+// bodyFailed is attempt a's failure on ep between the answer's header and
+// its body (peekBody): nothing reached the client, so the request goes
+// elsewhere whole, within --retries and the retry budget.
+func (s *Server) bodyFailed(ep *discovery.Endpoint, a *attempt, err error, tries int) (failure, string) {
+	gone := a.clientGone()
+	f := failure{retry: s.mayRetry(tries, gone, false, true)}
+	if gone {
+		return failure{err: fmt.Errorf("%w: %v", ErrClientGone, err)}, failCancelled
+	}
+	ep.ReportFailure()
+	f.err = fmt.Errorf("%w: %v", ErrUpstream, err)
+	return f, failBody
 }
 
 // retryAfter is a 429 answer's Retry-After in seconds (RFC 9110 §10.2.3;

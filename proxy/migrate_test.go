@@ -817,3 +817,31 @@ func (tp *tap) exchange(t *testing.T, n int) *tapExchange {
 	}
 	return x
 }
+
+// A whole (not streamed) answer whose endpoint fails between its header
+// and its body reaches the client from another endpoint, whole: nothing
+// had been passed on.
+func TestWholeAnswerRetriedAfterItsHeader(t *testing.T) {
+	a := startRawEndpoint(t, func(c net.Conn, _ []byte) {
+		_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n")
+		reset(c)
+	})
+	const answer = `{"id":"cmpl-B","object":"text_completion","choices":[{"index":0,"text":" fine","finish_reason":"length"}]}`
+	b := startRawEndpoint(t, func(c net.Conn, _ []byte) {
+		_, _ = fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(answer), answer)
+	})
+	h := startProxy(t, fixedOrder{}, Options{Limits: Limits{Retries: 2}}, a.url, b.url)
+	resp, err := http.Post(h.url+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"x"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil || resp.StatusCode != 200 || string(got) != answer {
+		t.Fatalf("%d %q %v", resp.StatusCode, got, err)
+	}
+	if len(a.received()) != 1 || len(b.received()) != 1 {
+		t.Errorf("requests: %d to the failing endpoint, %d to the other", len(a.received()), len(b.received()))
+	}
+	h.waitIdle(t)
+}

@@ -58,6 +58,9 @@ type reqState struct {
 	// migrating: the request continues a streamed answer (migrate.go); its
 	// retry was counted.
 	migrating bool
+	// pre: the first bytes of a whole answer, read before it is passed on
+	// (peekBody).
+	pre []byte
 }
 
 // reset readies a pooled st for a new request; the rest of its fields are
@@ -65,7 +68,7 @@ type reqState struct {
 func (st *reqState) reset() {
 	st.req.Reset()
 	st.att, st.root, st.prompts, st.n, st.clientKV = nil, nil, 0, 0, false
-	st.span, st.tctx, st.migrating = nil, nil, false
+	st.span, st.tctx, st.migrating, st.pre = nil, nil, false, st.pre[:0]
 	st.pd.reset()
 }
 

@@ -33,7 +33,7 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 	b := s.bodies.Get().(*upstreamBody)
 	b.s, b.resp, b.lease, b.att, b.leg = s, resp, st.lease.Take(), st.att, st.pd.leg
 	st.att, st.pd.leg = nil, nil
-	b.firstByte, b.readErr, b.last, b.tail, b.lastChunk = false, nil, 0, nil, time.Time{}
+	b.firstByte, b.readErr, b.last, b.tail, b.lastChunk, b.pre = false, nil, 0, nil, time.Time{}, b.pre[:0]
 	// The engine's usage report (prompt and cached tokens) is read from
 	// every inference answer, for the endpoint's calibration and, under a
 	// learning policy, for the policy.
@@ -74,7 +74,7 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 		ctx.Response.SetBodyStream(b, 0)
 		return
 	}
-	b.rd = rd
+	b.rd, b.pre = rd, append(b.pre[:0], st.pre...)
 	size := resp.Header.ContentLength()
 	if size < 0 || isEventStream(resp) {
 		if !ctx.Request.Header.IsHTTP11() {
@@ -157,6 +157,7 @@ type upstreamBody struct {
 	// the upstream trace flags, the answer's tracking, and whether the
 	// current leg's first byte came.
 	ctx      *fasthttp.RequestCtx
+	pre      []byte // the answer's first bytes, read before commit (peekBody)
 	flags    [2]byte
 	track    streamTrack
 	legFirst bool
@@ -172,7 +173,14 @@ func (b *upstreamBody) Read(p []byte) (int, error) {
 		}
 		return n, nil
 	}
-	n, err := b.rd.Read(p)
+	var n int
+	var err error
+	if len(b.pre) > 0 { // what peekBody read
+		n = copy(p, b.pre)
+		b.pre = b.pre[n:]
+	} else {
+		n, err = b.rd.Read(p)
+	}
 	if n > 0 {
 		if !b.firstByte {
 			b.markFirstByte()

@@ -182,6 +182,7 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 		m.upstreamErrs.WithLabelValues(k)
 	}
 	m.registerPrompts(reg)
+	m.registerStreams(reg)
 	m.registerPD(reg)
 	for _, c := range classes {
 		m.durationByCls = append(m.durationByCls, m.duration.WithLabelValues(c))
@@ -396,14 +397,17 @@ func (c *indexCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descForeign, prometheus.GaugeValue, s.Foreign)
 }
 
-// registerPD registers the end-to-end histogram and the collectors of
-// prefill/decode disaggregation.
-func (m *Metrics) registerPD(reg prometheus.Registerer) {
-	hist := func(name, help string) prometheus.Histogram {
-		h := prometheus.NewHistogram(prometheus.HistogramOpts{Name: name, Help: help, Buckets: latencyBuckets})
-		reg.MustRegister(h)
-		return h
-	}
+// latencyHistogram registers a histogram of latencyBuckets on reg.
+func latencyHistogram(reg prometheus.Registerer, name, help string) prometheus.Histogram {
+	h := prometheus.NewHistogram(prometheus.HistogramOpts{Name: name, Help: help, Buckets: latencyBuckets})
+	reg.MustRegister(h)
+	return h
+}
+
+// registerStreams registers the collectors of streamed answers: the gaps
+// between their writes and their mid-stream failovers.
+func (m *Metrics) registerStreams(reg prometheus.Registerer) {
+	hist := func(name, help string) prometheus.Histogram { return latencyHistogram(reg, name, help) }
 	m.chunkGap = hist(Namespace+"_stream_chunk_gap_seconds",
 		"Time between two successive writes of a streamed answer (server-sent events) to the client: the endpoint's gaps between tokens as the router forwarded them (events that arrived together leave in one write).")
 	m.migrGap = hist(Namespace+"_migration_gap_seconds",
@@ -418,6 +422,12 @@ func (m *Metrics) registerPD(reg prometheus.Registerer) {
 			m.migrations.WithLabelValues(c, o)
 		}
 	}
+}
+
+// registerPD registers the end-to-end histogram and the collectors of
+// prefill/decode disaggregation.
+func (m *Metrics) registerPD(reg prometheus.Registerer) {
+	hist := func(name, help string) prometheus.Histogram { return latencyHistogram(reg, name, help) }
 	m.e2e = hist("llm_request_e2e_seconds",
 		"Time from reading an inference request (completions, chat, responses) to the end of its response, every stage included.")
 	m.prefillQueue = hist("llm_prefill_queue_seconds",

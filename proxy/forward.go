@@ -147,8 +147,11 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 		if perr == nil {
 			return resp, d, failure{}
 		}
+		// Nothing reached the client: the request goes elsewhere whole.
 		st.att = nil
-		f, kind = s.bodyFailed(ep, a, perr, tries)
+		if f, kind = s.failed(ep, a, perr, tries, true); kind == failConnect {
+			kind = failBody // the connection failed after the answer's header
+		}
 	case err == nil:
 		f, kind = failure{err: &statusError{endpoint: ep.URL, code: resp.StatusCode()}, retry: true}, failStatus
 	default:
@@ -273,20 +276,6 @@ func (s *Server) peekBody(st *reqState, resp *fasthttp.Response) error {
 	return nil
 }
 
-// bodyFailed is attempt a's failure on ep between the answer's header and
-// its body (peekBody): nothing reached the client, so the request goes
-// elsewhere whole, within --retries and the retry budget.
-func (s *Server) bodyFailed(ep *discovery.Endpoint, a *attempt, err error, tries int) (failure, string) {
-	gone := a.clientGone()
-	f := failure{retry: s.mayRetry(tries, gone, false, true)}
-	if gone {
-		return failure{err: fmt.Errorf("%w: %v", ErrClientGone, err)}, failCancelled
-	}
-	ep.ReportFailure()
-	f.err = fmt.Errorf("%w: %v", ErrUpstream, err)
-	return f, failBody
-}
-
 // retryAfter is a 429 answer's Retry-After in seconds (RFC 9110 §10.2.3;
 // an HTTP date, or none, is 0).
 func retryAfter(resp *fasthttp.Response) time.Duration {
@@ -298,10 +287,11 @@ func retryAfter(resp *fasthttp.Response) time.Duration {
 	return time.Duration(min(n, 3600)) * time.Second
 }
 
-// failed is attempt a's transport failure err on ep, the tries-th retry
-// (split: a decode leg that followed a prefill leg), as a failure and its
-// metric kind.
-func (s *Server) failed(ep *discovery.Endpoint, a *attempt, err error, tries int, split bool) (f failure, kind string) {
+// failed is attempt a's transport failure err on ep, the tries-th retry,
+// as a failure and its metric kind. resend: the request may be re-sent
+// whole although it was sent (a decode leg that followed a prefill leg;
+// an answer that failed before its body, peekBody).
+func (s *Server) failed(ep *discovery.Endpoint, a *attempt, err error, tries int, resend bool) (f failure, kind string) {
 	s.opt.Logger.Debug("upstream attempt failed", zap.String("endpoint", ep.URL), zap.Error(err))
 	gone := a.clientGone()
 	f.busy = !gone && errors.Is(err, fasthttp.ErrNoFreeConns)
@@ -309,7 +299,7 @@ func (s *Server) failed(ep *discovery.Endpoint, a *attempt, err error, tries int
 	// was computed elsewhere, so it had not started.
 	// A refused connection, like a busy endpoint, cost no engine anything:
 	// its retry is outside the retry budget (not outside --retries).
-	f.retry = s.mayRetry(tries, gone, f.busy || tries < s.opt.Retries && errors.Is(err, syscall.ECONNREFUSED), neverSent(err, a) || split)
+	f.retry = s.mayRetry(tries, gone, f.busy || tries < s.opt.Retries && errors.Is(err, syscall.ECONNREFUSED), neverSent(err, a) || resend)
 	switch {
 	case gone:
 		f.err, kind = fmt.Errorf("%w: %v", ErrClientGone, err), failCancelled

@@ -343,7 +343,6 @@ func continuation(body []byte, chat bool, text []byte, tokens int) ([]byte, erro
 		}
 		out = append(appendJSONString(out, k), ':')
 	}
-	var bad error
 	o.Visit(func(kb []byte, x *fastjson.Value) {
 		k := string(kb)
 		switch k {
@@ -351,12 +350,12 @@ func continuation(body []byte, chat bool, text []byte, tokens int) ([]byte, erro
 			return // set below
 		case "max_tokens", "max_completion_tokens", "min_tokens":
 			if x.Type() == fastjson.TypeNumber {
-				n := x.GetInt() - tokens
-				if k != "min_tokens" {
-					n = max(n, 1)
+				n := max(x.GetInt()-tokens, 1)
+				if k == "min_tokens" {
+					n = max(x.GetInt()-tokens, 0)
 				}
 				field(k)
-				out = strconv.AppendInt(out, int64(max(n, 0)), 10)
+				out = strconv.AppendInt(out, int64(n), 10)
 				return
 			}
 		case "prompt":
@@ -378,14 +377,10 @@ func continuation(body []byte, chat bool, text []byte, tokens int) ([]byte, erro
 				out = append(append(append(out, `{"role":"assistant","content":"`...), text...), `"}]`...)
 				return
 			}
-			bad = errors.New("messages is not an array")
 		}
 		field(k)
 		out = appendJSON(out, x)
 	})
-	if bad != nil {
-		return nil, bad
-	}
 	if chat {
 		field("continue_final_message")
 		out = append(out, "true"...)
@@ -533,8 +528,9 @@ func (b *upstreamBody) endLeg() {
 	b.resp, b.rd = nil, nil
 }
 
-// legFailed counts a failed leg against its endpoint (unless kvroute cut
-// it) and in kvroute_upstream_errors_total.
+// legFailed counts a failed answer body (a stream's leg) against its
+// endpoint (unless kvroute cut it), in kvroute_upstream_errors_total and
+// the log.
 func (b *upstreamBody) legFailed(ep *discovery.Endpoint, a *attempt, err error) {
 	if !a.wasAborted() {
 		ep.ReportFailure()

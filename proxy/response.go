@@ -469,12 +469,7 @@ func (b *upstreamBody) CloseWithError(err error) error {
 	}
 	switch {
 	case b.readErr != nil:
-		if !b.att.wasAborted() { // not the endpoint's fault when kvroute cut it
-			ep.ReportFailure()
-		}
-		s.opt.Metrics.UpstreamError(failBody)
-		s.opt.Logger.Warn("upstream body failed", zap.ByteString("request_id", b.rec.reqID),
-			zap.String("endpoint", ep.URL), zap.Error(b.readErr))
+		b.legFailed(ep, b.att, b.readErr)
 	case err != nil:
 		b.rec.status = StatusClientClosedRequest
 		s.opt.Logger.Info("client closed the connection", zap.ByteString("request_id", b.rec.reqID),

@@ -469,7 +469,7 @@ func (b *upstreamBody) migrate(cause string) bool {
 	if b.rec.span != nil { // the continuation's pick and attempt are spans of the request
 		st.span, st.tctx = b.rec.span, trace.ContextWithSpan(context.Background(), b.rec.span)
 	}
-	st.uri = append(st.uri[:0], ctx.Request.RequestURI()...)
+	st.uri = append(st.uri[:0], b.uri...) // the request's now carries the failed endpoint's base path
 	ctx.Request.SetBody(body)
 	if err := st.parse(st.req.Kind, ctx.PostBody(), s.opt.BlockSize, s.opt.MaxBlocks); err != nil {
 		s.opt.Metrics.Migration(cause, "failed")

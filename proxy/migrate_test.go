@@ -33,6 +33,7 @@ type rawEndpoint struct {
 	url    string
 	mu     sync.Mutex
 	bodies []string
+	lines  []string // the requests' first lines
 }
 
 func startRawEndpoint(t *testing.T, serve func(c net.Conn, body []byte)) *rawEndpoint {
@@ -59,7 +60,8 @@ func startRawEndpoint(t *testing.T, serve func(c net.Conn, body []byte)) *rawEnd
 				_ = c.SetDeadline(time.Now().Add(30 * time.Second))
 				tp := textproto.NewReader(bufio.NewReader(c))
 				for {
-					if _, err := tp.ReadLine(); err != nil {
+					line, err := tp.ReadLine()
+					if err != nil {
 						return
 					}
 					h, err := tp.ReadMIMEHeader()
@@ -72,7 +74,7 @@ func startRawEndpoint(t *testing.T, serve func(c net.Conn, body []byte)) *rawEnd
 						return
 					}
 					e.mu.Lock()
-					e.bodies = append(e.bodies, string(body))
+					e.bodies, e.lines = append(e.bodies, string(body)), append(e.lines, line)
 					e.mu.Unlock()
 					serve(c, body)
 				}
@@ -638,8 +640,15 @@ func TestMigrateKeepsJSONValid(t *testing.T) {
 		sseEvent(c, chunkOf(false, "cmpl-B", "m", "\x1b[1m two", "length"))
 		sseEnd(c)
 	})
-	h := startProxy(t, fixedOrder{}, Options{Limits: Limits{MaxMigrations: 1}}, a.url, b.url)
+	// Behind base paths: the continuation goes to the second's.
+	h := startProxy(t, fixedOrder{}, Options{Limits: Limits{MaxMigrations: 1}}, a.url+"/a", b.url+"/b")
 	events := readStream(t, h.url+"/v1/completions", `{"model":"m","prompt":"x\u0001y","max_tokens":2,"stream":true}`)
+	b.mu.Lock()
+	lines := b.lines
+	b.mu.Unlock()
+	if len(lines) != 1 || lines[0] != "POST /b/v1/completions HTTP/1.1" {
+		t.Errorf("the continuation's request line %q", lines)
+	}
 	var req struct{ Prompt string }
 	if got := b.received(); len(got) != 1 || json.Unmarshal([]byte(got[0]), &req) != nil || req.Prompt != "x\x01y\x02one" {
 		t.Fatalf("continuation %q: prompt %q", got, req.Prompt)

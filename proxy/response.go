@@ -74,7 +74,7 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 		ctx.Response.SetBodyStream(b, 0)
 		return
 	}
-	b.rd, b.pre = rd, append(b.pre[:0], st.pre...)
+	b.rd, b.pre, b.uri = rd, append(b.pre[:0], st.pre...), append(b.uri[:0], st.uri...)
 	size := resp.Header.ContentLength()
 	if size < 0 || isEventStream(resp) {
 		if !ctx.Request.Header.IsHTTP11() {
@@ -158,6 +158,7 @@ type upstreamBody struct {
 	// current leg's first byte came.
 	ctx      *fasthttp.RequestCtx
 	pre      []byte // the answer's first bytes, read before commit (peekBody)
+	uri      []byte // the client's request URI (a continuation's)
 	flags    [2]byte
 	track    streamTrack
 	legFirst bool

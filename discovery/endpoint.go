@@ -218,10 +218,17 @@ func (e *Endpoint) ReportShed(retryAfter time.Duration) {
 
 // Shedding reports whether the endpoint answered 429 recently enough
 // that it takes no new requests (ReportShed). One atomic load when it
-// does not shed.
+// does not shed: a backoff found over is cleared.
 func (e *Endpoint) Shedding() bool {
 	until := e.shedUntil.Load()
-	return until != 0 && time.Now().UnixNano() < until
+	if until == 0 {
+		return false
+	}
+	if time.Now().UnixNano() < until {
+		return true
+	}
+	e.shedUntil.CompareAndSwap(until, 0)
+	return false
 }
 
 // ReportFailure tells passive health checking that a request to e failed

@@ -36,8 +36,8 @@ bench:
 # crasher is kept under the package's testdata/fuzz/FuzzName/ as a seed.
 FUZZTIME ?= 30s
 FUZZ_TARGETS := ./proxy:FuzzParse ./proxy:FuzzRender ./proxy:FuzzUsageScanner ./proxy:FuzzStreamTrack \
-	./discovery:FuzzParseEngine ./discovery:FuzzDNSAnswer ./discovery:FuzzDecodeKVBatch \
-	./discovery:FuzzZMTP ./prefix:FuzzHasher
+	./discovery:FuzzParseEngine ./discovery:FuzzDNSAnswer ./kvevents:FuzzDecodeBatch \
+	./kvevents:FuzzZMTP ./prefix:FuzzHasher
 fuzz:
 	@set -e; for t in $(FUZZ_TARGETS); do \
 	  pkg=$${t%%:*}; name=$${t#*:}; echo "== $$name ($$pkg, $(FUZZTIME))"; \

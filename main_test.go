@@ -201,3 +201,40 @@ func TestSetConstantsArePinned(t *testing.T) {
 		t.Error(err)
 	}
 }
+
+// TestKVEventsListenFlag: --kv-events-listen takes a ZeroMQ endpoint as
+// vLLM and llm-d write it (tcp://HOST:PORT) or HOST:PORT, and refuses
+// other transports naming what it accepts.
+func TestKVEventsListenFlag(t *testing.T) {
+	tests := []struct {
+		name, listen string
+		ok           bool
+	}{
+		{name: "host:port", listen: "127.0.0.1:5557", ok: true},
+		{name: "tcp://", listen: "tcp://127.0.0.1:5557", ok: true},
+		{name: "tcp:// every interface", listen: "tcp://*:5557", ok: true},
+		{name: "tcp:// IPv6", listen: "tcp://[::]:5557", ok: true},
+		{name: "ipc", listen: "ipc:///tmp/kv-events"},
+		{name: "inproc", listen: "inproc://kv-events"},
+		{name: "no port", listen: "tcp://127.0.0.1"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c, err := parseConfig([]string{"--backends", "http://a:1", "--kv-events-listen", tt.listen},
+				func(string) string { return "" }, io.Discard)
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = c.Validate()
+			if tt.ok {
+				if err != nil {
+					t.Fatalf("--kv-events-listen %s refused: %v", tt.listen, err)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), "--kv-events-listen") || !strings.Contains(err.Error(), "tcp://HOST:PORT or HOST:PORT") {
+				t.Fatalf("--kv-events-listen %s: %v, want an error naming the flag and what it accepts", tt.listen, err)
+			}
+		})
+	}
+}

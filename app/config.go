@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/kvevents"
 	"github.com/kvroute/kvroute/proxy"
 	"github.com/kvroute/kvroute/routing"
 )
@@ -195,6 +196,15 @@ func (c *Config) kvEvents() bool {
 	return false
 }
 
+// engineTruth is engine truth's configuration from c's KV-event flags.
+func (c *Config) engineTruth() kvevents.EngineTruthConfig {
+	return kvevents.EngineTruthConfig{
+		Events:     kvevents.Config{Port: c.KVEventsPort, ReplayPort: c.KVEventsReplayPort, Listen: c.KVEventsListen},
+		BlockBytes: c.PrefixBlockBytes, Tokenizer: kvevents.TokenizerConfig{Rate: c.TokenizeRate},
+		StaleAfter: c.KVEventsStaleAfter, Tiers: c.KVEventsTiers,
+	}
+}
+
 // Validate reports every problem of c at once, naming the flags.
 func (c *Config) Validate() error {
 	var errs []error
@@ -321,8 +331,8 @@ func (c *Config) validateOther(bad func(string, ...any)) {
 		bad("--kv-events-port and --kv-events-replay-port must be in [0, 65535]")
 	}
 	if c.KVEventsListen != "" {
-		if _, _, err := net.SplitHostPort(c.KVEventsListen); err != nil {
-			bad("--kv-events-listen %q: want host:port", c.KVEventsListen)
+		if _, err := kvevents.ParseEndpoint(c.KVEventsListen); err != nil {
+			bad("--kv-events-listen: %v", err)
 		}
 	}
 	if !(c.TokenizeRate > 0) || c.KVEventsStaleAfter < 0 {

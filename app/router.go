@@ -17,6 +17,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/kvevents"
 	"github.com/kvroute/kvroute/metrics"
 	"github.com/kvroute/kvroute/prefix"
 	"github.com/kvroute/kvroute/proxy"
@@ -36,7 +37,7 @@ type Router struct {
 	Prefix   *routing.Prefix // the prefix policy, nil under another policy
 	Registry *prometheus.Registry
 	tracing  *sdktrace.TracerProvider // nil without --otlp-endpoint
-	truth    *engineTruth             // nil without KV events
+	truth    *kvevents.EngineTruth    // nil without KV events
 }
 
 // accessLogTo is where the access log goes: nowhere when it is off.
@@ -118,9 +119,9 @@ func New(cfg Config, logger *zap.Logger) (*Router, error) {
 		if r.Prefix == nil {
 			return nil, fmt.Errorf("--kv-events-port and --kv-events-listen feed the prefix index: they need --policy prefix, not %q", cfg.Policy)
 		}
-		r.truth = newEngineTruth(&cfg, r.Pool, r.Prefix.Index(), logger)
-		opt.Tokenizer = r.truth.tok
-		metrics.RegisterKVEvents(r.Registry, r.truth.sample)
+		r.truth = kvevents.NewEngineTruth(cfg.engineTruth(), r.Pool, r.Prefix.Index(), logger)
+		opt.Tokenizer = r.truth.Tokenizer()
+		metrics.RegisterKVEvents(r.Registry, r.truth.Sample)
 	}
 	if cfg.OTLPEndpoint != "" {
 		if r.tracing, err = newTracerProvider(cfg.OTLPEndpoint, cfg.OTLPSampleRatio, cfg.Version); err != nil {
@@ -198,7 +199,7 @@ func (r *Router) AdminHandler() http.Handler {
 		}
 		type withTruth struct {
 			discovery.EndpointStatus
-			KVEvents endpointTruth `json:"kv_events"`
+			KVEvents kvevents.EndpointTruth `json:"kv_events"`
 		}
 		byURL := make(map[string]*discovery.Endpoint)
 		for _, e := range r.Pool.Load().Endpoints {
@@ -208,7 +209,7 @@ func (r *Router) AdminHandler() http.Handler {
 		for i, s := range eps {
 			out[i].EndpointStatus = s
 			if e := byURL[s.URL]; e != nil {
-				out[i].KVEvents = r.truth.status(e)
+				out[i].KVEvents = r.truth.Status(e)
 			} else {
 				out[i].KVEvents.Source = "learned"
 			}
@@ -235,7 +236,7 @@ func (r *Router) Run(ctx context.Context, api, admin net.Listener, drainTimeout 
 	defer func() { stopFleet(); <-fleetDone }()
 	if r.truth != nil {
 		truthDone := make(chan struct{})
-		go func() { defer close(truthDone); r.truth.run(fctx) }()
+		go func() { defer close(truthDone); r.truth.Run(fctx) }()
 		defer func() { stopFleet(); <-truthDone }()
 	}
 

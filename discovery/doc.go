@@ -4,5 +4,7 @@
 // publishes through an atomic pointer from static lists and headless-Service
 // DNS. Beside the request path, the Fleet probes /health, scrapes the
 // engines' /metrics and drains endpoints that leave; the request path loads
-// one Set per request and never locks.
+// one Set per request and never locks. The engines' KV-cache events are
+// package kvevents's, which follows a Pool; an endpoint's URL only names
+// its publisher's port (Endpoint.KVEventsPort).
 package discovery

@@ -15,6 +15,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/kvroute/kvroute/bench/sim"
+	"github.com/kvroute/kvroute/kvevents"
 	"github.com/kvroute/kvroute/prefix"
 	"github.com/kvroute/kvroute/routing"
 )
@@ -103,10 +104,11 @@ func BenchmarkHopEngineTruth(b *testing.B) {
 			opt := Options{Limits: Limits{MaxBodyBytes: 1 << 20}}
 			off := startProxy(b, routing.NewLeastRequest(nil), opt, backend)
 			truth := prefix.NewTruth(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1024}), prefix.TruthConfig{BlockBytes: 1024})
-			opt.Tokenizer = NewTokenizer(truth, TokenizerConfig{})
+			tok := kvevents.NewTokenizer(truth, kvevents.TokenizerConfig{})
+			opt.Tokenizer = tok
 			ctx, cancel := context.WithCancel(context.Background())
 			done := make(chan struct{})
-			go func() { defer close(done); opt.Tokenizer.Run(ctx) }()
+			go func() { defer close(done); tok.Run(ctx) }()
 			b.Cleanup(func() { cancel(); <-done })
 			on := startProxy(b, routing.NewLeastRequest(nil), opt, backend)
 			x, y := alternate(b, size.path, size.body, off.url, on.url)

@@ -73,7 +73,7 @@ type Options struct {
 	// Tokenizer, when set, is offered every answered single-prompt
 	// completion or chat that engine truth has not linked yet (off the
 	// request path: the offer is a copy and never blocks).
-	Tokenizer *Tokenizer
+	Tokenizer Tokenizer
 	// PD configures prefill/decode disaggregation.
 	PD PDOptions
 }

@@ -10,8 +10,8 @@ import (
 	"github.com/zeebo/xxh3"
 
 	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/kvevents"
 	"github.com/kvroute/kvroute/prefix"
-	"github.com/kvroute/kvroute/proxy"
 	"github.com/kvroute/kvroute/routing"
 )
 
@@ -54,7 +54,7 @@ const ReasonPrecise = "peer-precise"
 // a chain's first block; an event whose parent is unknown is dropped); a
 // store without tokens adds a tier to blocks already known; a BlockRemoved
 // takes the pod off the block on that tier. Precise is that sink
-// (discovery.KVSink) and keeps per endpoint the token keys it holds and
+// (kvevents.Sink) and keeps per endpoint the token keys it holds and
 // their tiers. No speculative entries are added at a pick (the sample
 // config leaves speculativeIndexing off): a prefix counts once its
 // engine has announced it. Safe for concurrent use.
@@ -130,14 +130,14 @@ const (
 	preciseCacheTokens = 4 << 20
 )
 
-// tierWeights are llm-d-kv-cache's backend weights by discovery.Tier: gpu
+// tierWeights are llm-d-kv-cache's backend weights by kvevents.Tier: gpu
 // 1.0, cpu 0.8, and 1.0 for a medium it does not list.
-var tierWeights = [3]float64{discovery.TierGPU: 1.0, discovery.TierCPU: 0.8, discovery.TierStorage: 1.0}
+var tierWeights = [3]float64{kvevents.TierGPU: 1.0, kvevents.TierCPU: 0.8, kvevents.TierStorage: 1.0}
 
 // preciseView is one endpoint's announced blocks.
 type preciseView struct {
 	keys map[uint64]uint64 // engine block hash → token key
-	held map[uint64]uint8  // token key → the tiers holding it (bit per discovery.Tier)
+	held map[uint64]uint8  // token key → the tiers holding it (bit per kvevents.Tier)
 }
 
 // NewPrecise returns llm-d's precise configuration with weights prefix 2,
@@ -160,8 +160,8 @@ func NewPrecise(seed uint64) *Precise {
 	return p
 }
 
-// KVBatch implements discovery.KVSink: it applies e's events to e's view.
-func (p *Precise) KVBatch(e *discovery.Endpoint, b *discovery.KVBatch) {
+// KVBatch implements kvevents.Sink: it applies e's events to e's view.
+func (p *Precise) KVBatch(e *discovery.Endpoint, b *kvevents.Batch) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	v := p.views[e.ID]
@@ -172,10 +172,10 @@ func (p *Precise) KVBatch(e *discovery.Endpoint, b *discovery.KVBatch) {
 	for i := range b.Events {
 		ev := &b.Events[i]
 		switch ev.Kind {
-		case discovery.KVBlockStored:
+		case kvevents.BlockStored:
 			p.stored(v, ev)
-		case discovery.KVBlockRemoved:
-			bit := uint8(1) << min(ev.Tier, discovery.TierStorage)
+		case kvevents.BlockRemoved:
+			bit := uint8(1) << min(ev.Tier, kvevents.TierStorage)
 			for _, h := range ev.BlockHashes {
 				key, ok := v.keys[h]
 				if !ok {
@@ -188,7 +188,7 @@ func (p *Precise) KVBatch(e *discovery.Endpoint, b *discovery.KVBatch) {
 				delete(v.held, key)
 				delete(v.keys, h)
 			}
-		case discovery.KVAllCleared:
+		case kvevents.AllCleared:
 			clear(v.keys)
 			clear(v.held)
 		}
@@ -196,8 +196,8 @@ func (p *Precise) KVBatch(e *discovery.Endpoint, b *discovery.KVBatch) {
 }
 
 // stored applies one BlockStored event to v; p.mu is held.
-func (p *Precise) stored(v *preciseView, ev *discovery.KVEvent) {
-	bit := uint8(1) << min(ev.Tier, discovery.TierStorage)
+func (p *Precise) stored(v *preciseView, ev *kvevents.Event) {
+	bit := uint8(1) << min(ev.Tier, kvevents.TierStorage)
 	if len(ev.TokenIDs) == 0 {
 		// A copy to another tier: the blocks are known by their hashes.
 		for _, h := range ev.BlockHashes {
@@ -235,8 +235,8 @@ func (p *Precise) stored(v *preciseView, ev *discovery.KVEvent) {
 	}
 }
 
-// KVReset implements discovery.KVSink: whatever the cause
-// (discovery.KVResetRestart, KVResetGap, KVResetLost), e's view is
+// KVReset implements kvevents.Sink: whatever the cause
+// (kvevents.ResetRestart, ResetGap, ResetLost), e's view is
 // forgotten until its next events.
 func (p *Precise) KVReset(e *discovery.Endpoint, cause string) {
 	p.mu.Lock()
@@ -383,7 +383,7 @@ func (p *Precise) tokenize(r *routing.Request, e *discovery.Endpoint) []uint32 {
 
 // fetchTokens posts body to e's /tokenize and returns the tokens.
 func (p *Precise) fetchTokens(e *discovery.Endpoint, body []byte) ([]uint32, error) {
-	return proxy.Tokenize(p.client, e, body, p.TokenizeTimeout)
+	return kvevents.Tokenize(p.client, e, body, p.TokenizeTimeout)
 }
 
 // tokenCache maps body hashes to their tokens, bounded in tokens (a
@@ -413,6 +413,6 @@ func (c *tokenCache) put(h uint64, t []uint32) {
 // The precise scorer is a policy fed by the engines' KV events: the
 // benchmark finds it a KV-event subscription by this interface.
 var (
-	_ routing.Picker   = (*Precise)(nil)
-	_ discovery.KVSink = (*Precise)(nil)
+	_ routing.Picker = (*Precise)(nil)
+	_ kvevents.Sink  = (*Precise)(nil)
 )

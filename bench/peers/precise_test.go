@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/kvevents"
 	"github.com/kvroute/kvroute/prefix"
 	"github.com/kvroute/kvroute/routing"
 )
@@ -62,13 +63,13 @@ var preciseText = sim.SyntheticText(200, 7)
 // storedBatch announces blocks hashes (in chain order) of tokens, 16 per
 // block, on tier; parent is the engine hash of the block before (0: a
 // chain's root).
-func storedBatch(hashes []uint64, parent uint64, tokens []uint32, tier discovery.Tier, lora string) *discovery.KVBatch {
-	return &discovery.KVBatch{Events: []discovery.KVEvent{{Kind: discovery.KVBlockStored, BlockHashes: hashes,
+func storedBatch(hashes []uint64, parent uint64, tokens []uint32, tier kvevents.Tier, lora string) *kvevents.Batch {
+	return &kvevents.Batch{Events: []kvevents.Event{{Kind: kvevents.BlockStored, BlockHashes: hashes,
 		Parent: parent, HasParent: parent != 0, TokenIDs: tokens, BlockSize: 16, Tier: tier, LoRA: lora}}}
 }
 
-func removedBatch(tier discovery.Tier, hashes ...uint64) *discovery.KVBatch {
-	return &discovery.KVBatch{Events: []discovery.KVEvent{{Kind: discovery.KVBlockRemoved, BlockHashes: hashes, Tier: tier}}}
+func removedBatch(tier kvevents.Tier, hashes ...uint64) *kvevents.Batch {
+	return &kvevents.Batch{Events: []kvevents.Event{{Kind: kvevents.BlockRemoved, BlockHashes: hashes, Tier: tier}}}
 }
 
 // engineHashes returns n engine block hashes from..from+n-1.
@@ -111,20 +112,20 @@ func TestPreciseRoutesToTheEventsHolder(t *testing.T) {
 	holder, other := set.Serving[2], set.Serving[1]
 	steps := []struct {
 		name        string
-		batch       *discovery.KVBatch
+		batch       *kvevents.Batch
 		want        *discovery.Endpoint
 		wantMatched int
 	}{
 		{name: "no events: load", want: other},
 		// 2 + 1.2 against 1.9.
-		{name: "all 12 blocks stored", batch: storedBatch(engineHashes(1, 12), 0, tokens[:192], discovery.TierGPU, ""),
+		{name: "all 12 blocks stored", batch: storedBatch(engineHashes(1, 12), 0, tokens[:192], kvevents.TierGPU, ""),
 			want: holder, wantMatched: 12},
 		// 2 × 11/12 + 1.2 against 1.9.
-		{name: "the last block removed", batch: removedBatch(discovery.TierGPU, 12), want: holder, wantMatched: 11},
-		{name: "the first block removed", batch: removedBatch(discovery.TierGPU, 1), want: other},
-		{name: "the first block back", batch: storedBatch(engineHashes(1, 1), 0, tokens[:16], discovery.TierGPU, ""),
+		{name: "the last block removed", batch: removedBatch(kvevents.TierGPU, 12), want: holder, wantMatched: 11},
+		{name: "the first block removed", batch: removedBatch(kvevents.TierGPU, 1), want: other},
+		{name: "the first block back", batch: storedBatch(engineHashes(1, 1), 0, tokens[:16], kvevents.TierGPU, ""),
 			want: holder, wantMatched: 11},
-		{name: "cleared", batch: &discovery.KVBatch{Events: []discovery.KVEvent{{Kind: discovery.KVAllCleared}}}, want: other},
+		{name: "cleared", batch: &kvevents.Batch{Events: []kvevents.Event{{Kind: kvevents.AllCleared}}}, want: other},
 	}
 	for _, s := range steps {
 		if s.batch != nil {
@@ -161,7 +162,7 @@ func TestPreciseLoadScores(t *testing.T) {
 			setLoad(set, tc.loads)
 			p := NewPrecise(1)
 			// Another prompt's blocks do not count.
-			p.KVBatch(set.Serving[0], storedBatch(engineHashes(1, 2), 0, simTokens(sim.SyntheticText(32, 99)), discovery.TierGPU, ""))
+			p.KVBatch(set.Serving[0], storedBatch(engineHashes(1, 2), 0, simTokens(sim.SyntheticText(32, 99)), kvevents.TierGPU, ""))
 			d := p.Pick(completion(t, preciseModel, preciseText), set)
 			if d.Endpoint != set.Serving[tc.want] || d.MatchedBlocks != 0 {
 				t.Fatalf("%s matching %d blocks, want %s", d.Endpoint, d.MatchedBlocks, set.Serving[tc.want])
@@ -227,7 +228,7 @@ func TestPreciseTokenizeFailure(t *testing.T) {
 			set := preciseSet(t, tc.urls...)
 			p := NewPrecise(1)
 			holder := set.Serving[len(set.Serving)-1]
-			p.KVBatch(holder, storedBatch(engineHashes(1, 12), 0, simTokens(preciseText)[:192], discovery.TierGPU, ""))
+			p.KVBatch(holder, storedBatch(engineHashes(1, 12), 0, simTokens(preciseText)[:192], kvevents.TierGPU, ""))
 			d := p.Pick(tc.r, set)
 			if d.Endpoint == nil || d.MatchedBlocks != 0 || d.PromptTokens != tc.r.PromptTokens || d.Prefill != tc.r.PromptTokens {
 				t.Fatalf("decision %+v, want an endpoint, no match and the estimated %d tokens", d, tc.r.PromptTokens)
@@ -242,7 +243,7 @@ func TestPreciseCachesTokenizations(t *testing.T) {
 	f := startPreciseFleet(t, 2)
 	set := preciseSet(t, f.URLs()...)
 	p := NewPrecise(1)
-	p.KVBatch(set.Serving[1], storedBatch(engineHashes(1, 12), 0, simTokens(preciseText)[:192], discovery.TierGPU, ""))
+	p.KVBatch(set.Serving[1], storedBatch(engineHashes(1, 12), 0, simTokens(preciseText)[:192], kvevents.TierGPU, ""))
 	r := completion(t, preciseModel, preciseText)
 	if d := p.Pick(r, set); d.Endpoint != set.Serving[1] || d.MatchedBlocks != 12 {
 		t.Fatalf("%s matching %d, want %s matching 12", d.Endpoint, d.MatchedBlocks, set.Serving[1])
@@ -273,13 +274,13 @@ func TestPreciseChatAndAdapters(t *testing.T) {
 		t.Fatalf("tokenizing the chat body: %d tokens, %v", len(tokens), err)
 	}
 	n := len(tokens) / 16
-	p.KVBatch(set.Serving[1], storedBatch(engineHashes(1, n), 0, tokens[:16*n], discovery.TierGPU, ""))
+	p.KVBatch(set.Serving[1], storedBatch(engineHashes(1, n), 0, tokens[:16*n], kvevents.TierGPU, ""))
 	if d := p.Pick(chat, set); d.Endpoint != set.Serving[1] || d.MatchedBlocks != n {
 		t.Fatalf("chat: %s matching %d, want %s matching %d", d.Endpoint, d.MatchedBlocks, set.Serving[1], n)
 	}
 
 	text := simTokens(preciseText)[:192]
-	p.KVBatch(set.Serving[0], storedBatch(engineHashes(100, 12), 0, text, discovery.TierGPU, "ad"))
+	p.KVBatch(set.Serving[0], storedBatch(engineHashes(100, 12), 0, text, kvevents.TierGPU, "ad"))
 	if d := p.Pick(completion(t, "ad", preciseText), set); d.Endpoint != set.Serving[0] || d.MatchedBlocks != 12 {
 		t.Fatalf("adapter: %s matching %d, want %s matching 12", d.Endpoint, d.MatchedBlocks, set.Serving[0])
 	}
@@ -317,27 +318,27 @@ func TestPreciseEvents(t *testing.T) {
 			t.Fatalf("%s: %d blocks weighing %g, want %d weighing %g", step, blocks, w, wantBlocks, wantWeight)
 		}
 	}
-	p.KVBatch(e, storedBatch(engineHashes(1, 6), 0, tokens[:96], discovery.TierGPU, ""))
-	p.KVBatch(e, storedBatch(engineHashes(7, 6), 6, tokens[96:], discovery.TierGPU, ""))
+	p.KVBatch(e, storedBatch(engineHashes(1, 6), 0, tokens[:96], kvevents.TierGPU, ""))
+	p.KVBatch(e, storedBatch(engineHashes(7, 6), 6, tokens[96:], kvevents.TierGPU, ""))
 	check("two chained stores", 12, 12)
-	p.KVBatch(e, storedBatch(engineHashes(1, 12), 0, nil, discovery.TierCPU, ""))
-	p.KVBatch(e, removedBatch(discovery.TierGPU, 4))
+	p.KVBatch(e, storedBatch(engineHashes(1, 12), 0, nil, kvevents.TierCPU, ""))
+	p.KVBatch(e, removedBatch(kvevents.TierGPU, 4))
 	check("block 4 on the CPU only", 12, 11.8)
-	p.KVBatch(e, removedBatch(discovery.TierCPU, 4))
+	p.KVBatch(e, removedBatch(kvevents.TierCPU, 4))
 	check("block 4 gone", 3, 3)
-	p.KVBatch(e, storedBatch(engineHashes(4, 1), 999, tokens[48:64], discovery.TierGPU, ""))
+	p.KVBatch(e, storedBatch(engineHashes(4, 1), 999, tokens[48:64], kvevents.TierGPU, ""))
 	check("a store after an unknown parent is dropped", 3, 3)
-	p.KVBatch(e, storedBatch(engineHashes(4, 1), 3, tokens[48:64], discovery.TierGPU, ""))
+	p.KVBatch(e, storedBatch(engineHashes(4, 1), 3, tokens[48:64], kvevents.TierGPU, ""))
 	check("block 4 back after its parent", 12, 12)
-	p.KVBatch(e, &discovery.KVBatch{Events: []discovery.KVEvent{{Kind: discovery.KVAllCleared}}})
+	p.KVBatch(e, &kvevents.Batch{Events: []kvevents.Event{{Kind: kvevents.AllCleared}}})
 	check("cleared", 0, 0)
-	for _, cause := range []string{discovery.KVResetRestart, discovery.KVResetGap, discovery.KVResetLost} {
-		p.KVBatch(e, storedBatch(engineHashes(1, 12), 0, tokens, discovery.TierGPU, ""))
+	for _, cause := range []string{kvevents.ResetRestart, kvevents.ResetGap, kvevents.ResetLost} {
+		p.KVBatch(e, storedBatch(engineHashes(1, 12), 0, tokens, kvevents.TierGPU, ""))
 		check("stored again", 12, 12)
 		p.KVReset(e, cause)
 		check("reset: "+cause, 0, 0)
 	}
-	p.KVBatch(e, storedBatch(engineHashes(1, 12), 0, tokens[:100], discovery.TierGPU, ""))
+	p.KVBatch(e, storedBatch(engineHashes(1, 12), 0, tokens[:100], kvevents.TierGPU, ""))
 	check("tokens not lining up with the blocks", 0, 0)
 }
 

@@ -21,6 +21,7 @@ import (
 	"github.com/kvroute/kvroute/bench/peers"
 	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/kvevents"
 	"github.com/kvroute/kvroute/routing"
 )
 
@@ -53,7 +54,7 @@ type Policy struct {
 	PrefillShare float64
 	// Events: the policy's router subscribes to the pods' KV-cache events
 	// (engine truth): kvroute's prefix policy through its own
-	// --kv-events flags, a peer whose picker is a discovery.KVSink (the
+	// --kv-events flags, a peer whose picker is a kvevents.Sink (the
 	// precise llm-d scorer) through a subscriber StartRouter runs beside
 	// the router. runPolicy turns the pods' publishers on for it.
 	Events bool
@@ -299,13 +300,13 @@ type Router struct {
 
 // countingSink counts the KV-event batches handed to a sink.
 type countingSink struct {
-	discovery.KVSink
+	kvevents.Sink
 	n *atomic.Int64
 }
 
-func (c countingSink) KVBatch(e *discovery.Endpoint, b *discovery.KVBatch) {
+func (c countingSink) KVBatch(e *discovery.Endpoint, b *kvevents.Batch) {
 	c.n.Add(1)
-	c.KVSink.KVBatch(e, b)
+	c.Sink.KVBatch(e, b)
 }
 
 // StartRouter starts kvroute on 127.0.0.1:0 in front of backends with the
@@ -321,7 +322,7 @@ func (c countingSink) KVBatch(e *discovery.Endpoint, b *discovery.KVBatch) {
 // ("#kv-events=PORT") and p.Configure may set the router's KV-event flags:
 // kvroute's prefix policy subscribes itself; for another policy those are
 // taken off the router's configuration (kvroute feeds only its prefix
-// index) and, when its picker is a discovery.KVSink, a subscriber of the
+// index) and, when its picker is a kvevents.Sink, a subscriber of the
 // same settings feeds it until Close.
 func StartRouter(p Policy, backends []string, engines []sim.Config) (*Router, error) {
 	cfg := routerConfig(p, backends, engines)
@@ -329,7 +330,7 @@ func StartRouter(p Policy, backends []string, engines []sim.Config) (*Router, er
 	if err != nil {
 		return nil, err
 	}
-	events := discovery.KVEventsConfig{Port: cfg.KVEventsPort, ReplayPort: cfg.KVEventsReplayPort, Listen: cfg.KVEventsListen}
+	events := kvevents.Config{Port: cfg.KVEventsPort, ReplayPort: cfg.KVEventsReplayPort, Listen: cfg.KVEventsListen}
 	var named []string // backends naming their publishers, when taken off cfg
 	if p.Events && p.router() != "prefix" {
 		cfg.KVEventsPort, cfg.KVEventsReplayPort, cfg.KVEventsListen = 0, 0, ""
@@ -348,8 +349,8 @@ func StartRouter(p Policy, backends []string, engines []sim.Config) (*Router, er
 		return nil, err
 	}
 	r := &Router{rt: rt, done: make(chan error, 1)}
-	var sub *discovery.KVSubscriber
-	if sink, ok := rt.Picker.(discovery.KVSink); ok && p.Events && rt.Prefix == nil {
+	var sub *kvevents.Subscriber
+	if sink, ok := rt.Picker.(kvevents.Sink); ok && p.Events && rt.Prefix == nil {
 		pool := rt.Pool
 		if named != nil {
 			// The router's endpoints do not name their publishers: the
@@ -359,7 +360,7 @@ func StartRouter(p Policy, backends []string, engines []sim.Config) (*Router, er
 				return nil, err
 			}
 		}
-		sub = discovery.NewKVSubscriber(events, pool, countingSink{sink, &r.peerBatches}, lg.Named("kvevents"))
+		sub = kvevents.NewSubscriber(events, pool, countingSink{sink, &r.peerBatches}, lg.Named("kvevents"))
 	} else if p.Events && rt.Prefix == nil {
 		return nil, fmt.Errorf("%w: policy %s takes no KV events", ErrConfig, p.Name)
 	}

@@ -1,7 +1,6 @@
 package sim
 
 import (
-	"bufio"
 	"bytes"
 	"encoding/binary"
 	"net"
@@ -10,9 +9,10 @@ import (
 	"sync"
 	"time"
 
-	"github.com/go-zeromq/zmq4"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/kvroute/kvroute/kvevents"
 )
 
 // KV-cache events, as vLLM publishes them (vllm/distributed/kv_events.py,
@@ -148,7 +148,7 @@ func newKVPublisher(cfg *Config, dropped prometheus.Counter) (*kvPublisher, erro
 			return nil, err
 		}
 		k.ring.buf = make([]replayEntry, kvReplayBatches)
-		k.replay = newZMTPServer(rln, zmq4.Router, k.serveReplay)
+		k.replay = newZMTPServer(rln, "ROUTER", k.serveReplay)
 	}
 	return k, nil
 }
@@ -226,7 +226,7 @@ func (k *kvPublisher) run() {
 				k.ring.add(b.seq, payload)
 			}
 			binary.BigEndian.PutUint64(seq[:], b.seq)
-			if n := k.pub.send(k.topic, appendZMTPMsg(nil, topic, seq[:], payload)); n > 0 {
+			if n := k.pub.send(k.topic, kvevents.AppendZMTPMsg(nil, topic, seq[:], payload)); n > 0 {
 				k.dropped.Add(float64(n))
 			}
 		case <-k.quit:
@@ -240,27 +240,23 @@ func (k *kvPublisher) run() {
 // frames a REQ or DEALER client sends) is answered with [empty, seq,
 // payload] for every buffered batch from start on, then [empty, -1, empty],
 // as vLLM's _service_replay does; other messages are ignored.
-func (k *kvPublisher) serveReplay(conn net.Conn) {
-	r := bufio.NewReader(conn)
-	var out []byte
+func (k *kvPublisher) serveReplay(z *kvevents.ZMTPConn) {
 	var seq [8]byte
 	for {
-		frames, command, err := readZMTPMsg(r)
+		frames, n, err := z.ReadMsg()
 		if err != nil {
 			return
 		}
-		if command || len(frames) != 2 || len(frames[1]) != 8 {
+		if n != 2 || len(frames[1]) != 8 {
 			continue
 		}
 		for _, e := range k.ring.since(binary.BigEndian.Uint64(frames[1])) {
 			binary.BigEndian.PutUint64(seq[:], e.seq)
-			out = appendZMTPMsg(out[:0], nil, seq[:], e.payload)
-			if _, err := conn.Write(out); err != nil {
+			if err := z.Send(nil, seq[:], e.payload); err != nil {
 				return
 			}
 		}
-		out = appendZMTPMsg(out[:0], nil, kvEndSeq, nil)
-		if _, err := conn.Write(out); err != nil {
+		if err := z.Send(nil, kvEndSeq, nil); err != nil {
 			return
 		}
 	}

@@ -1,101 +1,45 @@
 package sim
 
 import (
-	"bufio"
-	"encoding/binary"
 	"errors"
-	"io"
 	"net"
 	"slices"
 	"strings"
 	"sync"
 	"time"
 
-	"github.com/go-zeromq/zmq4"
-	"github.com/go-zeromq/zmq4/security/null"
+	"github.com/kvroute/kvroute/kvevents"
 )
 
 // The KV event sockets (kvevents.go) speak ZMTP 3.0 (rfc.zeromq.org/spec/23)
-// with zmq4's handshake and their own framing: zmq4.Open performs the
-// greeting and the NULL security handshake (READY with the socket type, so
-// libzmq, pyzmq and zmq4 peers accept the socket), and zmtpPub and the
-// replay server then read and write frames on the connection themselves.
-// zmq4's own sockets are not used for serving: its PUB socket keeps its
-// writer goroutine after Close (v0.17.0), makes every subscriber wait for
-// the slowest, and answers a PING from its reader goroutine, racing writes.
-// Peers greeted as ZMTP 3.0 subscribe with messages (a 1 or 0 byte before
-// the topic prefix) and send no heartbeats.
-
-// ZMTP frame flags.
-const (
-	zmtpMore    = 0x01
-	zmtpLong    = 0x02
-	zmtpCommand = 0x04
-)
+// through kvroute's own implementation, package kvevents's: OpenZMTP
+// performs the greeting and the NULL handshake (READY with the socket type,
+// so libzmq, pyzmq and zmq4 peers accept the socket, and a peer of a type
+// that cannot talk to it is refused), and zmtpPub and the replay server
+// then read and write messages on the connection. zmq4's own sockets are
+// not used for serving: its PUB socket keeps its writer goroutine after
+// Close (v0.17.0), makes every subscriber wait for the slowest, and
+// answers a PING from its reader goroutine, racing writes; its handshake
+// panics on an unknown peer socket type. Peers greeted as ZMTP 3.0
+// subscribe with messages (a 1 or 0 byte before the topic prefix);
+// commands (ZMTP 3.1's SUBSCRIBE, PING) are skipped.
 
 const (
 	// zmtpHandshakeTimeout bounds the greeting and handshake of one
 	// connection, so that a peer that connects and says nothing does not
 	// hold a goroutine forever.
 	zmtpHandshakeTimeout = 10 * time.Second
-	// zmtpMaxFrame bounds a frame a peer sends us: subscriptions and replay
-	// requests are a few bytes.
-	zmtpMaxFrame = 1 << 16
 	// zmtpSendQueue is each subscriber's queue of messages not yet written,
 	// like the high-water mark of a libzmq PUB socket (vLLM sets 100,000;
 	// the simulator's batches are small and its subscribers on loopback).
 	zmtpSendQueue = 10000
 )
 
-// errZMTPFrame reports a frame larger than zmtpMaxFrame.
-var errZMTPFrame = errors.New("sim: ZMTP frame too large")
-
-// appendZMTPMsg appends one message of the given frames to b, in wire form.
-func appendZMTPMsg(b []byte, frames ...[]byte) []byte {
-	for i, f := range frames {
-		var flags byte
-		if i < len(frames)-1 {
-			flags |= zmtpMore
-		}
-		if len(f) > 255 {
-			b = append(b, flags|zmtpLong)
-			b = binary.BigEndian.AppendUint64(b, uint64(len(f)))
-		} else {
-			b = append(b, flags, byte(len(f)))
-		}
-		b = append(b, f...)
-	}
-	return b
-}
-
-// readZMTPMsg reads one message (all its frames) from r; command reports a
-// command (PING, SUBSCRIBE, ...), which callers ignore.
-func readZMTPMsg(r io.Reader) (frames [][]byte, command bool, err error) {
-	var hdr [9]byte
-	for {
-		if _, err := io.ReadFull(r, hdr[:2]); err != nil {
-			return nil, false, err
-		}
-		flags, size := hdr[0], uint64(hdr[1])
-		if flags&zmtpLong != 0 {
-			if _, err := io.ReadFull(r, hdr[2:]); err != nil {
-				return nil, false, err
-			}
-			size = binary.BigEndian.Uint64(hdr[1:])
-		}
-		if size > zmtpMaxFrame {
-			return nil, false, errZMTPFrame
-		}
-		body := make([]byte, size)
-		if _, err := io.ReadFull(r, body); err != nil {
-			return nil, false, err
-		}
-		frames = append(frames, body)
-		command = command || flags&zmtpCommand != 0
-		if flags&zmtpMore == 0 {
-			return frames, command, nil
-		}
-	}
+// zmtpPeers are the peer socket types a socket of each type serving here
+// accepts (ZMTP's socket compatibility).
+var zmtpPeers = map[string][]string{
+	"PUB":    {"SUB", "XSUB"},
+	"ROUTER": {"REQ", "DEALER", "ROUTER"},
 }
 
 // zmtpServer accepts connections of one socket type on a listener and runs
@@ -104,8 +48,8 @@ func readZMTPMsg(r io.Reader) (frames [][]byte, command bool, err error) {
 // connection and waits for the goroutines. Safe for concurrent use.
 type zmtpServer struct {
 	ln    net.Listener
-	typ   zmq4.SocketType
-	serve func(conn net.Conn)
+	typ   string // "PUB", "ROUTER": a key of zmtpPeers
+	serve func(z *kvevents.ZMTPConn)
 	wg    sync.WaitGroup
 
 	mu     sync.Mutex
@@ -113,7 +57,7 @@ type zmtpServer struct {
 	closed bool
 }
 
-func newZMTPServer(ln net.Listener, typ zmq4.SocketType, serve func(net.Conn)) *zmtpServer {
+func newZMTPServer(ln net.Listener, typ string, serve func(*kvevents.ZMTPConn)) *zmtpServer {
 	return &zmtpServer{ln: ln, typ: typ, serve: serve, conns: make(map[net.Conn]struct{})}
 }
 
@@ -142,12 +86,11 @@ func (s *zmtpServer) accept() {
 		go func() {
 			defer s.wg.Done()
 			defer s.untrack(conn)
-			conn.SetDeadline(time.Now().Add(zmtpHandshakeTimeout))
-			if _, err := zmq4.Open(conn, null.Security(), s.typ, nil, true, nil); err != nil {
+			z, err := kvevents.OpenZMTP(conn, zmtpHandshakeTimeout, s.typ, zmtpPeers[s.typ]...)
+			if err != nil {
 				return
 			}
-			conn.SetDeadline(time.Time{})
-			s.serve(conn)
+			s.serve(z)
 		}()
 	}
 }
@@ -208,13 +151,13 @@ type zmtpSub struct {
 
 func newZMTPPub(ln net.Listener) *zmtpPub {
 	p := &zmtpPub{subs: make(map[*zmtpSub]struct{}), changed: make(chan struct{})}
-	p.srv = newZMTPServer(ln, zmq4.Pub, p.serve)
+	p.srv = newZMTPServer(ln, "PUB", p.serve)
 	return p
 }
 
 // serve reads the subscriber's subscriptions while a second goroutine
 // writes its queue.
-func (p *zmtpPub) serve(conn net.Conn) {
+func (p *zmtpPub) serve(z *kvevents.ZMTPConn) {
 	s := &zmtpSub{out: make(chan []byte, zmtpSendQueue)}
 	p.mu.Lock()
 	p.subs[s] = struct{}{}
@@ -225,8 +168,8 @@ func (p *zmtpPub) serve(conn net.Conn) {
 		for {
 			select {
 			case msg := <-s.out:
-				if _, err := conn.Write(msg); err != nil {
-					conn.Close() // ends the reader below
+				if err := z.SendWire(msg); err != nil {
+					z.Close() // ends the reader below
 					return
 				}
 			case <-done:
@@ -240,16 +183,15 @@ func (p *zmtpPub) serve(conn net.Conn) {
 		p.notifyLocked()
 		p.mu.Unlock()
 		close(done)
-		conn.Close()
+		z.Close()
 		wg.Wait()
 	}()
-	r := bufio.NewReader(conn)
 	for {
-		frames, command, err := readZMTPMsg(r)
+		frames, n, err := z.ReadMsg()
 		if err != nil {
 			return
 		}
-		if command || len(frames) != 1 || len(frames[0]) == 0 {
+		if n != 1 || len(frames[0]) == 0 {
 			continue // PUB sockets take no other messages
 		}
 		f := frames[0]

@@ -1,4 +1,4 @@
-package app
+package kvevents
 
 import (
 	"context"
@@ -10,49 +10,73 @@ import (
 	"github.com/kvroute/kvroute/discovery"
 	"github.com/kvroute/kvroute/metrics"
 	"github.com/kvroute/kvroute/prefix"
-	"github.com/kvroute/kvroute/proxy"
 )
 
-// engineTruth joins the engines' KV-cache events to the prefix index: the
+// EngineTruthConfig configures an EngineTruth.
+type EngineTruthConfig struct {
+	// Events configures the subscriber (the --kv-events-* flags).
+	Events Config
+	// BlockBytes is the prefix index's block size in bytes
+	// (prefix.TruthConfig.BlockBytes).
+	BlockBytes int
+	// Tokenizer configures the tokenizer (Rate: --tokenize-rate).
+	Tokenizer TokenizerConfig
+	// StaleAfter is how long an endpoint's events may stop while it is
+	// sent requests before it falls back to learning; 0: never.
+	StaleAfter time.Duration
+	// Tiers applies CPU and storage tiers' events; false: GPU blocks only.
+	Tiers bool
+}
+
+// EngineTruth joins the engines' KV-cache events to the prefix index: the
 // subscriber's batches and resets go to prefix.Truth, the tokenizer links
 // forwarded prompts to the events' tokens, and an endpoint whose events
 // stop while it is sent requests falls back to learning. It is the
-// subscriber's discovery.KVSink.
-type engineTruth struct {
+// subscriber's Sink. NewEngineTruth starts nothing; Run does the work.
+// Its methods are safe for concurrent use.
+type EngineTruth struct {
 	truth      *prefix.Truth
-	sub        *discovery.KVSubscriber
-	tok        *proxy.Tokenizer
+	sub        *Subscriber
+	tok        *Tokenizer
 	pool       *discovery.Pool
 	staleAfter time.Duration
-	tiers      bool // apply CPU and storage tiers' events (Config.KVEventsTiers)
+	tiers      bool // apply CPU and storage tiers' events (EngineTruthConfig.Tiers)
 	logger     *zap.Logger
 
 	mu   sync.Mutex
 	seen map[uint64]uint64 // endpoint id → its requests at its last batch
 }
 
-func newEngineTruth(cfg *Config, pool *discovery.Pool, index *prefix.Index, logger *zap.Logger) *engineTruth {
-	t := &engineTruth{pool: pool, staleAfter: cfg.KVEventsStaleAfter, tiers: cfg.KVEventsTiers, logger: logger.Named("kvevents"), seen: make(map[uint64]uint64),
-		truth: prefix.NewTruth(index, prefix.TruthConfig{BlockBytes: cfg.PrefixBlockBytes})}
-	t.tok = proxy.NewTokenizer(t.truth, proxy.TokenizerConfig{Rate: cfg.TokenizeRate})
-	t.sub = discovery.NewKVSubscriber(discovery.KVEventsConfig{Port: cfg.KVEventsPort, ReplayPort: cfg.KVEventsReplayPort,
-		Listen: cfg.KVEventsListen}, pool, t, logger)
+// NewEngineTruth returns engine truth for pool's endpoints over index. A
+// nil logger logs nothing.
+func NewEngineTruth(c EngineTruthConfig, pool *discovery.Pool, index *prefix.Index, logger *zap.Logger) *EngineTruth {
+	if logger == nil {
+		logger = zap.NewNop()
+	}
+	t := &EngineTruth{pool: pool, staleAfter: c.StaleAfter, tiers: c.Tiers, logger: logger.Named("kvevents"), seen: make(map[uint64]uint64),
+		truth: prefix.NewTruth(index, prefix.TruthConfig{BlockBytes: c.BlockBytes})}
+	t.tok = NewTokenizer(t.truth, c.Tokenizer)
+	t.sub = NewSubscriber(c.Events, pool, t, logger)
 	return t
 }
 
+// Tokenizer returns the tokenizer the request path offers its forwarded
+// prompts to (proxy.Options.Tokenizer); Run runs it.
+func (t *EngineTruth) Tokenizer() *Tokenizer { return t.tok }
+
 // KVBatch applies one endpoint's batch of events.
-func (t *engineTruth) KVBatch(e *discovery.Endpoint, b *discovery.KVBatch) {
+func (t *EngineTruth) KVBatch(e *discovery.Endpoint, b *Batch) {
 	for i := range b.Events {
 		ev := &b.Events[i]
-		if ev.Tier != discovery.TierGPU && !t.tiers {
+		if ev.Tier != TierGPU && !t.tiers {
 			continue
 		}
 		switch ev.Kind {
-		case discovery.KVBlockStored:
+		case BlockStored:
 			t.truth.Stored(e.ID, ev.Parent, ev.HasParent, ev.BlockHashes, ev.TokenIDs, ev.BlockSize, ev.LoRA, uint8(ev.Tier))
-		case discovery.KVBlockRemoved:
+		case BlockRemoved:
 			t.truth.Removed(e.ID, ev.BlockHashes, uint8(ev.Tier))
-		case discovery.KVAllCleared:
+		case AllCleared:
 			t.truth.Cleared(e.ID)
 		}
 	}
@@ -63,8 +87,8 @@ func (t *engineTruth) KVBatch(e *discovery.Endpoint, b *discovery.KVBatch) {
 
 // KVReset: a restarted engine holds nothing; events lost otherwise leave
 // what it holds unknown, and the endpoint learns again.
-func (t *engineTruth) KVReset(e *discovery.Endpoint, cause string) {
-	if cause == discovery.KVResetRestart {
+func (t *EngineTruth) KVReset(e *discovery.Endpoint, cause string) {
+	if cause == ResetRestart {
 		t.truth.Cleared(e.ID)
 		return
 	}
@@ -74,9 +98,9 @@ func (t *engineTruth) KVReset(e *discovery.Endpoint, cause string) {
 	t.mu.Unlock()
 }
 
-// run runs the subscriber, the tokenizer and the staleness check until
-// ctx is done.
-func (t *engineTruth) run(ctx context.Context) {
+// Run runs the subscriber, the tokenizer and the staleness check until
+// ctx is done. It may be called once.
+func (t *EngineTruth) Run(ctx context.Context) {
 	var wg sync.WaitGroup
 	wg.Add(2)
 	go func() {
@@ -105,7 +129,7 @@ func (t *engineTruth) run(ctx context.Context) {
 
 // checkStale falls back to learning for every endpoint on engine truth
 // that was sent requests since its last batch, staleAfter ago or more.
-func (t *engineTruth) checkStale(now time.Time) {
+func (t *EngineTruth) checkStale(now time.Time) {
 	for _, e := range t.pool.Load().Endpoints {
 		live, last := t.truth.Live(e.ID)
 		if !live || now.Sub(last) < t.staleAfter {
@@ -122,13 +146,14 @@ func (t *engineTruth) checkStale(now time.Time) {
 	}
 }
 
-// sample reads the metrics' view of engine truth.
-func (t *engineTruth) sample() metrics.KVEventsSample {
+// Sample reads the metrics' view of engine truth (for
+// metrics.RegisterKVEvents).
+func (t *EngineTruth) Sample() metrics.KVEventsSample {
 	st, ts, tk := t.sub.Stats(), t.truth.Stats(), t.tok.Stats()
 	s := metrics.KVEventsSample{
 		Events:  map[string]uint64{"stored": st.Stored, "removed": st.Removed, "cleared": st.Cleared},
 		Batches: st.Batches, DecodeErrors: st.DecodeErrors, Gaps: st.Gaps, Replayed: st.Replayed,
-		Resets:          map[string]uint64{"restart": st.Resets[discovery.KVResetRestart], "gap": st.Resets[discovery.KVResetGap], "lost": st.Resets[discovery.KVResetLost]},
+		Resets:          map[string]uint64{"restart": st.Resets[ResetRestart], "gap": st.Resets[ResetGap], "lost": st.Resets[ResetLost]},
 		UnmatchedTopics: st.Unmatched, Blocks: ts.Blocks, Links: ts.Links, Bytes: ts.Bytes,
 		Confirmed: ts.Confirmed, Dropped: ts.Dropped, Orphans: ts.Orphans,
 		Tokenized: tk.OK, TokenizeFail: tk.Failed, TokenizeDropped: tk.Dropped,
@@ -140,19 +165,20 @@ func (t *engineTruth) sample() metrics.KVEventsSample {
 	return s
 }
 
-// endpointTruth is /debug/endpoints' view of one endpoint's engine truth.
-type endpointTruth struct {
+// EndpointTruth is /debug/endpoints' view of one endpoint's engine truth.
+type EndpointTruth struct {
 	// Source is "events" while the endpoint's engine truth is live,
 	// "learned" otherwise.
 	Source string `json:"source"`
 	// LastEvent is when its last event was applied.
-	LastEvent *time.Time         `json:"last_event,omitempty"`
-	Stream    discovery.KVStatus `json:"stream"`
+	LastEvent *time.Time   `json:"last_event,omitempty"`
+	Stream    StreamStatus `json:"stream"`
 }
 
-func (t *engineTruth) status(e *discovery.Endpoint) endpointTruth {
+// Status returns e's engine truth and event stream.
+func (t *EngineTruth) Status(e *discovery.Endpoint) EndpointTruth {
 	live, last := t.truth.Live(e.ID)
-	out := endpointTruth{Source: "learned", Stream: t.sub.Status(e)}
+	out := EndpointTruth{Source: "learned", Stream: t.sub.Status(e)}
 	if live {
 		out.Source = "events"
 	}

@@ -1,4 +1,4 @@
-package discovery
+package kvevents
 
 import (
 	"bytes"
@@ -116,19 +116,19 @@ func sha(b byte) []byte { return bytes.Repeat([]byte{b}, 32) }
 
 // kvFixtures are the wire encodings the decoder reads, each with the
 // batch it must decode to. The fixture files are these values encoded;
-// go test ./discovery -run KVFixtures -update rewrites them.
+// go test ./kvevents -run KVFixtures -update rewrites them.
 var kvFixtures = []struct {
 	name string
 	wire any
-	want KVBatch
+	want Batch
 }{
 	{
 		name: "array-stored-int-hashes",
 		wire: wArr{1700000000.25, wArr{
 			wArr{"BlockStored", wArr{1, 2, 3}, nil, toks(100, 48), 16, nil, "GPU", nil},
 		}, 0},
-		want: KVBatch{TS: 1700000000.25, Events: []KVEvent{
-			{Kind: KVBlockStored, BlockHashes: []uint64{1, 2, 3}, TokenIDs: toks(100, 48), BlockSize: 16},
+		want: Batch{TS: 1700000000.25, Events: []Event{
+			{Kind: BlockStored, BlockHashes: []uint64{1, 2, 3}, TokenIDs: toks(100, 48), BlockSize: 16},
 		}},
 	},
 	{
@@ -138,8 +138,8 @@ var kvFixtures = []struct {
 		wire: wArr{12.5, wArr{
 			wArr{"BlockStored", wArr{10, 11}, 9, toks(0, 32), 16, 7},
 		}},
-		want: KVBatch{TS: 12.5, Events: []KVEvent{
-			{Kind: KVBlockStored, BlockHashes: []uint64{10, 11}, Parent: 9, HasParent: true, TokenIDs: toks(0, 32), BlockSize: 16, LoRA: "7"},
+		want: Batch{TS: 12.5, Events: []Event{
+			{Kind: BlockStored, BlockHashes: []uint64{10, 11}, Parent: 9, HasParent: true, TokenIDs: toks(0, 32), BlockSize: 16, LoRA: "7"},
 		}},
 	},
 	{
@@ -149,8 +149,8 @@ var kvFixtures = []struct {
 		wire: wArr{1.5, wArr{
 			wArr{"BlockStored", wArr{uint64(1) << 60}, uint64(0), toks(0, 16), 16, nil, "GPU", nil, nil},
 		}, 0},
-		want: KVBatch{TS: 1.5, Events: []KVEvent{
-			{Kind: KVBlockStored, BlockHashes: []uint64{1 << 60}, TokenIDs: toks(0, 16), BlockSize: 16},
+		want: Batch{TS: 1.5, Events: []Event{
+			{Kind: BlockStored, BlockHashes: []uint64{1 << 60}, TokenIDs: toks(0, 16), BlockSize: 16},
 		}},
 	},
 	{
@@ -159,8 +159,8 @@ var kvFixtures = []struct {
 		wire: wArr{1.0, wArr{
 			wArr{"BlockStored", wArr{5}, 4, toks(7, 16), 16, nil, "GPU"},
 		}, 3},
-		want: KVBatch{TS: 1, DPRank: 3, Events: []KVEvent{
-			{Kind: KVBlockStored, BlockHashes: []uint64{5}, Parent: 4, HasParent: true, TokenIDs: toks(7, 16), BlockSize: 16},
+		want: Batch{TS: 1, DPRank: 3, Events: []Event{
+			{Kind: BlockStored, BlockHashes: []uint64{5}, Parent: 4, HasParent: true, TokenIDs: toks(7, 16), BlockSize: 16},
 		}},
 	},
 	{
@@ -169,8 +169,8 @@ var kvFixtures = []struct {
 		wire: wArr{2.0, wArr{
 			wArr{"BlockStored", wArr{sha(1), string(sha(2))}, sha(0), toks(1, 32), 16, nil, "GPU", "adapter-a"},
 		}, 2},
-		want: KVBatch{TS: 2, DPRank: 2, Events: []KVEvent{
-			{Kind: KVBlockStored, BlockHashes: []uint64{xxh3.Hash(sha(1)), xxh3.Hash(sha(2))}, Parent: xxh3.Hash(sha(0)),
+		want: Batch{TS: 2, DPRank: 2, Events: []Event{
+			{Kind: BlockStored, BlockHashes: []uint64{xxh3.Hash(sha(1)), xxh3.Hash(sha(2))}, Parent: xxh3.Hash(sha(0)),
 				HasParent: true, TokenIDs: toks(1, 32), BlockSize: 16, LoRA: "adapter-a"},
 		}},
 	},
@@ -181,8 +181,8 @@ var kvFixtures = []struct {
 		wire: wArr{3.0, wArr{
 			wArr{"BlockRemoved", wArr{int64(-5), uint64(math.MaxUint64), int64(math.MinInt64)}, nil},
 		}, 0},
-		want: KVBatch{TS: 3, Events: []KVEvent{
-			{Kind: KVBlockRemoved, BlockHashes: []uint64{math.MaxUint64 - 4, math.MaxUint64, 1 << 63}},
+		want: Batch{TS: 3, Events: []Event{
+			{Kind: BlockRemoved, BlockHashes: []uint64{math.MaxUint64 - 4, math.MaxUint64, 1 << 63}},
 		}},
 	},
 	{
@@ -193,11 +193,11 @@ var kvFixtures = []struct {
 			wArr{"BlockRemoved", wArr{4}},
 			wArr{"BlockRemoved", wArr{5}, "cpu_tier1", 1},
 		}, 0},
-		want: KVBatch{TS: 4, Events: []KVEvent{
-			{Kind: KVBlockRemoved, BlockHashes: []uint64{1, 2}, Tier: TierCPU},
-			{Kind: KVBlockRemoved, BlockHashes: []uint64{3}, Tier: TierStorage},
-			{Kind: KVBlockRemoved, BlockHashes: []uint64{4}},
-			{Kind: KVBlockRemoved, BlockHashes: []uint64{5}, Tier: TierCPU, Group: 1},
+		want: Batch{TS: 4, Events: []Event{
+			{Kind: BlockRemoved, BlockHashes: []uint64{1, 2}, Tier: TierCPU},
+			{Kind: BlockRemoved, BlockHashes: []uint64{3}, Tier: TierStorage},
+			{Kind: BlockRemoved, BlockHashes: []uint64{4}},
+			{Kind: BlockRemoved, BlockHashes: []uint64{5}, Tier: TierCPU, Group: 1},
 		}},
 	},
 	{
@@ -208,9 +208,9 @@ var kvFixtures = []struct {
 			wArr{"BlockPinned", wArr{1, 2}, wMap{{"x", wArr{1}}}},
 			wArr{"BlockStored", wArr{6}, nil, toks(3, 16), 16, nil, nil, nil},
 		}, 1},
-		want: KVBatch{TS: 5, DPRank: 1, Events: []KVEvent{
-			{Kind: KVAllCleared},
-			{Kind: KVBlockStored, BlockHashes: []uint64{6}, TokenIDs: toks(3, 16), BlockSize: 16},
+		want: Batch{TS: 5, DPRank: 1, Events: []Event{
+			{Kind: AllCleared},
+			{Kind: BlockStored, BlockHashes: []uint64{6}, TokenIDs: toks(3, 16), BlockSize: 16},
 		}},
 	},
 	{
@@ -220,8 +220,8 @@ var kvFixtures = []struct {
 			wArr{"BlockStored", wArr{8, 9}, 7, toks(50, 32), 16, 3, "GPU", "sql",
 				wArr{wArr{"mm-hash", 12}, nil}, 1, "sliding_window", 128, "from-the-future"},
 		}, 0, "a field after dp_rank"},
-		want: KVBatch{TS: 6, Events: []KVEvent{
-			{Kind: KVBlockStored, BlockHashes: []uint64{8, 9}, Parent: 7, HasParent: true, TokenIDs: toks(50, 32),
+		want: Batch{TS: 6, Events: []Event{
+			{Kind: BlockStored, BlockHashes: []uint64{8, 9}, Parent: 7, HasParent: true, TokenIDs: toks(50, 32),
 				BlockSize: 16, LoRA: "sql", Group: 1},
 		}},
 	},
@@ -231,8 +231,8 @@ var kvFixtures = []struct {
 		wire: wArr{float32(7.5), wArr{
 			wArr{"BlockStored", wArr{21}, nil, toks(9, 64), 64, nil, "CPU_TIER1"},
 		}},
-		want: KVBatch{TS: 7.5, Events: []KVEvent{
-			{Kind: KVBlockStored, BlockHashes: []uint64{21}, TokenIDs: toks(9, 64), BlockSize: 64, Tier: TierCPU},
+		want: Batch{TS: 7.5, Events: []Event{
+			{Kind: BlockStored, BlockHashes: []uint64{21}, TokenIDs: toks(9, 64), BlockSize: 64, Tier: TierCPU},
 		}},
 	},
 	{
@@ -244,8 +244,8 @@ var kvFixtures = []struct {
 				{"kv_cache_spec_kind", "full_attention"}, {"kv_cache_spec_sliding_window", nil},
 				{"future_key", wMap{{"a", wArr{1, 2}}}}},
 		}}, {"data_parallel_rank", 1}},
-		want: KVBatch{TS: 8, DPRank: 1, Events: []KVEvent{
-			{Kind: KVBlockStored, BlockHashes: []uint64{31, 32}, TokenIDs: toks(60, 32), BlockSize: 16, LoRA: "sql-adapter"},
+		want: Batch{TS: 8, DPRank: 1, Events: []Event{
+			{Kind: BlockStored, BlockHashes: []uint64{31, 32}, TokenIDs: toks(60, 32), BlockSize: 16, LoRA: "sql-adapter"},
 		}},
 	},
 	{
@@ -260,10 +260,10 @@ var kvFixtures = []struct {
 			wMap{{"block_hashes", wArr{2}}},
 			wMap{{"type", "AllBlocksCleared"}},
 		}}, {"ts", 9}, {"added_later", wArr{}}},
-		want: KVBatch{TS: 9, Events: []KVEvent{
-			{Kind: KVBlockStored, BlockHashes: []uint64{41}, Parent: 40, HasParent: true, TokenIDs: toks(0, 16), BlockSize: 16, LoRA: "alpha"},
-			{Kind: KVBlockRemoved, BlockHashes: []uint64{40}, Tier: TierCPU, Group: 1},
-			{Kind: KVAllCleared},
+		want: Batch{TS: 9, Events: []Event{
+			{Kind: BlockStored, BlockHashes: []uint64{41}, Parent: 40, HasParent: true, TokenIDs: toks(0, 16), BlockSize: 16, LoRA: "alpha"},
+			{Kind: BlockRemoved, BlockHashes: []uint64{40}, Tier: TierCPU, Group: 1},
+			{Kind: AllCleared},
 		}},
 	},
 	{
@@ -272,15 +272,15 @@ var kvFixtures = []struct {
 			wMap{{"type", "BlockStored"}, {"block_hashes", wArr{sha(3)}}, {"parent_block_hash", sha(4)},
 				{"token_ids", toks(5, 16)}, {"block_size", 16}, {"lora_id", 42}, {"medium", "DISK"}, {"lora_name", nil}},
 		}}, {"data_parallel_rank", nil}},
-		want: KVBatch{TS: 10, Events: []KVEvent{
-			{Kind: KVBlockStored, BlockHashes: []uint64{xxh3.Hash(sha(3))}, Parent: xxh3.Hash(sha(4)), HasParent: true,
+		want: Batch{TS: 10, Events: []Event{
+			{Kind: BlockStored, BlockHashes: []uint64{xxh3.Hash(sha(3))}, Parent: xxh3.Hash(sha(4)), HasParent: true,
 				TokenIDs: toks(5, 16), BlockSize: 16, LoRA: "42", Tier: TierStorage},
 		}},
 	},
 	{
 		name: "empty-batch",
 		wire: wArr{11.0, wArr{}, 0},
-		want: KVBatch{TS: 11},
+		want: Batch{TS: 11},
 	},
 }
 
@@ -309,8 +309,8 @@ func TestKVFixtures(t *testing.T) {
 			if !bytes.Equal(payload, enc) {
 				t.Fatalf("%s is not the encoding of its wire value (run with -update)", fixturePath(fx.name))
 			}
-			var got KVBatch
-			if err := DecodeKVBatch(payload, &got); err != nil {
+			var got Batch
+			if err := DecodeBatch(payload, &got); err != nil {
 				t.Fatal(err)
 			}
 			if msg := diffBatch(&got, &fx.want); msg != "" {
@@ -327,7 +327,7 @@ func TestKVFixtures(t *testing.T) {
 // events.
 func TestKVCaptured(t *testing.T) {
 	type ev struct {
-		kind      KVEventKind
+		kind      EventKind
 		hashes    []uint64
 		hasParent bool
 		tokens    int
@@ -340,13 +340,13 @@ func TestKVCaptured(t *testing.T) {
 		events []ev
 	}{
 		{file: "llmd-sim-array", ts: 1.7961862422799559e+09, events: []ev{
-			{kind: KVBlockStored, hashes: []uint64{0x10d78cefab190fa}, tokens: 16, first: 0xaf229474},
-			{kind: KVBlockStored, hashes: []uint64{0x118bc90b2311f676}, tokens: 16, first: 0x206a677, lora: "sql-lora"},
+			{kind: BlockStored, hashes: []uint64{0x10d78cefab190fa}, tokens: 16, first: 0xaf229474},
+			{kind: BlockStored, hashes: []uint64{0x118bc90b2311f676}, tokens: 16, first: 0x206a677, lora: "sql-lora"},
 		}},
 		{file: "llmd-sim-map", ts: 1.7961862514518611e+09, events: []ev{
-			{kind: KVBlockStored, hashes: []uint64{0xb69519802c01620, 0x4661bf506b509c2f, 0x6ea1f6ec3bf0c6}, tokens: 48, first: 0xaf229474, lora: "sql-lora"},
-			{kind: KVBlockRemoved, hashes: []uint64{0xb69519802c01620}},
-			{kind: KVBlockStored, hashes: []uint64{0x7b68ff77f8315946, 0x825d24a534226a05}, tokens: 32, first: 0xb249de4, lora: "sql-lora"},
+			{kind: BlockStored, hashes: []uint64{0xb69519802c01620, 0x4661bf506b509c2f, 0x6ea1f6ec3bf0c6}, tokens: 48, first: 0xaf229474, lora: "sql-lora"},
+			{kind: BlockRemoved, hashes: []uint64{0xb69519802c01620}},
+			{kind: BlockStored, hashes: []uint64{0x7b68ff77f8315946, 0x825d24a534226a05}, tokens: 32, first: 0xb249de4, lora: "sql-lora"},
 		}},
 	}
 	for _, tt := range tests {
@@ -355,8 +355,8 @@ func TestKVCaptured(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			var b KVBatch
-			if err := DecodeKVBatch(payload, &b); err != nil {
+			var b Batch
+			if err := DecodeBatch(payload, &b); err != nil {
 				t.Fatal(err)
 			}
 			if b.TS != tt.ts || b.DPRank != 0 || len(b.Events) != len(tt.events) {
@@ -365,7 +365,7 @@ func TestKVCaptured(t *testing.T) {
 			for i, w := range tt.events {
 				g := b.Events[i]
 				bs := 0
-				if w.kind == KVBlockStored {
+				if w.kind == BlockStored {
 					bs = 16
 				}
 				if g.Kind != w.kind || !equalSlices(g.BlockHashes, w.hashes) || g.HasParent != w.hasParent ||
@@ -381,10 +381,10 @@ func TestKVCaptured(t *testing.T) {
 // TestKVDecodeReuse decodes every fixture into one batch in turn: the
 // slots' old contents never leak into the next batch.
 func TestKVDecodeReuse(t *testing.T) {
-	var b KVBatch
+	var b Batch
 	for round := range 2 {
 		for _, fx := range kvFixtures {
-			if err := DecodeKVBatch(encodeWire(t, fx.wire), &b); err != nil {
+			if err := DecodeBatch(encodeWire(t, fx.wire), &b); err != nil {
 				t.Fatal(err)
 			}
 			if msg := diffBatch(&b, &fx.want); msg != "" {
@@ -404,7 +404,7 @@ func TestKVDecodeAllocs(t *testing.T) {
 				t.Fatal(err)
 			}
 			d := newKVDecoder()
-			var b KVBatch
+			var b Batch
 			if err := d.decode(payload, &b); err != nil {
 				t.Fatal(err)
 			}
@@ -465,10 +465,10 @@ func TestKVDecodeErrors(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			b := KVBatch{TS: 99, DPRank: 5, Events: []KVEvent{{Kind: KVAllCleared}}}
-			err := DecodeKVBatch(tt.payload, &b)
-			if !errors.Is(err, ErrKVEvents) {
-				t.Fatalf("err = %v, want ErrKVEvents", err)
+			b := Batch{TS: 99, DPRank: 5, Events: []Event{{Kind: AllCleared}}}
+			err := DecodeBatch(tt.payload, &b)
+			if !errors.Is(err, ErrBadBatch) {
+				t.Fatalf("err = %v, want ErrBadBatch", err)
 			}
 			if b.TS != 0 || b.DPRank != 0 || len(b.Events) != 0 {
 				t.Errorf("batch after an error = %+v, want empty", b)
@@ -483,8 +483,8 @@ func TestKVDecodeDeepSkip(t *testing.T) {
 	const depth = 1 << 20
 	deep := append(bytes.Repeat([]byte{0x91}, depth), 0xc0) // [[[...[nil]...]]]
 	payload := encodeWire(t, wArr{1.0, wArr{wArr{"BlockStored", wArr{1}, nil, wArr{}, 16, nil, nil, nil, wRaw(deep)}}, 0})
-	var b KVBatch
-	if err := DecodeKVBatch(payload, &b); err != nil {
+	var b Batch
+	if err := DecodeBatch(payload, &b); err != nil {
 		t.Fatal(err)
 	}
 	if len(b.Events) != 1 || b.Events[0].BlockHashes[0] != 1 {
@@ -513,70 +513,9 @@ func TestKVTier(t *testing.T) {
 	}
 }
 
-// FuzzDecodeKVBatch: decoding never panics, and a decoded batch, encoded
-// again in the array form, decodes to itself.
-func FuzzDecodeKVBatch(f *testing.F) {
-	files, _ := filepath.Glob(filepath.Join(kvFixtureDir, "*.msgpack"))
-	for _, name := range files {
-		if payload, err := os.ReadFile(name); err == nil {
-			f.Add(payload)
-		}
-	}
-	f.Add([]byte{0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd, 0xff, 0xff, 0xff, 0xff})
-	f.Fuzz(func(t *testing.T, payload []byte) {
-		var b KVBatch
-		if err := DecodeKVBatch(payload, &b); err != nil {
-			if !errors.Is(err, ErrKVEvents) {
-				t.Fatalf("error %v does not wrap ErrKVEvents", err)
-			}
-			return
-		}
-		again := encodeBatch(t, &b)
-		var b2 KVBatch
-		if err := DecodeKVBatch(again, &b2); err != nil {
-			t.Fatalf("re-encoded batch: %v", err)
-		}
-		if msg := diffBatch(&b2, &b); msg != "" {
-			t.Fatalf("re-encoded batch: %s", msg)
-		}
-	})
-}
-
-// encodeBatch encodes b in vLLM's array form.
-func encodeBatch(tb testing.TB, b *KVBatch) []byte {
-	tb.Helper()
-	medium := [...]string{TierGPU: "GPU", TierCPU: "CPU", TierStorage: "DISK"}
-	events := make(wArr, 0, len(b.Events))
-	for _, ev := range b.Events {
-		hashes := make(wArr, len(ev.BlockHashes))
-		for i, h := range ev.BlockHashes {
-			hashes[i] = h
-		}
-		switch ev.Kind {
-		case KVBlockStored:
-			var parent, lora any
-			if ev.HasParent {
-				parent = ev.Parent
-			}
-			if ev.LoRA != "" {
-				lora = ev.LoRA
-			}
-			events = append(events, wArr{"BlockStored", hashes, parent, ev.TokenIDs, ev.BlockSize, nil,
-				medium[ev.Tier], lora, nil, ev.Group})
-		case KVBlockRemoved:
-			events = append(events, wArr{"BlockRemoved", hashes, medium[ev.Tier], ev.Group})
-		case KVAllCleared:
-			events = append(events, wArr{"AllBlocksCleared"})
-		default:
-			tb.Fatalf("event of kind %d", ev.Kind)
-		}
-	}
-	return encodeWire(tb, wArr{b.TS, events, b.DPRank})
-}
-
 // diffBatch describes how got differs from want ("" when equal); the
 // timestamps compare by bits (NaN included), empty and nil slices alike.
-func diffBatch(got, want *KVBatch) string {
+func diffBatch(got, want *Batch) string {
 	switch {
 	case math.Float64bits(got.TS) != math.Float64bits(want.TS):
 		return "ts " + fmtAny(got.TS) + ", want " + fmtAny(want.TS)

@@ -1,8 +1,9 @@
-package proxy
+package kvevents_test
 
 import (
 	"context"
 	"errors"
+	"net"
 	"strings"
 	"sync"
 	"testing"
@@ -12,8 +13,39 @@ import (
 
 	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/kvevents"
 	"github.com/kvroute/kvroute/prefix"
 )
+
+// The tokenizer's tests are of package kvevents_test: they run the
+// simulated engine (bench/sim), which imports kvevents for its ZMTP.
+
+// startSimFleet serves n simulated pods until the test ends.
+func startSimFleet(t testing.TB, n int, cfg sim.Config) *sim.Fleet {
+	t.Helper()
+	fleet, err := sim.StartFleet(n, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = fleet.Close() })
+	return fleet
+}
+
+// instantAnswer is a fasthttp server on loopback that answers every
+// request at once with the JSON answer.
+func instantAnswer(tb testing.TB, answer string) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	s := &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
+		ctx.SetContentType("application/json")
+		ctx.SetBodyString(answer)
+	}}
+	go func() { _ = s.Serve(ln) }()
+	tb.Cleanup(func() { _ = s.Shutdown() })
+	return "http://" + ln.Addr().String()
+}
 
 // recordingLinker is prefix.Truth with its calls observed: it links, and
 // tells the test when a link or a failure arrived.
@@ -53,7 +85,7 @@ func TestTokenizerLinksWhatWasForwarded(t *testing.T) {
 	l := &recordingLinker{Truth: prefix.NewTruth(index, prefix.TruthConfig{BlockBytes: 64}), done: make(chan struct{}, 4)}
 	// One endpoint on engine truth, or nothing is worth linking.
 	l.Stored(ep.ID, 0, false, []uint64{1}, make([]uint32, 16), 16, "", 0)
-	tok := NewTokenizer(l, TokenizerConfig{Rate: 1000})
+	tok := kvevents.NewTokenizer(l, kvevents.TokenizerConfig{Rate: 1000})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); tok.Run(ctx) }()
@@ -99,7 +131,7 @@ func TestTokenizerLinksWhatWasForwarded(t *testing.T) {
 // error or tokens, never a crash.
 func TestTokenizeBadAnswers(t *testing.T) {
 	for _, c := range []struct{ name, answer string }{
-		{"no tokens", completionResponse},
+		{"no tokens", `{"id":"cmpl-0","object":"text_completion","choices":[{"index":0,"text":" a city.","finish_reason":"length"}]}`},
 		{"tokens not an array", `{"tokens":7}`},
 		{"a token not an id", `{"tokens":[1,-2]}`},
 		{"a token too large", `{"tokens":[4294967296]}`},
@@ -110,8 +142,8 @@ func TestTokenizeBadAnswers(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			toks, err := Tokenize(&fasthttp.HostClient{Addr: ep.Addr}, ep, []byte(`{"prompt":"x"}`), 5*time.Second)
-			if !errors.Is(err, ErrTokenize) {
+			toks, err := kvevents.Tokenize(&fasthttp.HostClient{Addr: ep.Addr}, ep, []byte(`{"prompt":"x"}`), 5*time.Second)
+			if !errors.Is(err, kvevents.ErrTokenize) {
 				t.Fatalf("tokens %v, err %v: want ErrTokenize", toks, err)
 			}
 		})

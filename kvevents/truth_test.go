@@ -1,9 +1,7 @@
-package app
+package kvevents
 
 import (
 	"testing"
-
-	"go.uber.org/zap"
 
 	"github.com/kvroute/kvroute/discovery"
 	"github.com/kvroute/kvroute/prefix"
@@ -13,8 +11,8 @@ import (
 // copied to its CPU tier are not counted as held.
 func TestEngineTruthTiers(t *testing.T) {
 	ep, _ := discovery.NewEndpoint("http://127.0.0.1:1", discovery.RoleMixed)
-	store := func(tier discovery.Tier) discovery.KVBatch {
-		return discovery.KVBatch{Events: []discovery.KVEvent{{Kind: discovery.KVBlockStored, BlockHashes: []uint64{7},
+	store := func(tier Tier) Batch {
+		return Batch{Events: []Event{{Kind: BlockStored, BlockHashes: []uint64{7},
 			TokenIDs: make([]uint32, 16), BlockSize: 16, Tier: tier}}}
 	}
 	for _, c := range []struct {
@@ -23,10 +21,9 @@ func TestEngineTruthTiers(t *testing.T) {
 		cpu   int
 	}{{"tiers on", true, 1}, {"tiers off", false, 0}} {
 		t.Run(c.name, func(t *testing.T) {
-			cfg := DefaultConfig()
-			cfg.KVEventsTiers = c.tiers
-			et := newEngineTruth(&cfg, &discovery.Pool{}, prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 8}), zap.NewNop())
-			for _, tier := range []discovery.Tier{discovery.TierGPU, discovery.TierCPU} {
+			cfg := EngineTruthConfig{BlockBytes: 1024, Tiers: c.tiers} // kvroute's default block size
+			et := NewEngineTruth(cfg, &discovery.Pool{}, prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 8}), nil)
+			for _, tier := range []Tier{TierGPU, TierCPU} {
 				b := store(tier)
 				et.KVBatch(ep, &b)
 			}

@@ -1,4 +1,4 @@
-package discovery
+package kvevents
 
 import (
 	"bufio"
@@ -17,6 +17,8 @@ import (
 
 	"github.com/go-zeromq/zmq4"
 	"github.com/go-zeromq/zmq4/security/null"
+
+	"github.com/kvroute/kvroute/discovery"
 )
 
 // These tests run the subscriber against publishers and replay sockets
@@ -39,11 +41,13 @@ type testSink struct{ calls chan string }
 
 func newTestSink() *testSink { return &testSink{calls: make(chan string, 1024)} }
 
-func (s *testSink) KVBatch(e *Endpoint, b *KVBatch) {
+func (s *testSink) KVBatch(e *discovery.Endpoint, b *Batch) {
 	s.calls <- fmt.Sprintf("%s batch %g", e.Addr, b.TS)
 }
 
-func (s *testSink) KVReset(e *Endpoint, cause string) { s.calls <- e.Addr + " reset " + cause }
+func (s *testSink) KVReset(e *discovery.Endpoint, cause string) {
+	s.calls <- e.Addr + " reset " + cause
+}
 
 // expect receives len(want) calls and compares them with want.
 func (s *testSink) expect(t *testing.T, want ...string) {
@@ -257,12 +261,12 @@ func startReplay(t *testing.T, sim bool, seqs ...int64) *testReplay {
 }
 
 // kvPool returns a pool of endpoints at addrs, and the endpoints.
-func kvPool(t *testing.T, addrs ...string) (*Pool, []*Endpoint) {
+func kvPool(t *testing.T, addrs ...string) (*discovery.Pool, []*discovery.Endpoint) {
 	t.Helper()
-	pool := &Pool{}
-	var eps []*Endpoint
+	pool := &discovery.Pool{}
+	var eps []*discovery.Endpoint
 	for _, a := range addrs {
-		e, err := NewEndpoint("http://"+a, RoleMixed)
+		e, err := discovery.NewEndpoint("http://"+a, discovery.RoleMixed)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -274,9 +278,9 @@ func kvPool(t *testing.T, addrs ...string) (*Pool, []*Endpoint) {
 
 // runKVSub runs a subscriber until the test ends (edit, when not nil,
 // sees it before Run).
-func runKVSub(t *testing.T, c KVEventsConfig, pool *Pool, sink KVSink, edit func(*KVSubscriber)) *KVSubscriber {
+func runKVSub(t *testing.T, c Config, pool *discovery.Pool, sink Sink, edit func(*Subscriber)) *Subscriber {
 	t.Helper()
-	s := NewKVSubscriber(c, pool, sink, nil)
+	s := NewSubscriber(c, pool, sink, nil)
 	if edit != nil {
 		edit(s)
 	}
@@ -307,7 +311,7 @@ func TestKVSubDial(t *testing.T) {
 	pub := listenPub(t, 0)
 	pool, eps := kvPool(t, "127.0.0.1:8000")
 	sink := newTestSink()
-	s := runKVSub(t, KVEventsConfig{Port: pub.port}, pool, sink, nil)
+	s := runKVSub(t, Config{Port: pub.port}, pool, sink, nil)
 	pub.subscribed(t)
 	for seq := range int64(3) {
 		pub.batch(t, seq, 0)
@@ -322,7 +326,7 @@ func TestKVSubDial(t *testing.T) {
 	if stats.Batches != 3 || stats.Stored != 3 || stats.Connections != 1 || stats.Gaps != 0 {
 		t.Errorf("stats %+v", stats)
 	}
-	if st := s.Status(&Endpoint{}); st.Seq != -1 || st.Connected {
+	if st := s.Status(&discovery.Endpoint{}); st.Seq != -1 || st.Connected {
 		t.Errorf("status of an unknown endpoint %+v", st)
 	}
 }
@@ -384,7 +388,7 @@ func TestKVSubSequence(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			pub := listenPub(t, 0)
-			c := KVEventsConfig{Port: pub.port}
+			c := Config{Port: pub.port}
 			switch {
 			case tt.replay != nil:
 				c.ReplayPort = startReplay(t, tt.sim, tt.replay...).port
@@ -416,7 +420,7 @@ func TestKVSubMalformed(t *testing.T) {
 	pub := listenPub(t, 0)
 	pool, eps := kvPool(t, "127.0.0.1:8000")
 	sink := newTestSink()
-	s := runKVSub(t, KVEventsConfig{Port: pub.port}, pool, sink, nil)
+	s := runKVSub(t, Config{Port: pub.port}, pool, sink, nil)
 	pub.subscribed(t)
 	pub.send(t, nil, seqFrame(0), []byte{0x92, 0xc1})                     // not msgpack
 	pub.send(t, nil, seqFrame(0))                                         // two frames
@@ -438,7 +442,7 @@ func TestKVSubRemove(t *testing.T) {
 	pub := listenPub(t, 0)
 	pool, eps := kvPool(t, "127.0.0.1:8000")
 	sink := newTestSink()
-	s := runKVSub(t, KVEventsConfig{Port: pub.port}, pool, sink, nil)
+	s := runKVSub(t, Config{Port: pub.port}, pool, sink, nil)
 	pub.subscribed(t)
 	pub.batch(t, 0, 0)
 	sink.expect(t, "127.0.0.1:8000 batch 0")
@@ -448,7 +452,7 @@ func TestKVSubRemove(t *testing.T) {
 	if st := s.Status(eps[0]); st.Seq != -1 || st.Connected {
 		t.Errorf("status after removal %+v", st)
 	}
-	if st := s.Stats(); st.Connections != 0 || st.Resets[KVResetLost] != 1 {
+	if st := s.Stats(); st.Connections != 0 || st.Resets[ResetLost] != 1 {
 		t.Errorf("stats %+v", st)
 	}
 
@@ -466,7 +470,7 @@ func TestKVSubReconnect(t *testing.T) {
 	pub := listenPub(t, 0)
 	pool, eps := kvPool(t, "127.0.0.1:8000")
 	sink := newTestSink()
-	s := runKVSub(t, KVEventsConfig{Port: pub.port}, pool, sink, nil)
+	s := runKVSub(t, Config{Port: pub.port}, pool, sink, nil)
 	pub.subscribed(t)
 	pub.batch(t, 5, 0)
 	sink.expect(t, "127.0.0.1:8000 batch 5")
@@ -490,7 +494,7 @@ func TestKVSubEndpointPort(t *testing.T) {
 	pub := listenPub(t, 0)
 	pool, eps := kvPool(t, "127.0.0.1:8000#kv-events="+strconv.Itoa(pub.port), "127.0.0.1:8001")
 	sink := newTestSink()
-	s := runKVSub(t, KVEventsConfig{}, pool, sink, nil)
+	s := runKVSub(t, Config{}, pool, sink, nil)
 	pub.subscribed(t)
 	pub.batch(t, 0, 0)
 	sink.expect(t, "127.0.0.1:8000 batch 0")
@@ -512,7 +516,7 @@ func TestKVSubDialRanks(t *testing.T) {
 		pubs[e.Addr] = []*testPub{listenPub(t, 0), listenPub(t, 0)}
 	}
 	sink := newTestSink()
-	runKVSub(t, KVEventsConfig{Port: 1, Ranks: 2}, pool, sink, func(s *KVSubscriber) {
+	runKVSub(t, Config{Port: 1, Ranks: 2}, pool, sink, func(s *Subscriber) {
 		s.pubAddr = func(ke *kvEndpoint, rank int) string {
 			return "127.0.0.1:" + strconv.Itoa(pubs[ke.e.Addr][rank].port)
 		}
@@ -526,7 +530,7 @@ func TestKVSubDialRanks(t *testing.T) {
 			sink.expect(t, fmt.Sprintf("%s batch %d", addr, 10*r+1))
 		}
 	}
-	if got := (&KVSubscriber{c: KVEventsConfig{Port: 5557}}).defaultPubAddr(newKVEndpoint(pool.Load().Endpoints[0]), 3); got != "127.0.0.1:5560" {
+	if got := (&Subscriber{c: Config{Port: 5557}}).defaultPubAddr(newKVEndpoint(pool.Load().Endpoints[0]), 3); got != "127.0.0.1:5560" {
 		t.Errorf("rank 3's publisher address %s, want 127.0.0.1:5560", got)
 	}
 }
@@ -535,7 +539,7 @@ func TestKVSubDialRanks(t *testing.T) {
 func TestKVSubBind(t *testing.T) {
 	pool, eps := kvPool(t, "127.0.0.1:18001", "127.0.0.1:18002")
 	sink := newTestSink()
-	s := runKVSub(t, KVEventsConfig{Listen: "tcp://127.0.0.1:0"}, pool, sink, nil)
+	s := runKVSub(t, Config{Listen: "tcp://127.0.0.1:0"}, pool, sink, nil)
 	addr := recv(t, s.bound, "the listener").String()
 	a := dialPub(t, addr, "kv@127.0.0.1:18001@sim-model")
 	b := dialPub(t, addr, "kv@127.0.0.1:18002@sim-model")
@@ -585,7 +589,7 @@ func TestKVSubBindReplay(t *testing.T) {
 	replay := startReplay(t, true, 1, 2, 3, 4)
 	pool, _ := kvPool(t, "127.0.0.1:18001")
 	sink := newTestSink()
-	s := runKVSub(t, KVEventsConfig{Listen: "127.0.0.1:0", ReplayPort: replay.port}, pool, sink, nil)
+	s := runKVSub(t, Config{Listen: "127.0.0.1:0", ReplayPort: replay.port}, pool, sink, nil)
 	pub := dialPub(t, recv(t, s.bound, "the listener").String(), "kv@127.0.0.1:18001@m")
 	pub.subscribed(t)
 	pub.batch(t, 1, 0)
@@ -596,16 +600,16 @@ func TestKVSubBindReplay(t *testing.T) {
 func TestKVSubRun(t *testing.T) {
 	t.Run("twice", func(t *testing.T) {
 		pool, _ := kvPool(t)
-		s := runKVSub(t, KVEventsConfig{Listen: "127.0.0.1:0"}, pool, newTestSink(), nil)
+		s := runKVSub(t, Config{Listen: "127.0.0.1:0"}, pool, newTestSink(), nil)
 		recv(t, s.bound, "the first Run to start")
 		if err := s.Run(context.Background()); !errors.Is(err, ErrRunning) {
 			t.Fatalf("second Run: %v, want ErrRunning", err)
 		}
 	})
-	for _, c := range []KVEventsConfig{{Port: -1}, {Port: 70000}, {ReplayPort: 65536}, {Port: 65535, Ranks: 2}, {Listen: "nowhere"}, {Ranks: -1}} {
+	for _, c := range []Config{{Port: -1}, {Port: 70000}, {ReplayPort: 65536}, {Port: 65535, Ranks: 2}, {Listen: "nowhere"}, {Ranks: -1}} {
 		t.Run(fmt.Sprintf("invalid %+v", c), func(t *testing.T) {
 			pool, _ := kvPool(t)
-			if err := NewKVSubscriber(c, pool, newTestSink(), nil).Run(context.Background()); !errors.Is(err, ErrBadConfig) {
+			if err := NewSubscriber(c, pool, newTestSink(), nil).Run(context.Background()); !errors.Is(err, ErrBadConfig) {
 				t.Fatalf("Run: %v, want ErrBadConfig", err)
 			}
 		})
@@ -617,7 +621,7 @@ func TestKVSubRun(t *testing.T) {
 		}
 		defer ln.Close()
 		pool, _ := kvPool(t)
-		if err := NewKVSubscriber(KVEventsConfig{Listen: ln.Addr().String()}, pool, newTestSink(), nil).Run(context.Background()); err == nil {
+		if err := NewSubscriber(Config{Listen: ln.Addr().String()}, pool, newTestSink(), nil).Run(context.Background()); err == nil {
 			t.Fatal("Run bound an address in use")
 		}
 	})
@@ -628,7 +632,7 @@ func TestKVSubRun(t *testing.T) {
 		pub := listenPub(t, 0)
 		pool, _ := kvPool(t, "127.0.0.1:8000", "127.0.0.1:8001")
 		dead := freePort(t)
-		s := NewKVSubscriber(KVEventsConfig{Port: 1, Listen: "127.0.0.1:0"}, pool, newTestSink(), nil)
+		s := NewSubscriber(Config{Port: 1, Listen: "127.0.0.1:0"}, pool, newTestSink(), nil)
 		s.pubAddr = func(ke *kvEndpoint, _ int) string {
 			if ke.e.Addr == "127.0.0.1:8000" {
 				return "127.0.0.1:" + strconv.Itoa(pub.port)
@@ -746,9 +750,9 @@ func TestKVZMTPHandshake(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer c.Close()
-			_, err = zmtpOpen(c, waitTimeout, "SUB", "PUB", "XPUB")
+			_, err = OpenZMTP(c, waitTimeout, "SUB", "PUB", "XPUB")
 			if tt.ok != (err == nil) {
-				t.Fatalf("zmtpOpen: %v, want ok %v", err, tt.ok)
+				t.Fatalf("OpenZMTP: %v, want ok %v", err, tt.ok)
 			}
 		})
 	}
@@ -782,8 +786,8 @@ func TestKVZMTPFrames(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			z := &zmtpConn{r: bufio.NewReader(bytes.NewReader(tt.wire))}
-			frames, n, err := z.readMsg()
+			z := &ZMTPConn{r: bufio.NewReader(bytes.NewReader(tt.wire))}
+			frames, n, err := z.ReadMsg()
 			if tt.err {
 				if err == nil {
 					t.Fatalf("read %q, want an error", frames)
@@ -802,27 +806,4 @@ func TestKVZMTPFrames(t *testing.T) {
 			}
 		})
 	}
-}
-
-// FuzzZMTP: a peer's handshake and messages, whatever the bytes, are
-// read without panicking and within bounds.
-func FuzzZMTP(f *testing.F) {
-	g := zmtpGreeting(3, "NULL")
-	f.Add(append(append(append([]byte(nil), g...), zmtpCommandFrame(zmtpReadyBody("Socket-Type", "PUB"))...), 1, 1, 't', 1, 8, 0, 0, 0, 0, 0, 0, 0, 1, 0, 2, 0x91, 0xc0))
-	f.Add(append(append([]byte(nil), g...), zmtpCommandFrame(zmtpReadyBody("Socket-Type"))...))
-	f.Fuzz(func(t *testing.T, wire []byte) {
-		z := &zmtpConn{r: bufio.NewReader(bytes.NewReader(wire))}
-		if _, err := z.readHandshake(); err != nil {
-			return
-		}
-		for range 100 {
-			frames, n, err := z.readMsg()
-			if err != nil {
-				return
-			}
-			if len(frames) > kvMaxFrames || len(frames) > n {
-				t.Fatalf("%d frames of %d", len(frames), n)
-			}
-		}
-	})
 }

@@ -1,4 +1,4 @@
-package discovery
+package kvevents
 
 import (
 	"bytes"
@@ -14,9 +14,9 @@ import (
 	"github.com/zeebo/xxh3"
 )
 
-// ErrKVEvents is wrapped by every error decoding an engine's KV-cache event
+// ErrBadBatch is wrapped by every error decoding an engine's KV-cache event
 // batch.
-var ErrKVEvents = errors.New("discovery: bad KV event batch")
+var ErrBadBatch = errors.New("kvevents: bad KV event batch")
 
 // Tier is the cache medium a KV block lives in, from an event's medium,
 // matched ignoring case. vLLM sends "GPU" (or nil) for its own cache and
@@ -80,37 +80,37 @@ func tierOf(medium []byte) Tier {
 	}
 }
 
-// KVEventKind is what a KV-cache event reports.
-type KVEventKind uint8
+// EventKind is what a KV-cache event reports.
+type EventKind uint8
 
 // Kinds of KV-cache events (vLLM's BlockStored, BlockRemoved and
 // AllBlocksCleared).
 const (
-	KVBlockStored KVEventKind = iota + 1
-	KVBlockRemoved
-	KVAllCleared
+	BlockStored EventKind = iota + 1
+	BlockRemoved
+	AllCleared
 )
 
 // String returns the kind's metric label: stored, removed or cleared.
-func (k KVEventKind) String() string {
+func (k EventKind) String() string {
 	switch k {
-	case KVBlockStored:
+	case BlockStored:
 		return "stored"
-	case KVBlockRemoved:
+	case BlockRemoved:
 		return "removed"
-	case KVAllCleared:
+	case AllCleared:
 		return "cleared"
 	default:
 		return "unknown"
 	}
 }
 
-// KVEvent is one decoded KV-cache event. Block hashes are the engine's own,
+// Event is one decoded KV-cache event. Block hashes are the engine's own,
 // opaque: integers as sent (their 64-bit pattern, signed or not),
 // byte-string hashes (e.g. vLLM's sha256 block hashes) folded to 64 bits
 // with xxh3.
-type KVEvent struct {
-	Kind KVEventKind
+type Event struct {
+	Kind EventKind
 	// BlockHashes are the stored or removed blocks, in chain order for a
 	// store.
 	BlockHashes []uint64
@@ -134,11 +134,11 @@ type KVEvent struct {
 	Group int
 }
 
-// KVBatch is one published batch of events.
-type KVBatch struct {
+// Batch is one published batch of events.
+type Batch struct {
 	// TS is the engine's timestamp, seconds since the epoch.
 	TS     float64
-	Events []KVEvent
+	Events []Event
 	// DPRank is the data-parallel rank that published the batch (0 when
 	// absent).
 	DPRank int
@@ -154,7 +154,7 @@ const (
 	maxDPRank    = 1 << 12
 )
 
-// DecodeKVBatch decodes one batch of KV-cache events, the msgpack payload
+// DecodeBatch decodes one batch of KV-cache events, the msgpack payload
 // (third frame) of a vLLM, SGLang or llm-d simulator publisher, into dst.
 // Both of vLLM's encodings are read: positional arrays (vLLM before
 // mid-2026, SGLang, the llm-d simulator) and maps with named fields (vLLM
@@ -166,10 +166,10 @@ const (
 // Events of an unknown kind, map keys and trailing array fields kvroute
 // does not read are skipped, so newer engines decode. A payload that is not
 // one well-formed batch (wrong types, truncated, lengths beyond the
-// payload, trailing bytes) returns an error wrapping ErrKVEvents, and dst
+// payload, trailing bytes) returns an error wrapping ErrBadBatch, and dst
 // is then left empty. It never panics and allocates no more than a small
 // multiple of len(payload). Safe for concurrent use with distinct dst.
-func DecodeKVBatch(payload []byte, dst *KVBatch) error {
+func DecodeBatch(payload []byte, dst *Batch) error {
 	d := kvDecoderPool.Get().(*kvDecoder)
 	err := d.decode(payload, dst)
 	kvDecoderPool.Put(d)
@@ -179,7 +179,7 @@ func DecodeKVBatch(payload []byte, dst *KVBatch) error {
 var kvDecoderPool = sync.Pool{New: func() any { return newKVDecoder() }}
 
 // kvDecoder decodes batches; one per goroutine (the subscriber keeps one
-// per connection, DecodeKVBatch takes one from a pool).
+// per connection, DecodeBatch takes one from a pool).
 type kvDecoder struct {
 	rd  bytes.Reader
 	dec *msgpack.Decoder
@@ -200,8 +200,8 @@ func newKVDecoder() *kvDecoder {
 	return d
 }
 
-// decode is DecodeKVBatch.
-func (d *kvDecoder) decode(payload []byte, dst *KVBatch) error {
+// decode is DecodeBatch.
+func (d *kvDecoder) decode(payload []byte, dst *Batch) error {
 	d.payload = payload
 	d.rd.Reset(payload)
 	d.dec.ResetReader(&d.rd)
@@ -217,14 +217,14 @@ func (d *kvDecoder) decode(payload []byte, dst *KVBatch) error {
 		if err == io.EOF {
 			err = io.ErrUnexpectedEOF
 		}
-		return fmt.Errorf("%w: at byte %d of %d: %v", ErrKVEvents, at, len(payload), err)
+		return fmt.Errorf("%w: at byte %d of %d: %v", ErrBadBatch, at, len(payload), err)
 	}
 	return nil
 }
 
 // batch reads [ts, events, dp_rank?, ...] or {"ts", "events",
 // "data_parallel_rank", ...}.
-func (d *kvDecoder) batch(dst *KVBatch) error {
+func (d *kvDecoder) batch(dst *Batch) error {
 	c, err := d.dec.PeekCode()
 	if err != nil {
 		return err
@@ -282,7 +282,7 @@ func (d *kvDecoder) batch(dst *KVBatch) error {
 
 // events reads the events array, appending the events of known kinds to
 // dst.Events.
-func (d *kvDecoder) events(dst *KVBatch) error {
+func (d *kvDecoder) events(dst *Batch) error {
 	n, err := d.arrayLen()
 	if err != nil {
 		return err
@@ -293,11 +293,11 @@ func (d *kvDecoder) events(dst *KVBatch) error {
 		if i < cap(dst.Events) {
 			dst.Events = dst.Events[:i+1]
 		} else {
-			dst.Events = append(dst.Events, KVEvent{})
+			dst.Events = append(dst.Events, Event{})
 		}
 		ev := &dst.Events[i]
 		old := ev.LoRA
-		*ev = KVEvent{BlockHashes: ev.BlockHashes[:0], TokenIDs: ev.TokenIDs[:0]}
+		*ev = Event{BlockHashes: ev.BlockHashes[:0], TokenIDs: ev.TokenIDs[:0]}
 		known, err := d.event(ev, old)
 		if err != nil {
 			return err
@@ -357,14 +357,14 @@ func fieldByName(key []byte) kvField {
 
 // kindByTag maps an event's tag to its kind; 0 for a kind kvroute does
 // not know.
-func kindByTag(tag []byte) KVEventKind {
+func kindByTag(tag []byte) EventKind {
 	switch string(tag) {
 	case "BlockStored":
-		return KVBlockStored
+		return BlockStored
 	case "BlockRemoved":
-		return KVBlockRemoved
+		return BlockRemoved
 	case "AllBlocksCleared":
-		return KVAllCleared
+		return AllCleared
 	}
 	return 0
 }
@@ -378,7 +378,7 @@ type eventState struct {
 // event reads one event into ev; known is false for a kind kvroute does
 // not know (ev is then to be dropped). old is the LoRA name the slot held
 // before.
-func (d *kvDecoder) event(ev *KVEvent, old string) (known bool, err error) {
+func (d *kvDecoder) event(ev *Event, old string) (known bool, err error) {
 	st := eventState{oldLoRA: old}
 	c, err := d.dec.PeekCode()
 	if err != nil {
@@ -400,9 +400,9 @@ func (d *kvDecoder) event(ev *KVEvent, old string) (known bool, err error) {
 		ev.Kind = kindByTag(tag)
 		var fields []kvField
 		switch ev.Kind {
-		case KVBlockStored:
+		case BlockStored:
 			fields = storedFields[:]
-		case KVBlockRemoved:
+		case BlockRemoved:
 			fields = removedFields[:]
 		}
 		for i := 1; i < n; i++ {
@@ -443,7 +443,7 @@ func (d *kvDecoder) event(ev *KVEvent, old string) (known bool, err error) {
 }
 
 // field reads one event field into ev.
-func (d *kvDecoder) field(ev *KVEvent, f kvField, st *eventState) error {
+func (d *kvDecoder) field(ev *Event, f kvField, st *eventState) error {
 	var err error
 	switch f {
 	case fieldHashes:

@@ -1,4 +1,4 @@
-package discovery
+package kvevents
 
 import (
 	"bufio"
@@ -16,16 +16,18 @@ import (
 // ZMTP 3.0 (rfc.zeromq.org/spec/23) with the NULL mechanism: the wire
 // protocol of ZeroMQ sockets (libzmq 4 under pyzmq in vLLM and SGLang,
 // go-zeromq/zmq4 in the llm-d simulator), as much of it as a SUB and a
-// DEALER need. kvroute speaks it itself rather than through zmq4's sockets
-// so that nothing a peer sends can crash or grow it: zmq4 panics on an
-// unknown peer socket type and on malformed handshake metadata, sizes a
-// frame's buffer from its 64-bit length on the wire, and leaks a reader
-// goroutine when a socket is closed with messages unread. Here every
-// connection is one goroutine's net.Conn, every length is checked before
-// anything is allocated, and closing the conn ends everything.
+// DEALER need, and the PUB and ROUTER of bench/sim's simulated engine.
+// kvroute speaks it itself rather than through zmq4's sockets so that
+// nothing a peer sends can crash or grow it: zmq4 panics on an unknown
+// peer socket type and on malformed handshake metadata, sizes a frame's
+// buffer from its 64-bit length on the wire, and leaks a reader goroutine
+// when a socket is closed with messages unread. Here every connection is
+// one goroutine's net.Conn, every length is checked before anything is
+// allocated, and closing the conn ends everything. This is the tree's one
+// ZMTP implementation: bench/sim's publisher and replay server use it too.
 
 // errZMTP is wrapped by the errors of a peer that breaks the protocol.
-var errZMTP = errors.New("discovery: ZMTP protocol error")
+var errZMTP = errors.New("kvevents: ZMTP protocol error")
 
 // Frame flags.
 const (
@@ -53,9 +55,10 @@ const (
 	kvKeepBuffer = 1 << 20
 )
 
-// zmtpConn is one ZMTP connection after its handshake, owned by one
-// goroutine (Close may be called from any).
-type zmtpConn struct {
+// ZMTPConn is one ZMTP connection after its handshake, owned by one
+// goroutine (Close, and SendWire while that goroutine reads, may be called
+// from another).
+type ZMTPConn struct {
 	c      net.Conn
 	r      *bufio.Reader
 	w      []byte // the message being written
@@ -64,14 +67,16 @@ type zmtpConn struct {
 	frames [kvMaxFrames][]byte
 }
 
-// zmtpOpen performs the ZMTP 3.0 NULL handshake on c as a socket of type
-// self, accepting a peer of one of the types peers, within timeout. On
-// error the caller still owns c.
-func zmtpOpen(c net.Conn, timeout time.Duration, self string, peers ...string) (*zmtpConn, error) {
+// OpenZMTP performs the ZMTP 3.0 NULL handshake on c as a socket of type
+// self ("SUB", "DEALER", "PUB", "ROUTER"), accepting a peer of one of the
+// types peers, within timeout. On error the caller still owns c; on
+// success the ZMTPConn does (it reads c through a buffer of its own, so c
+// is read only through it).
+func OpenZMTP(c net.Conn, timeout time.Duration, self string, peers ...string) (*ZMTPConn, error) {
 	if err := c.SetDeadline(time.Now().Add(timeout)); err != nil {
 		return nil, err
 	}
-	z := &zmtpConn{c: c, r: bufio.NewReaderSize(c, 64<<10)}
+	z := &ZMTPConn{c: c, r: bufio.NewReaderSize(c, 64<<10)}
 	// Our greeting (signature, version 3.0, NULL, not as-server), then our
 	// READY at once: the peer reads them in order.
 	var g [zmtpGreetingLen]byte
@@ -108,7 +113,7 @@ func appendReady(w []byte, t string) []byte {
 
 // readHandshake reads the peer's greeting and READY and returns its socket
 // type.
-func (z *zmtpConn) readHandshake() (string, error) {
+func (z *ZMTPConn) readHandshake() (string, error) {
 	var g [zmtpGreetingLen]byte
 	if _, err := io.ReadFull(z.r, g[:]); err != nil {
 		return "", err
@@ -164,7 +169,7 @@ func (z *zmtpConn) readHandshake() (string, error) {
 }
 
 // header reads a frame header.
-func (z *zmtpConn) header() (flags byte, size uint64, err error) {
+func (z *ZMTPConn) header() (flags byte, size uint64, err error) {
 	if flags, err = z.r.ReadByte(); err != nil {
 		return 0, 0, err
 	}
@@ -182,12 +187,12 @@ func (z *zmtpConn) header() (flags byte, size uint64, err error) {
 	return flags, binary.BigEndian.Uint64(b[:]), nil
 }
 
-// readMsg reads the next message, skipping commands between messages
-// (ZMTP 3.1 heartbeats and the like). It returns the first kvMaxFrames
-// frames, valid until the next call, and the message's number of frames.
-// A message over kvMaxMessage bytes is an error: the connection cannot go
-// on.
-func (z *zmtpConn) readMsg() (frames [][]byte, n int, err error) {
+// ReadMsg reads the next message, skipping commands between messages
+// (ZMTP 3.1 heartbeats, a SUB's SUBSCRIBE command, and the like). It
+// returns the first kvMaxFrames (4) frames, valid until the next call, and
+// the message's number of frames. A message over kvMaxMessage (16 MiB)
+// bytes is an error: the connection cannot go on.
+func (z *ZMTPConn) ReadMsg() (frames [][]byte, n int, err error) {
 	if cap(z.buf) > kvKeepBuffer {
 		z.buf = nil
 	}
@@ -233,31 +238,45 @@ func (z *zmtpConn) readMsg() (frames [][]byte, n int, err error) {
 	return z.frames[:kept], n, nil
 }
 
-// send writes one message of the given frames.
-func (z *zmtpConn) send(frames ...[]byte) error {
-	z.w = z.w[:0]
+// AppendZMTPMsg appends one message of the given frames to b, in wire
+// form, and returns the extended slice.
+func AppendZMTPMsg(b []byte, frames ...[]byte) []byte {
 	for i, f := range frames {
 		var flags byte
 		if i < len(frames)-1 {
 			flags = zmtpMore
 		}
 		if len(f) > 255 {
-			z.w = append(z.w, flags|zmtpLong)
-			z.w = binary.BigEndian.AppendUint64(z.w, uint64(len(f)))
+			b = append(b, flags|zmtpLong)
+			b = binary.BigEndian.AppendUint64(b, uint64(len(f)))
 		} else {
-			z.w = append(z.w, flags, byte(len(f)))
+			b = append(b, flags, byte(len(f)))
 		}
-		z.w = append(z.w, f...)
+		b = append(b, f...)
 	}
+	return b
+}
+
+// Send writes one message of the given frames.
+func (z *ZMTPConn) Send(frames ...[]byte) error {
+	z.w = AppendZMTPMsg(z.w[:0], frames...)
 	_, err := z.c.Write(z.w)
 	return err
 }
 
-// subscribe sends a SUB's subscription to topic (a prefix; "" for all),
+// SendWire writes msg, whole messages in wire form (AppendZMTPMsg's), as
+// they are: a publisher encodes a message once for all its subscribers.
+// It may be called while another goroutine reads, not with Send.
+func (z *ZMTPConn) SendWire(msg []byte) error {
+	_, err := z.c.Write(msg)
+	return err
+}
+
+// Subscribe sends a SUB's subscription to topic (a prefix; "" for all),
 // as a message: ZMTP 3.0's form, which every later peer accepts.
-func (z *zmtpConn) subscribe(topic string) error {
-	return z.send(append([]byte{1}, topic...))
+func (z *ZMTPConn) Subscribe(topic string) error {
+	return z.Send(append([]byte{1}, topic...))
 }
 
 // Close closes the connection; safe from any goroutine.
-func (z *zmtpConn) Close() error { return z.c.Close() }
+func (z *ZMTPConn) Close() error { return z.c.Close() }

@@ -1,4 +1,4 @@
-package discovery
+package kvevents
 
 import (
 	"bytes"
@@ -8,47 +8,48 @@ import (
 	"net"
 	"slices"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
+
+	"github.com/kvroute/kvroute/discovery"
 )
 
-// Causes of KVSink.KVReset.
+// Causes of Sink.KVReset.
 const (
-	// KVResetRestart: the engine restarted (its sequence numbers went
+	// ResetRestart: the engine restarted (its sequence numbers went
 	// back): its cache is empty.
-	KVResetRestart = "restart"
-	// KVResetGap: batches were missed and replay could not fill the gap:
+	ResetRestart = "restart"
+	// ResetGap: batches were missed and replay could not fill the gap:
 	// what the engine holds is unknown.
-	KVResetGap = "gap"
-	// KVResetLost: the publisher went away (its connection dropped, or the
+	ResetGap = "gap"
+	// ResetLost: the publisher went away (its connection dropped, or the
 	// endpoint left the pool): what the engine holds is unknown.
-	KVResetLost = "lost"
+	ResetLost = "lost"
 )
 
-// KVSink receives a KVSubscriber's decoded batches. Calls for one endpoint
+// Sink receives a Subscriber's decoded batches. Calls for one endpoint
 // come from one goroutine at a time, in sequence order; calls for distinct
 // endpoints may come at once. The batch and its slices are the
 // subscriber's and reused once KVBatch returns: a sink copies what it
 // keeps. A slow sink delays reading that endpoint's events (its publisher
 // then drops at its high-water mark, and the loss shows as a gap); it
 // never touches the request path.
-type KVSink interface {
-	KVBatch(e *Endpoint, b *KVBatch)
+type Sink interface {
+	KVBatch(e *discovery.Endpoint, b *Batch)
 	// KVReset: what the sink learned from e's events is no longer known to
-	// be true: cause is one of KVResetRestart (the engine restarted: its
-	// cache is empty; sequence numbers went back), KVResetGap (a gap
-	// replay could not fill), KVResetLost (the publisher went away, e.g.
+	// be true: cause is one of ResetRestart (the engine restarted: its
+	// cache is empty; sequence numbers went back), ResetGap (a gap
+	// replay could not fill), ResetLost (the publisher went away, e.g.
 	// the endpoint left).
-	KVReset(e *Endpoint, cause string)
+	KVReset(e *discovery.Endpoint, cause string)
 }
 
-// KVEventsConfig configures a KVSubscriber. With the zero value only
+// Config configures a Subscriber. With the zero value only
 // endpoints that name their publisher are subscribed to.
-type KVEventsConfig struct {
+type Config struct {
 	// Port, when not 0, is the dial mode: a SUB connection to
 	// tcp://<endpoint host>:Port for every endpoint of the pool (vLLM and
 	// SGLang bind tcp://*:5557 by default). An endpoint whose URL names its
@@ -58,12 +59,12 @@ type KVEventsConfig struct {
 	// ReplayPort is the engines' replay ROUTER port (vLLM's
 	// --kv-events-config replay_endpoint, the llm-d simulator's
 	// --kv-events-replay-endpoint); 0: no replay, and a gap is a
-	// KVResetGap. The data-parallel rank r of a batch is asked at
+	// ResetGap. The data-parallel rank r of a batch is asked at
 	// ReplayPort + r, as engines offset their ports by rank.
 	ReplayPort int
-	// Listen, when not "", is the bind mode: a listener at
-	// tcp://Listen ("host:port", "tcp://" optional) for publishers that
-	// dial in (the llm-d simulator's --zmq-endpoint). Their topic
+	// Listen, when not "", is the bind mode: a listener at the ZeroMQ
+	// endpoint Listen ("tcp://host:port" or "host:port", see
+	// ParseEndpoint) for publishers that dial in (the llm-d simulator's --zmq-endpoint). Their topic
 	// kv@<ip>:<port>@<model> names the endpoint, matched against the
 	// endpoints' Addr: bind mode needs endpoints addressed by IP, as DNS
 	// discovery gives them.
@@ -76,7 +77,7 @@ type KVEventsConfig struct {
 	Ranks int
 }
 
-// Tuning of a KVSubscriber.
+// Tuning of a Subscriber.
 const (
 	// kvReplayTimeout bounds one replay: connecting, asking and reading
 	// the missed batches (vLLM keeps the last 10,000; on a LAN they come
@@ -102,37 +103,37 @@ const (
 	kvKeepElems  = 1 << 16
 )
 
-// KVSubscriber subscribes to the engines' KV-cache events over ZeroMQ
+// Subscriber subscribes to the engines' KV-cache events over ZeroMQ
 // (vLLM's ZmqEventPublisher, SGLang's, the llm-d simulator's): in dial
 // mode to every endpoint of a Pool, in bind mode to the publishers that
 // dial in, or both. It decodes their batches, checks their sequence numbers
 // per endpoint and data-parallel rank, replays gaps from the engines'
-// replay sockets, and hands batches and resets to a KVSink.
+// replay sockets, and hands batches and resets to a Sink.
 //
 // Sequence numbers. The first batch of a rank's stream (on a new
 // connection) sets the expectation; a batch with the expected number is
 // delivered; a greater number is a gap: the missed batches are asked from
 // the replay socket and delivered in order before it, and when replay is
-// off, fails or does not reach back, the sink gets KVResetGap before it; a
+// off, fails or does not reach back, the sink gets ResetGap before it; a
 // smaller number means the publisher's counter started over (vLLM counts
-// from 0, the llm-d simulator from 1): the sink gets KVResetRestart before
+// from 0, the llm-d simulator from 1): the sink gets ResetRestart before
 // it. Nothing is delivered twice: a replay is done synchronously by the
 // goroutine reading the stream, only its batches from the expectation up
 // to (not including) the batch that showed the gap are delivered, and the
 // expectation then moves past that batch; a ZeroMQ connection delivers in
 // order, at most once, so on a live stream no smaller number can be an
 // echo of one delivered. A stream ends with its connection: the events of
-// the outage are unknown, so the sink gets KVResetLost (when it was
+// the outage are unknown, so the sink gets ResetLost (when it was
 // delivered anything since its last reset), and the next connection's
 // first batch sets a new expectation whatever its number, which also
 // covers an engine that restarted while disconnected.
 //
-// NewKVSubscriber starts nothing; Run does the work. Status and Stats are
+// NewSubscriber starts nothing; Run does the work. Status and Stats are
 // safe for concurrent use.
-type KVSubscriber struct {
-	c    KVEventsConfig
-	pool *Pool
-	sink KVSink
+type Subscriber struct {
+	c    Config
+	pool *discovery.Pool
+	sink Sink
 	log  *zap.Logger
 
 	topic   []byte // c.Topic
@@ -148,14 +149,14 @@ type KVSubscriber struct {
 	// mu guards eps, byAddr and loggedTopics; it is never held with a
 	// kvEndpoint's mu.
 	mu           sync.Mutex
-	eps          map[*Endpoint]*kvEndpoint
-	byAddr       map[string]*Endpoint // bind mode: an endpoint's Addr → it, for the current Set
+	eps          map[*discovery.Endpoint]*kvEndpoint
+	byAddr       map[string]*discovery.Endpoint // bind mode: an endpoint's Addr → it, for the current Set
 	loggedTopics map[string]struct{}
 
 	st kvCounters
 }
 
-// kvCounters are a KVSubscriber's totals.
+// kvCounters are a Subscriber's totals.
 type kvCounters struct {
 	batches, stored, removed, cleared, decodeErrors atomic.Uint64
 	gaps, replays, replayed, unmatched              atomic.Uint64
@@ -163,9 +164,9 @@ type kvCounters struct {
 	conns                                           atomic.Int64
 }
 
-// kvEndpoint is a KVSubscriber's state for one endpoint.
+// kvEndpoint is a Subscriber's state for one endpoint.
 type kvEndpoint struct {
-	e    *Endpoint
+	e    *discovery.Endpoint
 	host string // e's host, for its publisher and replay addresses
 
 	// mu serialises the sink's calls for e and guards the fields below.
@@ -189,9 +190,9 @@ type kvEndpoint struct {
 // kvStream is one rank's sequence expectation while its connection lasts.
 type kvStream struct{ next int64 }
 
-// KVStatus is a snapshot of one endpoint's event stream, for
+// StreamStatus is a snapshot of one endpoint's event stream, for
 // /debug/endpoints and metrics.
-type KVStatus struct {
+type StreamStatus struct {
 	// Connected: a publisher connection for the endpoint is open (dial
 	// mode: connected; bind mode: a connected publisher has sent it a
 	// batch).
@@ -212,8 +213,8 @@ type KVStatus struct {
 	Seq int64 `json:"seq"`
 }
 
-// KVStats are a KVSubscriber's totals since it was made.
-type KVStats struct {
+// Stats are a Subscriber's totals since it was made.
+type Stats struct {
 	// Batches delivered (replayed ones included), and their events by kind.
 	Batches uint64 `json:"batches"`
 	Stored  uint64 `json:"stored"`
@@ -221,14 +222,14 @@ type KVStats struct {
 	Cleared uint64 `json:"cleared"`
 	// DecodeErrors counts messages dropped because they were not a
 	// well-formed batch ([topic, 8-byte seq, payload] with a payload
-	// DecodeKVBatch reads).
+	// DecodeBatch reads).
 	DecodeErrors uint64 `json:"decode_errors"`
 	// Gaps in sequence numbers, replay requests made, batches they
 	// recovered.
 	Gaps     uint64 `json:"gaps"`
 	Replays  uint64 `json:"replays"`
 	Replayed uint64 `json:"replayed"`
-	// Resets by cause (KVResetRestart, KVResetGap, KVResetLost).
+	// Resets by cause (ResetRestart, ResetGap, ResetLost).
 	Resets map[string]uint64 `json:"resets"`
 	// Unmatched counts bind-mode batches whose topic named no endpoint of
 	// the pool (dropped).
@@ -237,18 +238,18 @@ type KVStats struct {
 	Connections int64 `json:"connections"`
 }
 
-// NewKVSubscriber returns a subscriber of the events of pool's endpoints
+// NewSubscriber returns a subscriber of the events of pool's endpoints
 // (dial mode) or of the publishers dialing in (bind mode) for sink. It
 // starts nothing. A nil logger logs nothing.
-func NewKVSubscriber(c KVEventsConfig, pool *Pool, sink KVSink, logger *zap.Logger) *KVSubscriber {
+func NewSubscriber(c Config, pool *discovery.Pool, sink Sink, logger *zap.Logger) *Subscriber {
 	if logger == nil {
 		logger = zap.NewNop()
 	}
-	s := &KVSubscriber{
+	s := &Subscriber{
 		c: c, pool: pool, sink: sink, log: logger.Named("kvevents"), topic: []byte(c.Topic),
 		bound:        make(chan net.Addr, 1),
-		eps:          make(map[*Endpoint]*kvEndpoint),
-		byAddr:       make(map[string]*Endpoint),
+		eps:          make(map[*discovery.Endpoint]*kvEndpoint),
+		byAddr:       make(map[string]*discovery.Endpoint),
 		loggedTopics: make(map[string]struct{}),
 	}
 	s.pubAddr = s.defaultPubAddr
@@ -257,7 +258,7 @@ func NewKVSubscriber(c KVEventsConfig, pool *Pool, sink KVSink, logger *zap.Logg
 
 // dialPort is the port e's publisher of rank 0 is dialed at; 0: e is not
 // dialed.
-func (s *KVSubscriber) dialPort(e *Endpoint) int {
+func (s *Subscriber) dialPort(e *discovery.Endpoint) int {
 	if e.KVEventsPort > 0 {
 		return e.KVEventsPort
 	}
@@ -266,12 +267,12 @@ func (s *KVSubscriber) dialPort(e *Endpoint) int {
 
 // defaultPubAddr is the address of ke's publisher of rank: its host at
 // its dial port + rank.
-func (s *KVSubscriber) defaultPubAddr(ke *kvEndpoint, rank int) string {
+func (s *Subscriber) defaultPubAddr(ke *kvEndpoint, rank int) string {
 	return net.JoinHostPort(ke.host, strconv.Itoa(s.dialPort(ke.e)+rank))
 }
 
 // validate checks the configuration.
-func (c KVEventsConfig) validate() error {
+func (c Config) validate() error {
 	switch {
 	case c.Port < 0 || c.Port > 65535 || c.ReplayPort < 0 || c.ReplayPort > 65535:
 		return fmt.Errorf("%w: KV events ports must be in [0, 65535]", ErrBadConfig)
@@ -281,8 +282,8 @@ func (c KVEventsConfig) validate() error {
 		return fmt.Errorf("%w: KV events port %d + %d ranks is beyond 65535", ErrBadConfig, c.Port, c.Ranks)
 	}
 	if c.Listen != "" {
-		if _, _, err := net.SplitHostPort(strings.TrimPrefix(c.Listen, "tcp://")); err != nil {
-			return fmt.Errorf("%w: KV events listen address %q: %v", ErrBadConfig, c.Listen, err)
+		if _, err := ParseEndpoint(c.Listen); err != nil {
+			return fmt.Errorf("%w: KV events listen address: %w", ErrBadConfig, err)
 		}
 	}
 	return nil
@@ -294,7 +295,7 @@ func (c KVEventsConfig) validate() error {
 // invalid or the bind-mode listener cannot be bound. With neither Port nor
 // Listen it still follows the pool, for endpoints that name their
 // publisher. It may be called once.
-func (s *KVSubscriber) Run(ctx context.Context) error {
+func (s *Subscriber) Run(ctx context.Context) error {
 	if !s.running.CompareAndSwap(false, true) {
 		return ErrRunning
 	}
@@ -303,10 +304,11 @@ func (s *KVSubscriber) Run(ctx context.Context) error {
 	}
 	var ln net.Listener
 	if s.c.Listen != "" {
+		addr, _ := ParseEndpoint(s.c.Listen) // validated
 		var lc net.ListenConfig
 		var err error
-		if ln, err = lc.Listen(ctx, "tcp", strings.TrimPrefix(s.c.Listen, "tcp://")); err != nil {
-			return fmt.Errorf("discovery: KV events listener: %w", err)
+		if ln, err = lc.Listen(ctx, "tcp", addr); err != nil {
+			return fmt.Errorf("kvevents: KV events listener: %w", err)
 		}
 		s.log.Info("listening for KV-event publishers", zap.Stringer("addr", ln.Addr()))
 	}
@@ -334,12 +336,12 @@ func (s *KVSubscriber) Run(ctx context.Context) error {
 }
 
 // reconcile follows the pool's Set: an endpoint that left is retired
-// (its dial loops stopped, KVResetLost) before anything else, so that an
+// (its dial loops stopped, ResetLost) before anything else, so that an
 // endpoint coming back starts anew after the sink was told; an endpoint
 // that appeared is dialed when it has a dial port.
-func (s *KVSubscriber) reconcile(ctx context.Context, set *Set) {
-	byAddr := make(map[string]*Endpoint, set.Len())
-	present := make(map[*Endpoint]struct{}, set.Len())
+func (s *Subscriber) reconcile(ctx context.Context, set *discovery.Set) {
+	byAddr := make(map[string]*discovery.Endpoint, set.Len())
+	present := make(map[*discovery.Endpoint]struct{}, set.Len())
 	for _, e := range set.Endpoints {
 		present[e] = struct{}{}
 		if _, dup := byAddr[e.Addr]; !dup {
@@ -380,7 +382,7 @@ func (s *KVSubscriber) reconcile(ctx context.Context, set *Set) {
 	}
 }
 
-func newKVEndpoint(e *Endpoint) *kvEndpoint {
+func newKVEndpoint(e *discovery.Endpoint) *kvEndpoint {
 	host, _, err := net.SplitHostPort(e.Addr)
 	if err != nil {
 		host = e.Addr
@@ -394,7 +396,7 @@ func newKVEndpoint(e *Endpoint) *kvEndpoint {
 // connections close at once; a sink call in progress finishes), and the
 // sink forgets what e's events said. It waits for a bind-mode replay of
 // e in progress, kvReplayTimeout at most.
-func (s *KVSubscriber) retire(ctx context.Context, ke *kvEndpoint) {
+func (s *Subscriber) retire(ctx context.Context, ke *kvEndpoint) {
 	if ke.cancel != nil {
 		ke.cancel()
 		<-ke.done
@@ -403,7 +405,7 @@ func (s *KVSubscriber) retire(ctx context.Context, ke *kvEndpoint) {
 	defer ke.mu.Unlock()
 	ke.gone = true
 	if ke.dirty && ctx.Err() == nil {
-		s.reset(ke, KVResetLost)
+		s.reset(ke, ResetLost)
 	}
 	s.log.Debug("KV events: endpoint left", zap.String("endpoint", ke.e.URL))
 }
@@ -414,7 +416,7 @@ func (s *KVSubscriber) retire(ctx context.Context, ke *kvEndpoint) {
 // connection at once: the backoff starts over only after a connection
 // that lasted kvBackoffMax). An outage is logged once, when it starts,
 // and once when it ends.
-func (s *KVSubscriber) dialLoop(ctx context.Context, ke *kvEndpoint, rank int) {
+func (s *Subscriber) dialLoop(ctx context.Context, ke *kvEndpoint, rank int) {
 	addr := s.pubAddr(ke, rank)
 	kc := newKVConn(ke)
 	backoff := kvBackoffMin
@@ -422,7 +424,7 @@ func (s *KVSubscriber) dialLoop(ctx context.Context, ke *kvEndpoint, rank int) {
 	for {
 		z, err := s.connect(ctx, addr, "SUB", "PUB", "XPUB")
 		if err == nil {
-			err = z.subscribe(s.c.Topic)
+			err = z.Subscribe(s.c.Topic)
 			if err == nil {
 				if down {
 					s.log.Info("KV-event publisher reachable", zap.String("endpoint", ke.e.URL), zap.String("addr", addr))
@@ -459,14 +461,14 @@ func (s *KVSubscriber) dialLoop(ctx context.Context, ke *kvEndpoint, rank int) {
 }
 
 // connect dials addr and opens a ZMTP connection as a self socket.
-func (s *KVSubscriber) connect(ctx context.Context, addr, self string, peers ...string) (*zmtpConn, error) {
+func (s *Subscriber) connect(ctx context.Context, addr, self string, peers ...string) (*ZMTPConn, error) {
 	d := net.Dialer{Timeout: kvDialTimeout}
 	c, err := d.DialContext(ctx, "tcp", addr)
 	if err != nil {
 		return nil, err
 	}
 	stop := context.AfterFunc(ctx, func() { c.Close() })
-	z, err := zmtpOpen(c, kvHandshakeTimeout, self, peers...)
+	z, err := OpenZMTP(c, kvHandshakeTimeout, self, peers...)
 	stop()
 	if err == nil && ctx.Err() != nil {
 		err = ctx.Err()
@@ -479,7 +481,7 @@ func (s *KVSubscriber) connect(ctx context.Context, addr, self string, peers ...
 }
 
 // serve accepts publishers dialing in until ctx is done.
-func (s *KVSubscriber) serve(ctx context.Context, ln net.Listener) {
+func (s *Subscriber) serve(ctx context.Context, ln net.Listener) {
 	stop := context.AfterFunc(ctx, func() { ln.Close() })
 	defer stop()
 	var wg sync.WaitGroup
@@ -516,16 +518,16 @@ func (s *KVSubscriber) serve(ctx context.Context, ln net.Listener) {
 
 // servePublisher reads one publisher that dialed in until it leaves or ctx
 // is done.
-func (s *KVSubscriber) servePublisher(ctx context.Context, c net.Conn) {
+func (s *Subscriber) servePublisher(ctx context.Context, c net.Conn) {
 	defer c.Close()
 	stop := context.AfterFunc(ctx, func() { c.Close() })
 	defer stop()
-	z, err := zmtpOpen(c, kvHandshakeTimeout, "SUB", "PUB", "XPUB")
+	z, err := OpenZMTP(c, kvHandshakeTimeout, "SUB", "PUB", "XPUB")
 	if err != nil {
 		s.log.Debug("KV events: publisher handshake failed", zap.Stringer("remote", c.RemoteAddr()), zap.Error(err))
 		return
 	}
-	if err := z.subscribe(s.c.Topic); err != nil {
+	if err := z.Subscribe(s.c.Topic); err != nil {
 		return
 	}
 	s.log.Debug("KV-event publisher connected", zap.Stringer("remote", c.RemoteAddr()))
@@ -540,7 +542,7 @@ func (s *KVSubscriber) servePublisher(ctx context.Context, c net.Conn) {
 type kvConn struct {
 	dec *kvDecoder
 	// batch is the batch read; replayed a batch of a replay.
-	batch, replayed KVBatch
+	batch, replayed Batch
 	// fixed is the endpoint of a dial-mode connection; nil in bind mode,
 	// where the topic names it.
 	fixed *kvEndpoint
@@ -559,18 +561,18 @@ type kvFed struct {
 func newKVConn(fixed *kvEndpoint) *kvConn { return &kvConn{dec: newKVDecoder(), fixed: fixed} }
 
 // consume reads z's messages until it fails or ctx is done.
-func (s *KVSubscriber) consume(ctx context.Context, kc *kvConn, z *zmtpConn) error {
+func (s *Subscriber) consume(ctx context.Context, kc *kvConn, z *ZMTPConn) error {
 	s.st.conns.Add(1)
 	defer s.st.conns.Add(-1)
 	stop := context.AfterFunc(ctx, func() { z.Close() })
 	defer stop()
 	for {
-		frames, n, err := z.readMsg()
+		frames, n, err := z.ReadMsg()
 		if err != nil {
 			return err
 		}
 		if n != 3 || len(frames[1]) != 8 || int64(binary.BigEndian.Uint64(frames[1])) < 0 {
-			s.badMessage(kc, kc.fixed, fmt.Errorf("%w: a message of %d frames is not [topic, 8-byte sequence number, payload]", ErrKVEvents, n))
+			s.badMessage(kc, kc.fixed, fmt.Errorf("%w: a message of %d frames is not [topic, 8-byte sequence number, payload]", ErrBadBatch, n))
 			continue
 		}
 		topic, seq, payload := frames[0], int64(binary.BigEndian.Uint64(frames[1])), frames[2]
@@ -594,7 +596,7 @@ func (s *KVSubscriber) consume(ctx context.Context, kc *kvConn, z *zmtpConn) err
 
 // badMessage counts a message that is not a batch, logging the first of
 // the connection.
-func (s *KVSubscriber) badMessage(kc *kvConn, ke *kvEndpoint, err error) {
+func (s *Subscriber) badMessage(kc *kvConn, ke *kvEndpoint, err error) {
 	s.st.decodeErrors.Add(1)
 	url := ""
 	if ke != nil {
@@ -610,7 +612,7 @@ func (s *KVSubscriber) badMessage(kc *kvConn, ke *kvEndpoint, err error) {
 
 // byTopic returns the endpoint a bind-mode topic kv@<ip>:<port>@<model>
 // names, or nil (counted, and logged once per topic).
-func (s *KVSubscriber) byTopic(topic []byte) *kvEndpoint {
+func (s *Subscriber) byTopic(topic []byte) *kvEndpoint {
 	addr := topic
 	if i := bytes.IndexByte(addr, '@'); i >= 0 {
 		addr = addr[i+1:]
@@ -644,9 +646,9 @@ func (s *KVSubscriber) byTopic(topic []byte) *kvEndpoint {
 	return ke
 }
 
-// handle applies the sequence rule (see KVSubscriber) to kc.batch, number
+// handle applies the sequence rule (see Subscriber) to kc.batch, number
 // seq, of endpoint ke, and delivers it.
-func (s *KVSubscriber) handle(ctx context.Context, kc *kvConn, ke *kvEndpoint, seq int64) {
+func (s *Subscriber) handle(ctx context.Context, kc *kvConn, ke *kvEndpoint, seq int64) {
 	rank := kc.batch.DPRank
 	ke.mu.Lock()
 	defer ke.mu.Unlock()
@@ -668,14 +670,14 @@ func (s *KVSubscriber) handle(ctx context.Context, kc *kvConn, ke *kvEndpoint, s
 	case seq < st.next:
 		s.log.Info("KV events: sequence numbers went back; the engine restarted", zap.String("endpoint", ke.e.URL),
 			zap.Int("dp_rank", rank), zap.Int64("seq", seq), zap.Int64("expected", st.next))
-		s.reset(ke, KVResetRestart)
+		s.reset(ke, ResetRestart)
 	default:
 		s.st.gaps.Add(1)
 		ke.gaps.Add(1)
 		if !s.replay(ctx, kc, ke, rank, st, seq) {
 			s.log.Debug("KV events: missed batches", zap.String("endpoint", ke.e.URL), zap.Int("dp_rank", rank),
 				zap.Int64("from", st.next), zap.Int64("to", seq))
-			s.reset(ke, KVResetGap)
+			s.reset(ke, ResetGap)
 		}
 	}
 	st.next = seq + 1
@@ -683,15 +685,15 @@ func (s *KVSubscriber) handle(ctx context.Context, kc *kvConn, ke *kvEndpoint, s
 }
 
 // deliver hands b, number seq, to the sink; ke.mu is held.
-func (s *KVSubscriber) deliver(ke *kvEndpoint, seq int64, b *KVBatch) {
+func (s *Subscriber) deliver(ke *kvEndpoint, seq int64, b *Batch) {
 	var stored, removed, cleared uint64
 	for i := range b.Events {
 		switch b.Events[i].Kind {
-		case KVBlockStored:
+		case BlockStored:
 			stored++
-		case KVBlockRemoved:
+		case BlockRemoved:
 			removed++
-		case KVAllCleared:
+		case AllCleared:
 			cleared++
 		}
 	}
@@ -708,13 +710,13 @@ func (s *KVSubscriber) deliver(ke *kvEndpoint, seq int64, b *KVBatch) {
 }
 
 // reset tells the sink to forget ke's events; ke.mu is held.
-func (s *KVSubscriber) reset(ke *kvEndpoint, cause string) {
+func (s *Subscriber) reset(ke *kvEndpoint, cause string) {
 	switch cause {
-	case KVResetRestart:
+	case ResetRestart:
 		s.st.resetRestart.Add(1)
-	case KVResetGap:
+	case ResetGap:
 		s.st.resetGap.Add(1)
-	case KVResetLost:
+	case ResetLost:
 		s.st.resetLost.Add(1)
 	}
 	ke.resets.Add(1)
@@ -723,15 +725,15 @@ func (s *KVSubscriber) reset(ke *kvEndpoint, cause string) {
 }
 
 // connLost ends the streams kc fed: their events while disconnected are
-// unknown (KVResetLost), and the next connection starts them anew.
-func (s *KVSubscriber) connLost(ctx context.Context, kc *kvConn) {
+// unknown (ResetLost), and the next connection starts them anew.
+func (s *Subscriber) connLost(ctx context.Context, kc *kvConn) {
 	for i, f := range kc.fed {
 		ke := f.ke
 		ke.mu.Lock()
 		delete(ke.streams, f.rank)
 		if !ke.gone && ke.dirty && ctx.Err() == nil {
 			s.log.Info("KV events: publisher connection lost; forgetting the endpoint's events", zap.String("endpoint", ke.e.URL))
-			s.reset(ke, KVResetLost)
+			s.reset(ke, ResetLost)
 		}
 		ke.mu.Unlock()
 		if kc.fixed == nil && !slices.ContainsFunc(kc.fed[:i], func(g kvFed) bool { return g.ke == ke }) {
@@ -745,7 +747,7 @@ func (s *KVSubscriber) connLost(ctx context.Context, kc *kvConn) {
 // (not including) to and delivers them in order, advancing st.next; it
 // reports whether st.next reached to. ke.mu is held (the endpoint's events
 // wait, at most kvReplayTimeout).
-func (s *KVSubscriber) replay(ctx context.Context, kc *kvConn, ke *kvEndpoint, rank int, st *kvStream, to int64) bool {
+func (s *Subscriber) replay(ctx context.Context, kc *kvConn, ke *kvEndpoint, rank int, st *kvStream, to int64) bool {
 	if s.c.ReplayPort <= 0 {
 		return false
 	}
@@ -765,11 +767,11 @@ func (s *KVSubscriber) replay(ctx context.Context, kc *kvConn, ke *kvEndpoint, r
 	binary.BigEndian.PutUint64(from[:], uint64(st.next))
 	// A DEALER sends the empty delimiter a REQ would: vLLM's ROUTER reads
 	// [identity, "", start].
-	if err := z.send(nil, from[:]); err != nil {
+	if err := z.Send(nil, from[:]); err != nil {
 		return false
 	}
 	for {
-		frames, n, err := z.readMsg()
+		frames, n, err := z.ReadMsg()
 		if err != nil {
 			s.log.Debug("KV events: replay failed", zap.String("addr", addr), zap.Error(err))
 			return false
@@ -811,7 +813,7 @@ func (s *KVSubscriber) replay(ctx context.Context, kc *kvConn, ke *kvEndpoint, r
 }
 
 // trimBatch drops the slices of a batch too large to keep for reuse.
-func trimBatch(b *KVBatch) {
+func trimBatch(b *Batch) {
 	if cap(b.Events) > kvKeepEvents {
 		b.Events = nil
 		return
@@ -829,14 +831,14 @@ func trimBatch(b *KVBatch) {
 
 // Status returns a snapshot of e's event stream (zero with Seq -1 for an
 // endpoint the subscriber has no stream of).
-func (s *KVSubscriber) Status(e *Endpoint) KVStatus {
+func (s *Subscriber) Status(e *discovery.Endpoint) StreamStatus {
 	s.mu.Lock()
 	ke := s.eps[e]
 	s.mu.Unlock()
 	if ke == nil {
-		return KVStatus{Seq: -1}
+		return StreamStatus{Seq: -1}
 	}
-	st := KVStatus{
+	st := StreamStatus{
 		Connected: ke.live.Load() > 0,
 		Batches:   ke.batches.Load(), Events: ke.events.Load(), Gaps: ke.gaps.Load(),
 		Replayed: ke.replayed.Load(), Resets: ke.resets.Load(), DecodeErrors: ke.decodeErrors.Load(),
@@ -849,13 +851,13 @@ func (s *KVSubscriber) Status(e *Endpoint) KVStatus {
 }
 
 // Stats returns the subscriber's totals.
-func (s *KVSubscriber) Stats() KVStats {
+func (s *Subscriber) Stats() Stats {
 	c := &s.st
-	return KVStats{
+	return Stats{
 		Batches: c.batches.Load(), Stored: c.stored.Load(), Removed: c.removed.Load(), Cleared: c.cleared.Load(),
 		DecodeErrors: c.decodeErrors.Load(), Gaps: c.gaps.Load(), Replays: c.replays.Load(), Replayed: c.replayed.Load(),
 		Resets: map[string]uint64{
-			KVResetRestart: c.resetRestart.Load(), KVResetGap: c.resetGap.Load(), KVResetLost: c.resetLost.Load(),
+			ResetRestart: c.resetRestart.Load(), ResetGap: c.resetGap.Load(), ResetLost: c.resetLost.Load(),
 		},
 		Unmatched: c.unmatched.Load(), Connections: c.conns.Load(),
 	}

@@ -47,8 +47,8 @@ type Sink interface {
 	KVReset(e *discovery.Endpoint, cause string)
 }
 
-// Config configures a Subscriber. With the zero value only
-// endpoints that name their publisher are subscribed to.
+// Config configures a Subscriber. With the zero value only endpoints that
+// name their publisher are subscribed to.
 type Config struct {
 	// Port, when not 0, is the dial mode: a SUB connection to
 	// tcp://<endpoint host>:Port for every endpoint of the pool (vLLM and
@@ -64,10 +64,10 @@ type Config struct {
 	ReplayPort int
 	// Listen, when not "", is the bind mode: a listener at the ZeroMQ
 	// endpoint Listen ("tcp://host:port" or "host:port", see
-	// ParseEndpoint) for publishers that dial in (the llm-d simulator's --zmq-endpoint). Their topic
-	// kv@<ip>:<port>@<model> names the endpoint, matched against the
-	// endpoints' Addr: bind mode needs endpoints addressed by IP, as DNS
-	// discovery gives them.
+	// ParseEndpoint) for publishers that dial in (the llm-d simulator's
+	// --zmq-endpoint). Their topic kv@<ip>:<port>@<model> names the
+	// endpoint, matched against the endpoints' Addr: bind mode needs
+	// endpoints addressed by IP, as DNS discovery gives them.
 	Listen string
 	// Topic is the subscription prefix; "" for all.
 	Topic string

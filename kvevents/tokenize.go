@@ -34,8 +34,9 @@ type Linker interface {
 // offer, counted), and Run's workers post each to the engine's POST
 // /tokenize (vLLM's, which takes a completion's prompt or a chat's
 // messages, and ignores the other fields of the forwarded body), at most
-// Rate a second, and hand the tokens to the Linker. Only a chain the Linker asks for is offered, so a prompt
-// is tokenized once, not once per request. Safe for concurrent use.
+// Rate a second, and hand the tokens to the Linker. Only a chain the
+// Linker asks for is offered, so a prompt is tokenized once, not once per
+// request. Safe for concurrent use.
 type Tokenizer struct {
 	linker  Linker
 	jobs    chan *tokenizeJob

@@ -73,8 +73,9 @@ func (l *recordingLinker) Unlinked(hashes []uint64, retry bool) {
 	l.done <- struct{}{}
 }
 
-// TestTokenizerLinksWhatWasForwarded: an offered completion body is tokenized by
-// the engine it was forwarded to, once, and the tokens are the engine's.
+// TestTokenizerLinksWhatWasForwarded: an offered completion body is
+// tokenized by the engine it was forwarded to, once, and the tokens are
+// the engine's.
 func TestTokenizerLinksWhatWasForwarded(t *testing.T) {
 	fleet := startSimFleet(t, 1, sim.DefaultConfig())
 	ep, err := discovery.NewEndpoint(fleet.URLs()[0], discovery.RoleMixed)

@@ -21,8 +21,8 @@ import (
 // Close (v0.17.0), makes every subscriber wait for the slowest, and
 // answers a PING from its reader goroutine, racing writes; its handshake
 // panics on an unknown peer socket type. Peers greeted as ZMTP 3.0
-// subscribe with messages (a 1 or 0 byte before the topic prefix);
-// commands (ZMTP 3.1's SUBSCRIBE, PING) are skipped.
+// subscribe with messages (a 1 or 0 byte before the topic prefix) and send
+// no heartbeats; a command sent anyway is skipped.
 
 const (
 	// zmtpHandshakeTimeout bounds the greeting and handshake of one

@@ -222,7 +222,7 @@ func (s *Server) claim(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Se
 func (s *Server) isAnswer(st *reqState, ep *discovery.Endpoint, a *attempt, resp *fasthttp.Response, tries int) bool {
 	pd := &st.pd
 	code := resp.StatusCode()
-	a.answered(code)
+	a.traceStatus(code)
 	if code == fasthttp.StatusTooManyRequests {
 		ep.ReportShed(retryAfter(resp)) // it takes no new requests for a while
 	}

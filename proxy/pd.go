@@ -83,7 +83,7 @@ type pdState struct {
 	orig      []byte // the client's body
 	body      []byte // the body of the legs
 	start     time.Time
-	answered  time.Time // when the prefill leg that the decode leg follows answered
+	prefilled time.Time // when the prefill leg that the decode leg follows answered
 	sent      time.Time // when the current decode leg was sent
 	leg       *sgLeg    // SGLang: the concurrent prefill leg of the current decode leg
 	arena     fastjson.Arena
@@ -95,7 +95,7 @@ func (p *pdState) reset() {
 	p.decision, p.threshold, p.split, p.prefill = "", 0, false, routing.Decision{}
 	p.ref, p.refUses, p.delivered, p.leg = p.ref[:0], 0, false, nil
 	p.orig, p.body = p.orig[:0], p.body[:0]
-	p.answered, p.sent = time.Time{}, time.Time{}
+	p.prefilled, p.sent = time.Time{}, time.Time{}
 	p.arena.Reset()
 }
 
@@ -221,7 +221,7 @@ func (s *Server) sendPrefill(req *fasthttp.Request, pe *discovery.Endpoint, a *a
 	resp.StreamBody = true
 	err := s.client(pe).Do(req, resp)
 	if err == nil {
-		a.answered(resp.StatusCode())
+		a.traceStatus(resp.StatusCode())
 		err = readWhole(resp, maxPrefillAnswer)
 	}
 	s.attempts.end(a)

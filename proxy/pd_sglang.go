@@ -76,7 +76,7 @@ func (s *Server) startSGLang(ctx *fasthttp.RequestCtx, st *reqState, set *discov
 		return appendBootstrap(b, host, port, st.prompts)
 	})
 	ctx.Request.SetBody(p.body)
-	p.prefill, p.answered = pd, time.Time{}
+	p.prefill, p.prefilled = pd, time.Time{}
 	a := s.beginAttempt(st, ctx.Conn(), "kvroute.prefill", pe)
 	req := s.legRequest(ctx, st, pe, a.id, p.body)
 	l := &sgLeg{s: s, pe: pe, pre: a, reqID: string(ctx.Request.Header.PeekBytes(headerRequestID)), done: make(chan struct{})}

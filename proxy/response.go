@@ -47,7 +47,7 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 	b.rec = record{class: int(st.req.Kind), status: resp.StatusCode(), attempts: len(st.req.Tried), start: start,
 		reqID: append(b.rec.reqID[:0], reqID...), method: append(b.rec.method[:0], ctx.Method()...),
 		path: append(b.rec.path[:0], ctx.Path()...), model: append(b.rec.model[:0], st.req.Model...), ep: d.Endpoint, decision: d, prefix: b.learn,
-		pdDecision: st.pd.decision, prefilled: st.pd.answered, sent: st.pd.sent}
+		pdDecision: st.pd.decision, prefilled: st.pd.prefilled, sent: st.pd.sent}
 	b.rec.span, st.span, b.rec.traceID = st.span, nil, st.traceID
 	if s.opt.Tokenizer != nil && b.scan && !st.pd.split && st.prompts == 1 && st.tokens == 0 &&
 		st.req.Kind != routing.KindResponses && d.Endpoint != nil {

@@ -29,10 +29,10 @@ func (sglangHandoff) prefill(s *Server, ctx *fasthttp.RequestCtx, st *reqState, 
 	return nil, s.startSGLang(ctx, st, set)
 }
 
-// sgLeg is a concurrent SGLang prefill leg. Its goroutine sends it and,
-// when it fails, aborts the decode leg it pairs with (the decode engine
-// would otherwise wait for the KV until its bootstrap timeout); its
-// outcome is read after done.
+// sgLeg is a concurrent SGLang prefill leg, the protocol's concurrentLeg.
+// Its goroutine sends it and, when it fails, aborts the decode leg it
+// pairs with (the decode engine would otherwise wait for the KV until its
+// bootstrap timeout); its outcome is read after done.
 type sgLeg struct {
 	s     *Server
 	pe    *discovery.Endpoint

@@ -54,7 +54,8 @@ type PDOptions struct {
 	// those whose URL does not name one (#bootstrap=PORT).
 	BootstrapPort int
 	// Disaggregated is set when the router has a decode pool: without it
-	// no request is disaggregated, nor calls into PD code.
+	// no request is disaggregated (the PD state's seam methods find
+	// nothing to do).
 	Disaggregated bool
 	// TrustClientKV lets a client send its own kv_transfer_params or
 	// bootstrap_* fields: the request is then forwarded as it is, without
@@ -71,12 +72,69 @@ var errClientKV = &badRequestError{param: "kv_transfer_params",
 // answer, unless it carries prompt logprobs.
 const maxPrefillAnswer = 8 << 20
 
-// pdState is one request's disaggregation state (in reqState), owned by
-// the request's goroutine; commit hands what the answer needs of it over
-// to the answer's record and body (handOver). The plain request path
-// reads split and calls the seam's methods (claimPD, decodeSent,
-// prefillFailure, decodeFailed, answerChosen, strandFailed, handOver),
-// which find nothing to do when the request is not disaggregated.
+// handoff is a prefill/decode protocol (--pd-protocol): how a decode leg
+// gets its prefill leg. New chooses it once (Server.pd); nil without a
+// decode pool, and then no request is planned for a prefill leg. A
+// protocol is one file (pd_vllm.go, pd_sglang.go) and one case of
+// newHandoff; it keeps its per-request state in the request's pdState,
+// and a prefill leg that runs beside the decode leg is a concurrentLeg.
+// Implementations are stateless values, safe for concurrent use.
+type handoff interface {
+	// prefill runs before a decode leg that follows a prefill leg (see
+	// prefillStage) and sets the decode leg's body on ctx.Request. A
+	// response ends the request there; an error fails it. A protocol
+	// whose prefill leg runs beside the decode leg starts it here and
+	// puts it in st.pd.leg.
+	prefill(s *Server, ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set) (*fasthttp.Response, error)
+	// prefillOnly reports whether every prompt on a decode endpoint needs
+	// a prefill leg: the decode engine cannot compute one itself.
+	prefillOnly() bool
+}
+
+// concurrentLeg is a prefill leg that runs beside its decode leg, in a
+// goroutine of its own (SGLang's sgLeg; Server.legs counts them); a
+// protocol whose prefill leg ends before the decode leg is sent (vLLM's)
+// has none. It lives from the protocol's prefill, which starts it, to
+// decodeEnd: the request's goroutine pairs the decode leg's attempt with
+// it and reads its outcome (pdState's decodeSent, prefillFailure), and
+// ends it when the decode leg fails before its answer is passed on
+// (prefillFailure, decodeFailed); otherwise the answer's body ends it
+// when it closes (handOver). Its methods are safe for concurrent use with
+// the leg's own goroutine.
+type concurrentLeg interface {
+	// pair links the decode leg's attempt a, which the prefill leg aborts
+	// if it fails; an attempt paired after the failure is aborted at once.
+	pair(a *attempt)
+	// outcome waits for the leg when wait is set, and returns the error
+	// that fails the request if the leg failed (with a 4xx answer to pass
+	// on); (nil, nil) while the leg runs or after it succeeded.
+	outcome(wait bool) (*fasthttp.Response, error)
+	// decodeEnd notes the end of the decode leg: delivered (ok) or not.
+	// It is called once per decode leg, from the request's goroutine or
+	// the answer's body.
+	decodeEnd(ok bool)
+}
+
+// newHandoff returns the handoff of opt, nil when opt has no decode pool.
+func newHandoff(opt PDOptions) handoff {
+	switch {
+	case !opt.Disaggregated:
+		return nil
+	case opt.Protocol == ProtocolSGLang:
+		return sglangHandoff{}
+	}
+	return vllmHandoff{}
+}
+
+// pdState is one request's disaggregation state (in reqState): the plan,
+// the prefill leg's decision and reference, the bodies of the legs, and
+// the current decode leg's times and concurrent prefill leg. It is owned
+// by the request's goroutine and reset with the reqState; commit hands
+// what the answer needs of it to the answer's record and body (handOver).
+// The plain request path (forward.go, response.go) reads split and calls
+// the seam: claimPD with a decode pool, and decodeSent, prefillFailure,
+// decodeFailed, answerChosen, strandFailed and handOver, which find
+// nothing to do when the request is not disaggregated.
 type pdState struct {
 	decision  string // the routing.PD* label; "" when the request is not on a decode endpoint
 	threshold int    // the uncached tokens the decision was held against
@@ -166,56 +224,6 @@ func (s *Server) claimPD(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.
 	return nil, routing.Decision{}, failure{}, false
 }
 
-// handoff is a prefill/decode protocol (--pd-protocol): how a decode leg
-// gets its prefill leg. New chooses it once (Server.pd); nil without a
-// decode pool, and then no request is planned for a prefill leg. A
-// protocol is one file (pd_vllm.go, pd_sglang.go) and one case of
-// newHandoff; its per-request state lives in pdState. Implementations are
-// stateless values, safe for concurrent use.
-type handoff interface {
-	// prefill runs before a decode leg that follows a prefill leg (see
-	// prefillStage) and sets the decode leg's body on ctx.Request. A
-	// response ends the request there; an error fails it. A protocol
-	// whose prefill leg runs beside the decode leg starts it here and
-	// puts it in st.pd.leg.
-	prefill(s *Server, ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set) (*fasthttp.Response, error)
-	// prefillOnly reports whether every prompt on a decode endpoint needs
-	// a prefill leg: the decode engine cannot compute one itself.
-	prefillOnly() bool
-}
-
-// concurrentLeg is a prefill leg that runs beside its decode leg (SGLang's
-// sgLeg); a protocol whose prefill leg ends before the decode leg is sent
-// (vLLM's) has none. The protocol's prefill starts it; the request's
-// goroutine pairs the decode leg's attempt with it and reads its outcome
-// (pdState's methods), and whoever ends the decode leg ends it: the
-// request's goroutine when the decode leg fails before its answer is
-// passed on, else the answer's body when it closes. Its methods are safe
-// for concurrent use with the leg's own goroutine.
-type concurrentLeg interface {
-	// pair links the decode leg's attempt a, which the prefill leg aborts
-	// if it fails; an attempt paired after the failure is aborted at once.
-	pair(a *attempt)
-	// outcome waits for the leg when wait is set, and returns the error
-	// that fails the request if the leg failed (with a 4xx answer to pass
-	// on); (nil, nil) while the leg runs or after it succeeded.
-	outcome(wait bool) (*fasthttp.Response, error)
-	// decodeEnd notes the end of the decode leg: delivered (ok) or not.
-	// It is called once per leg.
-	decodeEnd(ok bool)
-}
-
-// newHandoff returns the handoff of opt, nil when opt has no decode pool.
-func newHandoff(opt PDOptions) handoff {
-	switch {
-	case !opt.Disaggregated:
-		return nil
-	case opt.Protocol == ProtocolSGLang:
-		return sglangHandoff{}
-	}
-	return vllmHandoff{}
-}
-
 // prefillStage runs before a decode leg that follows a prefill leg: it
 // keeps the client's body for the legs and hands over to the protocol
 // (pd_vllm.go, pd_sglang.go).
@@ -258,6 +266,94 @@ func (s *Server) explainPD(e Explainer, st *reqState, d routing.Decision) *pdExp
 	}
 	out.Prefill = pd.Endpoint.URL
 	return out
+}
+
+// decodeSent notes that the current decode leg goes out on attempt a: it
+// pairs with a concurrent prefill leg, which aborts a if it fails.
+func (p *pdState) decodeSent(a *attempt) {
+	if p.split {
+		p.sent = time.Now()
+	}
+	if p.leg != nil {
+		p.leg.pair(a)
+	}
+}
+
+// prefillFailure reports, once the decode leg's attempt a returned err,
+// whether a concurrent prefill leg failed the request (waiting for the leg
+// when it aborted a): with the prefill endpoint's 4xx answer to pass on
+// and the decision it answers, or with the error that fails the request.
+// The decode leg is then over. All nil when there is no concurrent leg,
+// or it runs on, or it succeeded.
+func (p *pdState) prefillFailure(a *attempt, err error) (*fasthttp.Response, routing.Decision, error) {
+	l := p.leg
+	if l == nil {
+		return nil, routing.Decision{}, nil
+	}
+	ans, lerr := l.outcome(err != nil && a.wasAborted())
+	if ans == nil && lerr == nil {
+		return nil, routing.Decision{}, nil
+	}
+	l.decodeEnd(false)
+	p.leg, p.sent = nil, time.Time{}
+	return ans, p.prefill, lerr
+}
+
+// decodeFailed notes that the current decode leg failed before its answer
+// was passed on: a concurrent prefill leg still running is cancelled, and
+// one that succeeded strands its KV.
+func (p *pdState) decodeFailed() {
+	if p.leg != nil {
+		p.leg.decodeEnd(false)
+		p.leg = nil
+	}
+}
+
+// answerChosen notes that the answer of st's current attempt, with status
+// code, is the one passed on (isAnswer): a decode leg's 200 delivers the
+// reference; a reference no decode leg delivered is stranded, its decode
+// legs having failed, or the answer of an endpoint that computed the
+// prompt itself superseding it.
+func (s *Server) answerChosen(st *reqState, code int) {
+	if s.pd == nil {
+		return
+	}
+	p := &st.pd
+	switch {
+	case !p.split:
+		s.strand(st, strandSuperseded)
+	case code == fasthttp.StatusOK:
+		p.delivered = true
+	default:
+		s.strand(st, strandDecodeFailed)
+	}
+}
+
+// strandFailed strands the reference of st, whose request failed with err
+// (strand).
+func (s *Server) strandFailed(st *reqState, err error) {
+	switch {
+	case s.pd == nil:
+	case errors.Is(err, ErrClientGone):
+		s.strand(st, strandClientGone)
+	default:
+		s.strand(st, strandDecodeFailed)
+	}
+}
+
+// handOver hands the request's PD state over to r, the record of its
+// answer, which answers d: the decision, the prefill endpoint whose answer
+// the decode leg followed (or which answered itself), when that answer
+// came and when the decode leg was sent. It returns the concurrent prefill
+// leg, nil if none, which the answer's body then ends (decodeEnd).
+func (p *pdState) handOver(r *record, d routing.Decision) concurrentLeg {
+	r.pdDecision, r.prefilled, r.sent = p.decision, p.prefilled, p.sent
+	if p.split || d.Endpoint != nil && d.Endpoint.Role == discovery.RolePrefill {
+		r.prefill = p.prefill.Endpoint
+	}
+	l := p.leg
+	p.leg = nil
+	return l
 }
 
 func statusOrZero(resp *fasthttp.Response) int {
@@ -360,92 +456,4 @@ func endpointURL(e *discovery.Endpoint) string {
 		return ""
 	}
 	return e.URL
-}
-
-// decodeSent notes that the current decode leg goes out on attempt a: it
-// pairs with a concurrent prefill leg, which aborts a if it fails.
-func (p *pdState) decodeSent(a *attempt) {
-	if p.split {
-		p.sent = time.Now()
-	}
-	if p.leg != nil {
-		p.leg.pair(a)
-	}
-}
-
-// prefillFailure reports, once the decode leg's attempt a returned err,
-// whether a concurrent prefill leg failed the request (waiting for the leg
-// when it aborted a): with the prefill endpoint's 4xx answer to pass on
-// and the decision it answers, or with the error that fails the request.
-// The decode leg is then over. All nil when there is no concurrent leg,
-// or it runs on, or it succeeded.
-func (p *pdState) prefillFailure(a *attempt, err error) (*fasthttp.Response, routing.Decision, error) {
-	l := p.leg
-	if l == nil {
-		return nil, routing.Decision{}, nil
-	}
-	ans, lerr := l.outcome(err != nil && a.wasAborted())
-	if ans == nil && lerr == nil {
-		return nil, routing.Decision{}, nil
-	}
-	l.decodeEnd(false)
-	p.leg, p.sent = nil, time.Time{}
-	return ans, p.prefill, lerr
-}
-
-// decodeFailed notes that the current decode leg failed before its answer
-// was passed on: a concurrent prefill leg still running is cancelled, and
-// one that succeeded strands its KV.
-func (p *pdState) decodeFailed() {
-	if p.leg != nil {
-		p.leg.decodeEnd(false)
-		p.leg = nil
-	}
-}
-
-// answerChosen notes that the answer of st's current attempt, with status
-// code, is the one passed on (isAnswer): a decode leg's 200 delivers the
-// reference; a reference no decode leg delivered is stranded, its decode
-// legs having failed, or a prefill endpoint's or a mixed endpoint's answer
-// superseding it.
-func (s *Server) answerChosen(st *reqState, code int) {
-	if s.pd == nil {
-		return
-	}
-	p := &st.pd
-	switch {
-	case !p.split:
-		s.strand(st, strandSuperseded)
-	case code == fasthttp.StatusOK:
-		p.delivered = true
-	default:
-		s.strand(st, strandDecodeFailed)
-	}
-}
-
-// strandFailed strands the reference of st, whose request failed with err
-// (strand).
-func (s *Server) strandFailed(st *reqState, err error) {
-	switch {
-	case s.pd == nil:
-	case errors.Is(err, ErrClientGone):
-		s.strand(st, strandClientGone)
-	default:
-		s.strand(st, strandDecodeFailed)
-	}
-}
-
-// handOver hands the request's PD state over to r, the record of its
-// answer, which answers d: the decision, the prefill endpoint whose answer
-// the decode leg followed (or which answered itself), when that answer
-// came and when the decode leg was sent. It returns the concurrent prefill
-// leg, nil if none, which the answer's body then ends (decodeEnd).
-func (p *pdState) handOver(r *record, d routing.Decision) concurrentLeg {
-	r.pdDecision, r.prefilled, r.sent = p.decision, p.prefilled, p.sent
-	if p.split || d.Endpoint != nil && d.Endpoint.Role == discovery.RolePrefill {
-		r.prefill = p.prefill.Endpoint
-	}
-	l := p.leg
-	p.leg = nil
-	return l
 }

@@ -174,26 +174,6 @@ func (s *Server) HandleExplain(mux *http.ServeMux, e Explainer) {
 	})
 }
 
-// explainPD returns the disaggregation decision for st picked as d onto a
-// decode endpoint and, when it splits, the prefill pick.
-func (s *Server) explainPD(e Explainer, st *reqState, d routing.Decision) *pdExplanation {
-	out := &pdExplanation{Protocol: s.opt.PD.Protocol, UncachedTokens: d.Prefill}
-	split := s.planPD(st, d)
-	out.Decision, out.ThresholdTokens = st.pd.decision, st.pd.threshold
-	if !split {
-		return out
-	}
-	st.req.Prefill = true
-	pd, terms := e.Explain(&st.req, s.opt.Pool.Load())
-	out.PrefillReason, out.PrefillMatched, out.PrefillTokens, out.PrefillPool = pd.Reason, pd.MatchedBlocks, pd.Prefill, terms
-	if pd.Endpoint == nil {
-		out.Decision = routing.PDNoPrefill
-		return out
-	}
-	out.Prefill = pd.Endpoint.URL
-	return out
-}
-
 // Tunable is a policy whose parameters change at run time.
 type Tunable interface {
 	Params() routing.PrefixParams

@@ -23,12 +23,12 @@ func (s *Server) answer(ctx *fasthttp.RequestCtx, st *reqState, err error, start
 	case errors.Is(err, ErrClientGone):
 		ctx.SetConnectionClose()
 	}
-	s.answered(ctx, st, status, err, start)
+	s.endOwnAnswer(ctx, st, status, err, start)
 }
 
-// answered records the end of a request kvroute answered itself with
+// endOwnAnswer records the end of a request kvroute answered itself with
 // status (err: why it failed, nil if it did not); the answer is written.
-func (s *Server) answered(ctx *fasthttp.RequestCtx, st *reqState, status int, err error, start time.Time) {
+func (s *Server) endOwnAnswer(ctx *fasthttp.RequestCtx, st *reqState, status int, err error, start time.Time) {
 	rec := record{class: int(st.req.Kind), status: status, attempts: len(st.req.Tried), start: start,
 		reqID: ctx.Request.Header.PeekBytes(headerRequestID), method: ctx.Method(), path: ctx.Path(),
 		model: []byte(st.req.Model), traceID: st.traceID}

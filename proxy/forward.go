@@ -77,13 +77,7 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 		s.opt.Metrics.Retry()
 		time.Sleep(backoff(tries))
 	}
-	if s.pd != nil {
-		if errors.Is(lastErr, ErrClientGone) {
-			s.strand(st, strandClientGone)
-		} else {
-			s.strand(st, strandDecodeFailed)
-		}
-	}
+	s.strandFailed(st, lastErr)
 	return nil, routing.Decision{}, lastErr
 }
 
@@ -98,46 +92,41 @@ type failure struct {
 // response to pass on with the decision it answers (which may be a
 // prefill leg's), or the failure. A failed attempt releases its lease and
 // counts against the endpoint where the endpoint is at fault (a transport
-// failure or a 5xx; never a client's mistake, nor a busy endpoint).
+// failure or a 5xx; never a client's mistake, nor a busy endpoint). With a
+// decode pool the PD state runs beside it (pd.go): claimPD takes the lease
+// and may run a prefill leg first, and the attempt notes its decode leg's
+// events.
 func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set, d routing.Decision, tries int) (*fasthttp.Response, routing.Decision, failure) {
 	ep := d.Endpoint
 	s.opt.Metrics.Decision(d.Reason, d.PromptTokens, d.PromptTokens-d.Prefill)
 	st.req.Tried = append(st.req.Tried, ep)
-	if ans, ansD, f, done := s.claim(ctx, st, set, d); done {
+	if s.pd == nil {
+		s.acquire(st, ep, d.Prefill, d.Loaded)
+	} else if ans, ansD, f, done := s.claimPD(ctx, st, set, d); done {
 		return ans, ansD, f
 	}
 	pd := &st.pd
 	a := s.beginAttempt(st, ctx.Conn(), attemptSpanName(ep), ep)
-	leg := pd.leg
-	if leg != nil {
-		leg.pair(a)
-	}
 	s.setUpstream(&ctx.Request, st, ep, a.id)
 	resp := fasthttp.AcquireResponse()
 	resp.StreamBody = true
-	if s.pd != nil {
-		pd.decodeSent()
-	}
+	pd.decodeSent(a)
 	err := s.client(ep).Do(&ctx.Request, resp)
-	if leg != nil {
-		// A failed prefill leg fails the request: its 4xx answer is the
-		// answer, else a 502. (When it aborted this leg it has ended; a
-		// prefill leg still running when the decode leg failed is
-		// cancelled below, with the decode leg's failure.)
-		if ans, lerr := leg.outcome(err != nil && a.wasAborted()); ans != nil || lerr != nil {
-			if err == nil {
-				s.discard(resp, a)
-			}
-			s.attempts.end(a)
-			fasthttp.ReleaseResponse(resp)
-			leg.decodeEnd(false)
-			st.lease.Release()
-			if ans != nil {
-				pd.leg, pd.sent = nil, time.Time{}
-				return ans, pd.prefill, failure{}
-			}
-			return nil, routing.Decision{}, failure{err: lerr}
+	// A concurrent prefill leg that failed fails the request: its 4xx
+	// answer is the answer, else a 502. (When it aborted this leg it has
+	// ended; one still running when this leg failed is cancelled below,
+	// with this leg's failure.)
+	if ans, ansD, perr := pd.prefillFailure(a, err); ans != nil || perr != nil {
+		if err == nil {
+			s.discard(resp, a)
 		}
+		s.attempts.end(a)
+		fasthttp.ReleaseResponse(resp)
+		st.lease.Release()
+		if ans != nil {
+			return ans, ansD, failure{}
+		}
+		return nil, routing.Decision{}, failure{err: perr}
 	}
 	var f failure
 	var kind string
@@ -160,91 +149,42 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 	s.attempts.end(a)
 	fasthttp.ReleaseResponse(resp)
 	st.lease.Release()
-	if leg != nil {
-		leg.decodeEnd(false)
-		pd.leg = nil
-	}
+	pd.decodeFailed()
 	s.opt.Metrics.UpstreamError(kind)
 	return nil, routing.Decision{}, f
 }
 
-// claim takes d.Endpoint's lease for st and, for a decode endpoint, runs
-// the prefill stage. done is set when that ended the attempt: with the
-// answer to pass on (a prefill endpoint's, and the decision it answers),
-// or with the failure.
-func (s *Server) claim(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set, d routing.Decision) (ans *fasthttp.Response, ansD routing.Decision, f failure, done bool) {
-	ep := d.Endpoint
-	pd := &st.pd
-	split := false
-	if s.pd != nil {
-		pd.split = false
-		split = ep.Role == discovery.RoleDecode && s.planPD(st, d)
-	}
-	own := d.Prefill
-	if split {
-		own = 0 // the prefill endpoint computes the prompt
-	}
+// acquire takes ep's lease for st, with own of the prompt's tokens for ep
+// to compute and loaded of them to load from a slower tier (the decision's
+// Prefill and Loaded; 0 when a prefill leg computes the prompt), counted
+// against the model's adapter when it names one.
+func (s *Server) acquire(st *reqState, ep *discovery.Endpoint, own, loaded int) {
 	st.lease = ep.Acquire(own)
-	if !split {
-		st.lease.Loading(d.Loaded)
-	}
+	st.lease.Loading(loaded)
 	if m := ep.Models(); m != nil && m.Adapter(st.req.Model) {
 		st.lease.ForAdapter(st.req.Model) // the policy sees which adapters hold ep's slots
 	}
-	if split {
-		ans, err := s.prefillStage(ctx, st, set)
-		switch {
-		case err != nil:
-			st.lease.Release()
-			return nil, routing.Decision{}, failure{err: err}, true
-		case ans != nil:
-			s.opt.Metrics.PDDecision(pd.decision)
-			return ans, pd.prefill, failure{}, true
-		}
-		if !pd.split { // a fallback: the decode endpoint computes the prompt
-			st.lease.AddPrefill(d.Prefill)
-		}
-	}
-	if s.pd != nil {
-		if !split && len(pd.orig) > 0 {
-			ctx.Request.SetBody(pd.orig) // an earlier attempt's leg body
-		}
-		if ep.Role == discovery.RoleDecode {
-			s.opt.Metrics.PDDecision(pd.decision)
-		}
-	}
-	return nil, routing.Decision{}, failure{}, false
 }
 
 // isAnswer reports whether ep's answer resp, on attempt a, is the one to
 // pass on (then st.att holds a) rather than one to retry elsewhere (then
 // its body is discarded): the retry rule decides (mayRetry).
 func (s *Server) isAnswer(st *reqState, ep *discovery.Endpoint, a *attempt, resp *fasthttp.Response, tries int) bool {
-	pd := &st.pd
 	code := resp.StatusCode()
-	a.answered(code)
+	a.traceStatus(code)
 	if code == fasthttp.StatusTooManyRequests {
 		ep.ReportShed(retryAfter(resp)) // it takes no new requests for a while
 	}
-	if s.pd != nil {
-		pd.decodeAnswered(code)
-	}
 	// A decode leg's 5xx is resent: its prompt was computed elsewhere, so
 	// it had not started.
-	if !s.mayRetry(tries, false, false, retryable(code) || pd.split && code >= 500) {
+	if !s.mayRetry(tries, false, false, retryable(code) || st.pd.split && code >= 500) {
 		if code >= 500 {
 			ep.ReportFailure()
 		} else if code != fasthttp.StatusTooManyRequests {
 			ep.ReportSuccess()
 		}
 		st.att = a
-		if s.pd != nil {
-			if pd.split {
-				s.strand(st, strandDecodeFailed) // unless this leg took it
-			} else {
-				s.strand(st, strandSuperseded)
-			}
-		}
+		s.answerChosen(st, code)
 		return true
 	}
 	s.discard(resp, a)

@@ -31,6 +31,6 @@ func (s *Server) answerModels(ctx *fasthttp.RequestCtx, st *reqState, start time
 	ctx.SetStatusCode(fasthttp.StatusOK)
 	ctx.SetContentType("application/json")
 	ctx.SetBody(b)
-	s.answered(ctx, st, fasthttp.StatusOK, nil, start)
+	s.endOwnAnswer(ctx, st, fasthttp.StatusOK, nil, start)
 	return true
 }

@@ -54,7 +54,8 @@ type PDOptions struct {
 	// those whose URL does not name one (#bootstrap=PORT).
 	BootstrapPort int
 	// Disaggregated is set when the router has a decode pool: without it
-	// no request is disaggregated, nor calls into PD code.
+	// no request is disaggregated (the PD state's seam methods find
+	// nothing to do).
 	Disaggregated bool
 	// TrustClientKV lets a client send its own kv_transfer_params or
 	// bootstrap_* fields: the request is then forwarded as it is, without
@@ -71,7 +72,69 @@ var errClientKV = &badRequestError{param: "kv_transfer_params",
 // answer, unless it carries prompt logprobs.
 const maxPrefillAnswer = 8 << 20
 
-// pdState is one request's disaggregation state (in reqState).
+// handoff is a prefill/decode protocol (--pd-protocol): how a decode leg
+// gets its prefill leg. New chooses it once (Server.pd); nil without a
+// decode pool, and then no request is planned for a prefill leg. A
+// protocol is one file (pd_vllm.go, pd_sglang.go) and one case of
+// newHandoff; it keeps its per-request state in the request's pdState,
+// and a prefill leg that runs beside the decode leg is a concurrentLeg.
+// Implementations are stateless values, safe for concurrent use.
+type handoff interface {
+	// prefill runs before a decode leg that follows a prefill leg (see
+	// prefillStage) and sets the decode leg's body on ctx.Request. A
+	// response ends the request there; an error fails it. A protocol
+	// whose prefill leg runs beside the decode leg starts it here and
+	// puts it in st.pd.leg.
+	prefill(s *Server, ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set) (*fasthttp.Response, error)
+	// prefillOnly reports whether every prompt on a decode endpoint needs
+	// a prefill leg: the decode engine cannot compute one itself.
+	prefillOnly() bool
+}
+
+// concurrentLeg is a prefill leg that runs beside its decode leg, in a
+// goroutine of its own (SGLang's sgLeg; Server.legs counts them); a
+// protocol whose prefill leg ends before the decode leg is sent (vLLM's)
+// has none. It lives from the protocol's prefill, which starts it, to
+// decodeEnd: the request's goroutine pairs the decode leg's attempt with
+// it and reads its outcome (pdState's decodeSent, prefillFailure), and
+// ends it when the decode leg fails before its answer is passed on
+// (prefillFailure, decodeFailed); otherwise the answer's body ends it
+// when it closes (handOver). Its methods are safe for concurrent use with
+// the leg's own goroutine.
+type concurrentLeg interface {
+	// pair links the decode leg's attempt a, which the prefill leg aborts
+	// if it fails; an attempt paired after the failure is aborted at once.
+	pair(a *attempt)
+	// outcome waits for the leg when wait is set, and returns the error
+	// that fails the request if the leg failed (with a 4xx answer to pass
+	// on); (nil, nil) while the leg runs or after it succeeded.
+	outcome(wait bool) (*fasthttp.Response, error)
+	// decodeEnd notes the end of the decode leg: delivered (ok) or not.
+	// It is called once per decode leg, from the request's goroutine or
+	// the answer's body.
+	decodeEnd(ok bool)
+}
+
+// newHandoff returns the handoff of opt, nil when opt has no decode pool.
+func newHandoff(opt PDOptions) handoff {
+	switch {
+	case !opt.Disaggregated:
+		return nil
+	case opt.Protocol == ProtocolSGLang:
+		return sglangHandoff{}
+	}
+	return vllmHandoff{}
+}
+
+// pdState is one request's disaggregation state (in reqState): the plan,
+// the prefill leg's decision and reference, the bodies of the legs, and
+// the current decode leg's times and concurrent prefill leg. It is owned
+// by the request's goroutine and reset with the reqState; commit hands
+// what the answer needs of it to the answer's record and body (handOver).
+// The plain request path (forward.go, response.go) reads split and calls
+// the seam: claimPD with a decode pool, and decodeSent, prefillFailure,
+// decodeFailed, answerChosen, strandFailed and handOver, which find
+// nothing to do when the request is not disaggregated.
 type pdState struct {
 	decision  string // the routing.PD* label; "" when the request is not on a decode endpoint
 	threshold int    // the uncached tokens the decision was held against
@@ -83,9 +146,9 @@ type pdState struct {
 	orig      []byte // the client's body
 	body      []byte // the body of the legs
 	start     time.Time
-	answered  time.Time // when the prefill leg that the decode leg follows answered
-	sent      time.Time // when the current decode leg was sent
-	leg       *sgLeg    // SGLang: the concurrent prefill leg of the current decode leg
+	prefilled time.Time     // when the prefill leg that the decode leg follows answered; zero for a concurrent one
+	sent      time.Time     // when the current decode leg was sent
+	leg       concurrentLeg // the concurrent prefill leg of the current decode leg; nil: none
 	arena     fastjson.Arena
 	parser    fastjson.Parser
 }
@@ -95,7 +158,7 @@ func (p *pdState) reset() {
 	p.decision, p.threshold, p.split, p.prefill = "", 0, false, routing.Decision{}
 	p.ref, p.refUses, p.delivered, p.leg = p.ref[:0], 0, false, nil
 	p.orig, p.body = p.orig[:0], p.body[:0]
-	p.answered, p.sent = time.Time{}, time.Time{}
+	p.prefilled, p.sent = time.Time{}, time.Time{}
 	p.arena.Reset()
 }
 
@@ -123,28 +186,42 @@ func (s *Server) planPD(st *reqState, d routing.Decision) bool {
 	return p.split
 }
 
-// handoff is a prefill/decode protocol (--pd-protocol): how a decode leg
-// gets its prefill leg. New chooses it once (Server.pd); nil without a
-// decode pool, and then no request calls into PD code.
-type handoff interface {
-	// prefill runs before a decode leg that follows a prefill leg (see
-	// prefillStage) and sets the decode leg's body on ctx.Request. A
-	// response ends the request there; an error fails it.
-	prefill(s *Server, ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set) (*fasthttp.Response, error)
-	// prefillOnly reports whether every prompt on a decode endpoint needs
-	// a prefill leg: the decode engine cannot compute one itself.
-	prefillOnly() bool
-}
-
-// newHandoff returns the handoff of opt, nil when opt has no decode pool.
-func newHandoff(opt PDOptions) handoff {
-	switch {
-	case !opt.Disaggregated:
-		return nil
-	case opt.Protocol == ProtocolSGLang:
-		return sglangHandoff{}
+// claimPD is try's claim with a decode pool: it takes d.Endpoint's lease
+// for st and, on a decode endpoint, plans the request's disaggregation
+// (planPD) and, when it splits, runs the prefill stage. done is set when
+// that ended the attempt: with the answer to pass on (a prefill
+// endpoint's, and the decision it answers), or with the failure. A request
+// that does not split gets the client's body back from an earlier
+// attempt's legs.
+func (s *Server) claimPD(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set, d routing.Decision) (ans *fasthttp.Response, ansD routing.Decision, f failure, done bool) {
+	ep := d.Endpoint
+	p := &st.pd
+	decode := ep.Role == discovery.RoleDecode
+	if p.split = decode && s.planPD(st, d); !p.split {
+		s.acquire(st, ep, d.Prefill, d.Loaded)
+		if len(p.orig) > 0 {
+			ctx.Request.SetBody(p.orig) // an earlier attempt's leg body
+		}
+		if decode {
+			s.opt.Metrics.PDDecision(p.decision)
+		}
+		return nil, routing.Decision{}, failure{}, false
 	}
-	return vllmHandoff{}
+	s.acquire(st, ep, 0, 0) // the prefill endpoint computes the prompt
+	ans, err := s.prefillStage(ctx, st, set)
+	switch {
+	case err != nil:
+		st.lease.Release()
+		return nil, routing.Decision{}, failure{err: err}, true
+	case ans != nil:
+		s.opt.Metrics.PDDecision(p.decision)
+		return ans, p.prefill, failure{}, true
+	}
+	if !p.split { // a fallback: the decode endpoint computes the prompt
+		st.lease.AddPrefill(d.Prefill)
+	}
+	s.opt.Metrics.PDDecision(p.decision)
+	return nil, routing.Decision{}, failure{}, false
 }
 
 // prefillStage runs before a decode leg that follows a prefill leg: it
@@ -168,6 +245,115 @@ func (s *Server) pickPrefill(st *reqState, set *discovery.Set) routing.Decision 
 	endPick(span, d, true)
 	st.req.Prefill = false
 	return d
+}
+
+// explainPD returns, for /debug/route, the disaggregation decision for st
+// picked as d onto a decode endpoint and, when it splits, the prefill
+// pick, as claimPD would make them (e explains the picks).
+func (s *Server) explainPD(e Explainer, st *reqState, d routing.Decision) *pdExplanation {
+	out := &pdExplanation{Protocol: s.opt.PD.Protocol, UncachedTokens: d.Prefill}
+	split := s.planPD(st, d)
+	out.Decision, out.ThresholdTokens = st.pd.decision, st.pd.threshold
+	if !split {
+		return out
+	}
+	st.req.Prefill = true
+	pd, terms := e.Explain(&st.req, s.opt.Pool.Load())
+	out.PrefillReason, out.PrefillMatched, out.PrefillTokens, out.PrefillPool = pd.Reason, pd.MatchedBlocks, pd.Prefill, terms
+	if pd.Endpoint == nil {
+		out.Decision = routing.PDNoPrefill
+		return out
+	}
+	out.Prefill = pd.Endpoint.URL
+	return out
+}
+
+// decodeSent notes that the current decode leg goes out on attempt a: it
+// pairs with a concurrent prefill leg, which aborts a if it fails.
+func (p *pdState) decodeSent(a *attempt) {
+	if p.split {
+		p.sent = time.Now()
+	}
+	if p.leg != nil {
+		p.leg.pair(a)
+	}
+}
+
+// prefillFailure reports, once the decode leg's attempt a returned err,
+// whether a concurrent prefill leg failed the request (waiting for the leg
+// when it aborted a): with the prefill endpoint's 4xx answer to pass on
+// and the decision it answers, or with the error that fails the request.
+// The decode leg is then over. All nil when there is no concurrent leg,
+// or it runs on, or it succeeded.
+func (p *pdState) prefillFailure(a *attempt, err error) (*fasthttp.Response, routing.Decision, error) {
+	l := p.leg
+	if l == nil {
+		return nil, routing.Decision{}, nil
+	}
+	ans, lerr := l.outcome(err != nil && a.wasAborted())
+	if ans == nil && lerr == nil {
+		return nil, routing.Decision{}, nil
+	}
+	l.decodeEnd(false)
+	p.leg, p.sent = nil, time.Time{}
+	return ans, p.prefill, lerr
+}
+
+// decodeFailed notes that the current decode leg failed before its answer
+// was passed on: a concurrent prefill leg still running is cancelled, and
+// one that succeeded strands its KV.
+func (p *pdState) decodeFailed() {
+	if p.leg != nil {
+		p.leg.decodeEnd(false)
+		p.leg = nil
+	}
+}
+
+// answerChosen notes that the answer of st's current attempt, with status
+// code, is the one passed on (isAnswer): a decode leg's 200 delivers the
+// reference; a reference no decode leg delivered is stranded, its decode
+// legs having failed, or the answer of an endpoint that computed the
+// prompt itself superseding it.
+func (s *Server) answerChosen(st *reqState, code int) {
+	if s.pd == nil {
+		return
+	}
+	p := &st.pd
+	switch {
+	case !p.split:
+		s.strand(st, strandSuperseded)
+	case code == fasthttp.StatusOK:
+		p.delivered = true
+	default:
+		s.strand(st, strandDecodeFailed)
+	}
+}
+
+// strandFailed strands the reference of st, whose request failed with err
+// (strand).
+func (s *Server) strandFailed(st *reqState, err error) {
+	switch {
+	case s.pd == nil:
+	case errors.Is(err, ErrClientGone):
+		s.strand(st, strandClientGone)
+	default:
+		s.strand(st, strandDecodeFailed)
+	}
+}
+
+// handOver hands the request's PD state over to r, the record of its
+// answer, which answers d: the decision, the prefill endpoint whose answer
+// the decode leg followed (or which answered itself), when that answer
+// came and when the decode leg was sent. It returns the concurrent prefill
+// leg, nil if none, which the answer's body then ends (decodeEnd).
+func (p *pdState) handOver(r *record, d routing.Decision) concurrentLeg {
+	r.pdDecision, r.prefilled, r.sent = p.decision, p.prefilled, p.sent
+	if p.split || d.Endpoint != nil && d.Endpoint.Role == discovery.RolePrefill {
+		r.prefill = p.prefill.Endpoint
+	}
+	l := p.leg
+	p.leg = nil
+	return l
 }
 
 func statusOrZero(resp *fasthttp.Response) int {
@@ -221,7 +407,7 @@ func (s *Server) sendPrefill(req *fasthttp.Request, pe *discovery.Endpoint, a *a
 	resp.StreamBody = true
 	err := s.client(pe).Do(req, resp)
 	if err == nil {
-		a.answered(resp.StatusCode())
+		a.traceStatus(resp.StatusCode())
 		err = readWhole(resp, maxPrefillAnswer)
 	}
 	s.attempts.end(a)
@@ -270,19 +456,4 @@ func endpointURL(e *discovery.Endpoint) string {
 		return ""
 	}
 	return e.URL
-}
-
-// decodeSent notes that a decode leg is being sent.
-func (p *pdState) decodeSent() {
-	if p.split {
-		p.sent = time.Now()
-	}
-}
-
-// decodeAnswered notes that the decode leg answered with code; a 200 means
-// it took the reference.
-func (p *pdState) decodeAnswered(code int) {
-	if p.split && code == fasthttp.StatusOK {
-		p.delivered = true
-	}
 }

@@ -29,10 +29,10 @@ func (sglangHandoff) prefill(s *Server, ctx *fasthttp.RequestCtx, st *reqState, 
 	return nil, s.startSGLang(ctx, st, set)
 }
 
-// sgLeg is a concurrent SGLang prefill leg. Its goroutine sends it and,
-// when it fails, aborts the decode leg it pairs with (the decode engine
-// would otherwise wait for the KV until its bootstrap timeout); its
-// outcome is read after done.
+// sgLeg is a concurrent SGLang prefill leg, the protocol's concurrentLeg.
+// Its goroutine sends it and, when it fails, aborts the decode leg it
+// pairs with (the decode engine would otherwise wait for the KV until its
+// bootstrap timeout); its outcome is read after done.
 type sgLeg struct {
 	s     *Server
 	pe    *discovery.Endpoint
@@ -76,7 +76,7 @@ func (s *Server) startSGLang(ctx *fasthttp.RequestCtx, st *reqState, set *discov
 		return appendBootstrap(b, host, port, st.prompts)
 	})
 	ctx.Request.SetBody(p.body)
-	p.prefill, p.answered = pd, time.Time{}
+	p.prefill, p.prefilled = pd, time.Time{}
 	a := s.beginAttempt(st, ctx.Conn(), "kvroute.prefill", pe)
 	req := s.legRequest(ctx, st, pe, a.id, p.body)
 	l := &sgLeg{s: s, pe: pe, pre: a, reqID: string(ctx.Request.Header.PeekBytes(headerRequestID)), done: make(chan struct{})}

@@ -88,8 +88,8 @@ func (vllmHandoff) prefill(s *Server, ctx *fasthttp.RequestCtx, st *reqState, se
 			}
 			lease.Complete(computed)
 			fasthttp.ReleaseResponse(resp)
-			p.answered, p.prefill = time.Now(), pd
-			s.opt.Metrics.PrefillLeg(took.Seconds(), p.answered.Sub(p.start).Seconds())
+			p.prefilled, p.prefill = time.Now(), pd
+			s.opt.Metrics.PrefillLeg(took.Seconds(), p.prefilled.Sub(p.start).Seconds())
 			if len(p.ref) == 0 {
 				p.decision, p.split = routing.PDNoReference, false
 			}

@@ -31,8 +31,8 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 	h.SetBytesKV(headerRequestID, reqID)
 
 	b := s.bodies.Get().(*upstreamBody)
-	b.s, b.resp, b.lease, b.att, b.leg = s, resp, st.lease.Take(), st.att, st.pd.leg
-	st.att, st.pd.leg = nil, nil
+	b.s, b.resp, b.lease, b.att = s, resp, st.lease.Take(), st.att
+	st.att = nil
 	b.firstByte, b.readErr, b.last, b.tail, b.lastChunk, b.pre = false, nil, 0, nil, time.Time{}, b.pre[:0]
 	// The engine's usage report (prompt and cached tokens) is read from
 	// every inference answer, for the endpoint's calibration and, under a
@@ -46,15 +46,12 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 	b.usage = usageScanner{}
 	b.rec = record{class: int(st.req.Kind), status: resp.StatusCode(), attempts: len(st.req.Tried), start: start,
 		reqID: append(b.rec.reqID[:0], reqID...), method: append(b.rec.method[:0], ctx.Method()...),
-		path: append(b.rec.path[:0], ctx.Path()...), model: append(b.rec.model[:0], st.req.Model...), ep: d.Endpoint, decision: d, prefix: b.learn,
-		pdDecision: st.pd.decision, prefilled: st.pd.answered, sent: st.pd.sent}
+		path: append(b.rec.path[:0], ctx.Path()...), model: append(b.rec.model[:0], st.req.Model...), ep: d.Endpoint, decision: d, prefix: b.learn}
+	b.leg = st.pd.handOver(&b.rec, d)
 	b.rec.span, st.span, b.rec.traceID = st.span, nil, st.traceID
 	if s.opt.Tokenizer != nil && b.scan && !st.pd.split && st.prompts == 1 && st.tokens == 0 &&
 		st.req.Kind != routing.KindResponses && d.Endpoint != nil {
 		s.opt.Tokenizer.Offer(d.Endpoint, adapterOf(d.Endpoint, st.req.Model), st.req.Hashes, st.req.PromptBytes, ctx.PostBody())
-	}
-	if st.pd.split || d.Endpoint != nil && d.Endpoint.Role == discovery.RolePrefill {
-		b.rec.prefill = st.pd.prefill.Endpoint
 	}
 
 	// A streamed answer's first byte is its first token: the lease makes
@@ -122,8 +119,9 @@ func isEventStream(resp *fasthttp.Response) bool {
 
 // upstreamBody is the response body handed to fasthttp: it reads the
 // endpoint's stream, notes the first byte, and on close releases the
-// endpoint's connection and lease and records the request. It never
-// touches the RequestCtx, which fasthttp may have reset by then.
+// endpoint's connection and lease, ends a concurrent prefill leg (leg;
+// nil: none) and records the request. It never touches the RequestCtx,
+// which fasthttp may have reset by then.
 type upstreamBody struct {
 	s           *Server
 	resp        *fasthttp.Response
@@ -137,7 +135,7 @@ type upstreamBody struct {
 	promptBytes int
 	stream      bool // a 200 SSE response
 	observe     bool // whose first byte is an observation of the endpoint's TTFT
-	leg         *sgLeg
+	leg         concurrentLeg
 	firstByte   bool
 	lastChunk   time.Time // a stream's last write to the client (for the gaps between them)
 	readErr     error

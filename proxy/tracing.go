@@ -73,8 +73,9 @@ func (s *Server) beginAttempt(st *reqState, client net.Conn, name string, ep *di
 	return a
 }
 
-// answered records an attempt's HTTP status on its span.
-func (a *attempt) answered(code int) {
+// traceStatus records an attempt's HTTP status on its span (nothing
+// without tracing).
+func (a *attempt) traceStatus(code int) {
 	if a.span != nil {
 		a.span.SetAttributes(attribute.Int("http.response.status_code", code))
 		if code >= 500 {

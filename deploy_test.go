@@ -539,8 +539,34 @@ func deployCheckKvroute(t *testing.T, b *deployBuild, w deployWorkload, leaf boo
 		fail("image %q: want REGISTRY/kvroute:VERSION (kustomization images:)", c.Image)
 	}
 
-	// Arguments: every one a flag kvroute has and parses, the environment
-	// included (KVROUTE_*), and the whole configuration valid.
+	cfg := deployCheckArgs(t, fail, c, leaf)
+	if cfg == nil {
+		return
+	}
+	// The args as kvroute's flags take them, to tell which they set.
+	flags := newFlags(&config{Config: app.DefaultConfig()})
+	if err := flags.Parse(c.Args, io.Discard); err != nil {
+		t.Fatal(err)
+	}
+	deployCheckRollout(fail, pod, c, cfg, flags)
+	httpPort := deployCheckPorts(t, fail, w, c, cfg)
+	deployCheckResources(fail, c)
+	deployCheckPodSecurity(fail, b, w, c)
+	// The admin token comes from a Secret that exists.
+	deployCheckAdminToken(t, fail, b, c, rawSecrets)
+	deployCheckClientService(fail, b, w, httpPort)
+	deployCheckPDB(fail, b, w)
+	if leaf {
+		deployCheckPools(fail, b, w, cfg, flags)
+	}
+}
+
+// deployCheckArgs checks kvroute's arguments in container c: every one a
+// flag kvroute has and parses, the environment included (KVROUTE_*), and,
+// in a leaf build, the whole configuration valid. It returns the
+// configuration, nil when kvroute does not parse the args.
+func deployCheckArgs(t *testing.T, fail func(string, ...any), c corev1.Container, leaf bool) *config {
+	t.Helper()
 	for _, a := range c.Args {
 		if !strings.HasPrefix(a, "--") {
 			fail("arg %q: want --flag=value", a)
@@ -565,20 +591,22 @@ func deployCheckKvroute(t *testing.T, b *deployBuild, w deployWorkload, leaf boo
 	cfg, err := parseConfig(c.Args, func(k string) string { return deployEnvValue(c, k) }, io.Discard)
 	if err != nil {
 		fail("kvroute does not parse its args %q: %v", c.Args, err)
-		return
+		return nil
 	}
 	if leaf {
 		if err := cfg.Validate(); err != nil {
 			fail("kvroute rejects its configuration (args %q):\n%v", c.Args, err)
 		}
 	}
+	return cfg
+}
 
-	// Graceful rollout: --shutdown-delay + --drain-timeout fit in the grace period.
-	flags = newFlags(&config{Config: app.DefaultConfig()})
-	if err := flags.Parse(c.Args, io.Discard); err != nil {
-		t.Fatal(err)
-	}
+// deployCheckRollout checks that the rollout is graceful: the args (flags)
+// set --shutdown-delay and --drain-timeout, which fit in pod's grace
+// period, and c has no preStop hook.
+func deployCheckRollout(fail func(string, ...any), pod corev1.PodSpec, c corev1.Container, cfg *config, flags *app.Flags) {
 	var delay time.Duration
+	var err error
 	switch f := flags.All().Lookup("shutdown-delay"); {
 	case f == nil:
 		fail("kvroute has no --shutdown-delay flag (yet?)")
@@ -604,8 +632,12 @@ func deployCheckKvroute(t *testing.T, b *deployBuild, w deployWorkload, leaf boo
 	if c.Lifecycle != nil && c.Lifecycle.PreStop != nil {
 		fail("a preStop hook: the image is distroless (no shell) and --shutdown-delay replaces it")
 	}
+}
 
-	// Ports, probes and scrape annotations agree with the listeners.
+// deployCheckPorts checks that c's ports, probes and w's scrape
+// annotations agree with kvroute's listeners, and returns c's http port.
+func deployCheckPorts(t *testing.T, fail func(string, ...any), w deployWorkload, c corev1.Container, cfg *config) corev1.ContainerPort {
+	t.Helper()
 	httpPort, ok := deployPortOf(c, intstr.FromString("http"))
 	if !ok {
 		fail("no container port named http")
@@ -628,9 +660,12 @@ func deployCheckKvroute(t *testing.T, b *deployBuild, w deployWorkload, leaf boo
 			fail("pod annotation %s is %q, want %q", k, ann[k], v)
 		}
 	}
+	return httpPort
+}
 
-	// Resources: requests for scheduling, a memory limit, and a Go memory
-	// limit below it when set.
+// deployCheckResources checks c's resources: requests for scheduling, a
+// memory limit, and a Go memory limit below it when set.
+func deployCheckResources(fail func(string, ...any), c corev1.Container) {
 	req, lim := c.Resources.Requests, c.Resources.Limits
 	if req.Cpu().IsZero() || req.Memory().IsZero() {
 		fail("resources.requests must set cpu and memory, got %v", req)
@@ -645,8 +680,14 @@ func deployCheckKvroute(t *testing.T, b *deployBuild, w deployWorkload, leaf boo
 			fail("GOMEMLIMIT %s is not below the memory limit %s", v, lim.Memory())
 		}
 	}
+}
 
-	// Security: restricted Pod Security Standard, no API token.
+// deployCheckPodSecurity checks the security of kvroute's pod (w's, of
+// build b, running c): the restricted Pod Security Standard, no API token
+// (neither the pod's nor its ServiceAccount's), no Service links, and
+// topology spread over its own pods.
+func deployCheckPodSecurity(fail func(string, ...any), b *deployBuild, w deployWorkload, c corev1.Container) {
+	pod := w.Template.Spec
 	deployCheckSecurity(fail, pod, c)
 	if pod.AutomountServiceAccountToken == nil || *pod.AutomountServiceAccountToken {
 		fail("automountServiceAccountToken must be false: discovery is DNS, kvroute needs no API access")
@@ -673,11 +714,11 @@ func deployCheckKvroute(t *testing.T, b *deployBuild, w deployWorkload, leaf boo
 			fail("topologySpreadConstraint on %s does not select kvroute's own pods", tsc.TopologyKey)
 		}
 	}
+}
 
-	// The admin token comes from a Secret that exists.
-	deployCheckAdminToken(t, fail, b, c, rawSecrets)
-
-	// The Service clients use selects kvroute, and only kvroute.
+// deployCheckClientService checks that the Service clients use in build b
+// selects kvroute (w, serving on httpPort), and only kvroute.
+func deployCheckClientService(fail func(string, ...any), b *deployBuild, w deployWorkload, httpPort corev1.ContainerPort) {
 	want := deployClientService[b.Dir]
 	if want == "" {
 		want = "vllm"
@@ -713,8 +754,11 @@ func deployCheckKvroute(t *testing.T, b *deployBuild, w deployWorkload, leaf boo
 			fail("Service %s: want port 8000 to kvroute's http port", client.Name)
 		}
 	}
+}
 
-	// A PodDisruptionBudget keeps a router up through node drains.
+// deployCheckPDB checks that one PodDisruptionBudget of build b, selecting
+// kvroute (w) alone, keeps a router up through node drains.
+func deployCheckPDB(fail func(string, ...any), b *deployBuild, w deployWorkload) {
 	pdbs := 0
 	for _, p := range b.PDBs {
 		if p.Spec.Selector == nil || !deploySelects(p.Spec.Selector.MatchLabels, w.Template.Labels) {
@@ -744,12 +788,14 @@ func deployCheckKvroute(t *testing.T, b *deployBuild, w deployWorkload, leaf boo
 	if pdbs != 1 {
 		fail("%d PodDisruptionBudgets select kvroute; want 1", pdbs)
 	}
+}
 
-	if !leaf {
-		return
-	}
-	// The pools kvroute discovers: headless Services of this build, named
-	// NAME.NAMESPACE.svc.cluster.local:PORT, selecting model-server pods.
+// deployCheckPools checks the pools kvroute (w, configured by cfg from the
+// args flags parsed) discovers in a leaf build b: headless Services of this
+// build, named NAME.NAMESPACE.svc.cluster.local:PORT, selecting
+// model-server pods (a PD pool's labelled with its role), and a PD
+// deployment's protocol said.
+func deployCheckPools(fail func(string, ...any), b *deployBuild, w deployWorkload, cfg *config, flags *app.Flags) {
 	pools := 0
 	for _, p := range []struct{ flag, value, role string }{
 		{"--service", cfg.Service, ""}, {"--prefill-service", cfg.PrefillService, "prefill"}, {"--decode-service", cfg.DecodeService, "decode"},

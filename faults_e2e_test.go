@@ -59,13 +59,6 @@ func faultKillUnderLoad(t *testing.T, crash bool) {
 	ctx, cancel := context.WithTimeout(context.Background(), faultGuard)
 	defer cancel()
 	const streams, plain, tokens = 6, 6, 1000
-	running := func() []int {
-		out := make([]int, fleet.Len())
-		for i := range out {
-			out[i] = fleet.Pod(i).Stats().Running
-		}
-		return out
-	}
 	sum := func(v []int) int {
 		n := 0
 		for _, x := range v {
@@ -81,8 +74,8 @@ func faultKillUnderLoad(t *testing.T, crash bool) {
 			t.Fatalf("stream %d: no first event: %v", i, calls[i].finish())
 		}
 	}
-	r.waitFor("every stream running", func() bool { return sum(running()) == streams })
-	onPod := running() // streams per pod
+	r.waitFor("every stream running", func() bool { return sum(faultRunning(fleet)) == streams })
+	onPod := faultRunning(fleet) // streams per pod
 	results := make([]faultResult, plain)
 	var wg sync.WaitGroup
 	for i := range results {
@@ -90,8 +83,8 @@ func faultKillUnderLoad(t *testing.T, crash bool) {
 			results[i] = r.open(ctx, faultBody(cfg.Model, fmt.Sprintf("kill plain %d", i), tokens, false), false).finish()
 		})
 	}
-	r.waitFor("every request running", func() bool { return sum(running()) == streams+plain })
-	all := running()
+	r.waitFor("every request running", func() bool { return sum(faultRunning(fleet)) == streams+plain })
+	all := faultRunning(fleet)
 	victim := 0
 	for i, n := range onPod {
 		if n > onPod[victim] {
@@ -106,28 +99,9 @@ func faultKillUnderLoad(t *testing.T, crash bool) {
 		t.Logf("pod close: %v", err)
 	}
 
-	cut := 0
-	for i, c := range calls {
-		res := c.finish()
-		switch {
-		case res.completed():
-		case res.cut():
-			cut++
-		default:
-			t.Errorf("stream %d: neither complete nor visibly cut: %v", i, res)
-		}
-	}
+	cut := faultStreamsCut(t, calls)
 	wg.Wait()
-	failed := 0
-	for i, res := range results {
-		switch {
-		case res.completed():
-		case res.jsonError() && res.Status >= 500:
-			failed++
-		default:
-			t.Errorf("request %d: neither complete nor a 5xx JSON error: %v", i, res)
-		}
-	}
+	failed := faultRequestsFailed(t, results)
 	resent := int(r.metric("kvroute_upstream_errors_total", "kind=status") - statusErrs)
 	continued := int(r.metric("kvroute_migrations_total", "outcome=continued"))
 	t.Logf("after the kill: %d of %d streams continued on another pod, %d cut; %d of %d requests failed (5xx), %d re-sent after the pod's 503",
@@ -143,7 +117,55 @@ func faultKillUnderLoad(t *testing.T, crash bool) {
 		t.Errorf("%d requests re-sent after a connection reset", resent)
 	}
 
-	// Later requests succeed on the other pods.
+	faultCheckAfterKill(t, r, backends[victim])
+}
+
+// faultRunning returns the requests each pod of fleet runs.
+func faultRunning(fleet *sim.Fleet) []int {
+	out := make([]int, fleet.Len())
+	for i := range out {
+		out[i] = fleet.Pod(i).Stats().Running
+	}
+	return out
+}
+
+// faultStreamsCut finishes the streams of calls and returns how many were
+// visibly cut; each of the others must complete.
+func faultStreamsCut(t *testing.T, calls []*faultCall) (cut int) {
+	t.Helper()
+	for i, c := range calls {
+		res := c.finish()
+		switch {
+		case res.completed():
+		case res.cut():
+			cut++
+		default:
+			t.Errorf("stream %d: neither complete nor visibly cut: %v", i, res)
+		}
+	}
+	return cut
+}
+
+// faultRequestsFailed returns how many of the non-streaming results are a
+// 5xx JSON error; each of the others must complete.
+func faultRequestsFailed(t *testing.T, results []faultResult) (failed int) {
+	t.Helper()
+	for i, res := range results {
+		switch {
+		case res.completed():
+		case res.jsonError() && res.Status >= 500:
+			failed++
+		default:
+			t.Errorf("request %d: neither complete nor a 5xx JSON error: %v", i, res)
+		}
+	}
+	return failed
+}
+
+// faultCheckAfterKill checks that requests after the kill of the pod at
+// victim succeed on the other pods, and that r is idle afterwards.
+func faultCheckAfterKill(t *testing.T, r *faultRig, victim string) {
+	t.Helper()
 	stale := 0
 	for i := range 12 {
 		res := r.do(fmt.Sprintf("after kill %d", i), 16, i%2 == 0)
@@ -156,7 +178,7 @@ func faultKillUnderLoad(t *testing.T, crash bool) {
 			t.Errorf("request %d after the kill: %v", i, res)
 		}
 	}
-	t.Logf("killed pod: %s; retries %v, denied %v", r.endpointState(backends[victim]),
+	t.Logf("killed pod: %s; retries %v, denied %v", r.endpointState(victim),
 		r.metric("kvroute_retries_total"), r.metric("kvroute_retries_budget_exhausted_total"))
 	r.checkIdle()
 	if stale > 0 {
@@ -367,108 +389,136 @@ func TestFaultDropMidStream(t *testing.T) {
 // failing with 5xx is ejected after --eject-failures consecutive failures
 // (never more than half of the pool), 429 never ejects.
 func TestFaultErrorStorm(t *testing.T) {
-	for _, tc := range []struct {
-		status int
-		all    bool
-	}{{500, false}, {503, false}, {429, false}, {500, true}, {503, true}, {429, true}} {
-		name := fmt.Sprintf("one pod %d", tc.status)
-		if tc.all {
-			name = fmt.Sprintf("all pods %d", tc.status)
-		}
-		t.Run(name, func(t *testing.T) {
-			faultLeakCheck(t)
-			good := faultSimConfig()
-			bad := good
-			bad.Faults.ErrorRate, bad.Faults.ErrorStatus = 1, tc.status
-			cfgs := []sim.Config{bad, good, good}
-			if tc.all {
-				cfgs = []sim.Config{bad, bad, bad}
-			}
-			for i := range cfgs {
-				cfgs[i].Seed += uint64(i)
-			}
-			fleet, err := sim.StartFleetOf(cfgs...)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = fleet.Close() })
-			// A long cooldown: an ejected pod stays out for the whole test
-			// however slow the machine.
-			r := startFaultRig(t, fleet.URLs(), good.Model, func(c *app.Config) { c.EjectCooldown = time.Minute })
-			const n = 30
-			start := time.Now()
-			got := map[int]int{}
-			for i := range n {
-				res := r.do(fmt.Sprintf("storm %d", i), 8, i%2 == 1)
-				switch {
-				case res.completed():
-					got[200]++
-				case res.jsonError():
-					got[res.Status]++
-				default:
-					t.Errorf("request %d: %v", i, res)
-				}
-			}
-			elapsed := time.Since(start)
-			mfs := r.metrics()
-			retries := faultSum(mfs["kvroute_retries_total"])
-			denied := faultSum(mfs["kvroute_retries_budget_exhausted_total"])
-			ejections := faultSum(mfs["kvroute_discovery_ejections_total"])
-			statusErrs := faultSum(mfs["kvroute_upstream_errors_total"], "kind=status") // answers re-sent
-			state := r.endpointState(fleet.URL(0))
-			t.Logf("answers %v; retries %v, denied by the budget %v, re-sent answers %v, ejections %v, pod 0 %s",
-				got, retries, denied, statusErrs, ejections, state)
+	for _, tc := range []faultStorm{
+		{status: 500}, {status: 503}, {status: 429},
+		{status: 500, all: true}, {status: 503, all: true}, {status: 429, all: true},
+	} {
+		t.Run(tc.name(), tc.run)
+	}
+}
 
-			// The retry budget over the test's 10 s windows.
-			windows := int(elapsed/(10*time.Second)) + 1
-			budget := max(float64(r.cfg.MinRetries*windows), r.cfg.RetryBudget*n+float64(r.cfg.MinRetries*(windows-1)))
-			if retries > budget {
-				t.Errorf("%v retries for %d requests: above the retry budget (%v)", retries, n, budget)
-			}
-			ejectable := 1 // at most half of the 3 pods
-			switch {
-			case tc.status == 500 && !tc.all:
-				// Passed on until the pod is ejected, then answered by the others.
-				if retries != 0 || got[500] > r.cfg.EjectFailures || got[200]+got[500] != n {
-					t.Errorf("want ≤ %d 500s passed on, the rest answered, no retry", r.cfg.EjectFailures)
-				}
-				if got[500] == r.cfg.EjectFailures && (ejections != 1 || state != "ejected") {
-					t.Errorf("the failing pod was not ejected after %d failures", got[500])
-				}
-			case !tc.all:
-				// Re-sent to a good pod unless the budget was spent; a 503
-				// pod is ejected, a 429 one never.
-				if float64(got[tc.status]) != denied || got[200]+got[tc.status] != n {
-					t.Errorf("want every %d passed on to be a retry the budget denied (%v denied)", tc.status, denied)
-				}
-				if statusErrs != retries {
-					t.Errorf("%v answers re-sent, %v retries", statusErrs, retries)
-				}
-				if tc.status == 429 && (ejections != 0 || state != "up") {
-					t.Errorf("a pod answering 429 was ejected")
-				}
-				// The bad pod answered statusErrs + got[503] requests, all
-				// failures in a row.
-				if tc.status == 503 && int(statusErrs)+got[503] >= r.cfg.EjectFailures && (ejections != 1 || state != "ejected") {
-					t.Errorf("the failing pod was not ejected after %v failures", int(statusErrs)+got[503])
-				}
-			default:
-				// Every answer is the pods' error, passed on.
-				if got[tc.status] != n {
-					t.Errorf("want %d answers %d", n, tc.status)
-				}
-				if tc.status == 500 && retries != 0 {
-					t.Errorf("500 must not be retried")
-				}
-				if tc.status != 500 && denied == 0 {
-					t.Errorf("the budget never denied a retry")
-				}
-				if tc.status == 429 && ejections != 0 || ejections > float64(ejectable) {
-					t.Errorf("%v ejections", ejections)
-				}
-			}
-			r.checkIdle()
-		})
+// faultStorm is an error storm: the first pod of three (all three: all)
+// answers every inference request with status.
+type faultStorm struct {
+	status int
+	all    bool
+}
+
+func (tc faultStorm) name() string {
+	if tc.all {
+		return fmt.Sprintf("all pods %d", tc.status)
+	}
+	return fmt.Sprintf("one pod %d", tc.status)
+}
+
+// stormFigures are what a storm's requests got (answers by status, 200
+// for a completed one) and kvroute's counters afterwards; state is the
+// first pod's endpoint state.
+type stormFigures struct {
+	got                                    map[int]int
+	retries, denied, ejections, statusErrs float64
+	state                                  string
+}
+
+func (tc faultStorm) run(t *testing.T) {
+	faultLeakCheck(t)
+	good := faultSimConfig()
+	bad := good
+	bad.Faults.ErrorRate, bad.Faults.ErrorStatus = 1, tc.status
+	cfgs := []sim.Config{bad, good, good}
+	if tc.all {
+		cfgs = []sim.Config{bad, bad, bad}
+	}
+	for i := range cfgs {
+		cfgs[i].Seed += uint64(i)
+	}
+	fleet, err := sim.StartFleetOf(cfgs...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = fleet.Close() })
+	// A long cooldown: an ejected pod stays out for the whole test
+	// however slow the machine.
+	r := startFaultRig(t, fleet.URLs(), good.Model, func(c *app.Config) { c.EjectCooldown = time.Minute })
+	const n = 30
+	start := time.Now()
+	f := stormFigures{got: map[int]int{}}
+	for i := range n {
+		res := r.do(fmt.Sprintf("storm %d", i), 8, i%2 == 1)
+		switch {
+		case res.completed():
+			f.got[200]++
+		case res.jsonError():
+			f.got[res.Status]++
+		default:
+			t.Errorf("request %d: %v", i, res)
+		}
+	}
+	elapsed := time.Since(start)
+	mfs := r.metrics()
+	f.retries = faultSum(mfs["kvroute_retries_total"])
+	f.denied = faultSum(mfs["kvroute_retries_budget_exhausted_total"])
+	f.ejections = faultSum(mfs["kvroute_discovery_ejections_total"])
+	f.statusErrs = faultSum(mfs["kvroute_upstream_errors_total"], "kind=status") // answers re-sent
+	f.state = r.endpointState(fleet.URL(0))
+	t.Logf("answers %v; retries %v, denied by the budget %v, re-sent answers %v, ejections %v, pod 0 %s",
+		f.got, f.retries, f.denied, f.statusErrs, f.ejections, f.state)
+
+	// The retry budget over the test's 10 s windows.
+	windows := int(elapsed/(10*time.Second)) + 1
+	budget := max(float64(r.cfg.MinRetries*windows), r.cfg.RetryBudget*n+float64(r.cfg.MinRetries*(windows-1)))
+	if f.retries > budget {
+		t.Errorf("%v retries for %d requests: above the retry budget (%v)", f.retries, n, budget)
+	}
+	tc.check(t, r.cfg, n, f)
+	r.checkIdle()
+}
+
+// check checks the figures f of n requests in the storm against what
+// kvroute, configured by cfg, should have done with them.
+func (tc faultStorm) check(t *testing.T, cfg app.Config, n int, f stormFigures) {
+	t.Helper()
+	ejectable := 1 // at most half of the 3 pods
+	switch {
+	case tc.status == 500 && !tc.all:
+		// Passed on until the pod is ejected, then answered by the others.
+		if f.retries != 0 || f.got[500] > cfg.EjectFailures || f.got[200]+f.got[500] != n {
+			t.Errorf("want ≤ %d 500s passed on, the rest answered, no retry", cfg.EjectFailures)
+		}
+		if f.got[500] == cfg.EjectFailures && (f.ejections != 1 || f.state != "ejected") {
+			t.Errorf("the failing pod was not ejected after %d failures", f.got[500])
+		}
+	case !tc.all:
+		// Re-sent to a good pod unless the budget was spent; a 503
+		// pod is ejected, a 429 one never.
+		if float64(f.got[tc.status]) != f.denied || f.got[200]+f.got[tc.status] != n {
+			t.Errorf("want every %d passed on to be a retry the budget denied (%v denied)", tc.status, f.denied)
+		}
+		if f.statusErrs != f.retries {
+			t.Errorf("%v answers re-sent, %v retries", f.statusErrs, f.retries)
+		}
+		if tc.status == 429 && (f.ejections != 0 || f.state != "up") {
+			t.Errorf("a pod answering 429 was ejected")
+		}
+		// The bad pod answered statusErrs + got[503] requests, all
+		// failures in a row.
+		if tc.status == 503 && int(f.statusErrs)+f.got[503] >= cfg.EjectFailures && (f.ejections != 1 || f.state != "ejected") {
+			t.Errorf("the failing pod was not ejected after %v failures", int(f.statusErrs)+f.got[503])
+		}
+	default:
+		// Every answer is the pods' error, passed on.
+		if f.got[tc.status] != n {
+			t.Errorf("want %d answers %d", n, tc.status)
+		}
+		if tc.status == 500 && f.retries != 0 {
+			t.Errorf("500 must not be retried")
+		}
+		if tc.status != 500 && f.denied == 0 {
+			t.Errorf("the budget never denied a retry")
+		}
+		if tc.status == 429 && f.ejections != 0 || f.ejections > float64(ejectable) {
+			t.Errorf("%v ejections", f.ejections)
+		}
 	}
 }
 

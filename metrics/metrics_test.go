@@ -124,38 +124,7 @@ func TestNewRegistersEveryFamily(t *testing.T) {
 // values it is given.
 func TestRecording(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	m := New(reg, testClasses, nil)
-
-	m.Request(1, 200, []byte("m"), 0.5)
-	m.Request(1, 200, []byte("m"), 1.5)
-	m.Request(2, 499, []byte("m"), 0.0002)
-	m.Request(0, 503, nil, 30)
-	m.FirstByte(1, 0.003)
-	m.FirstByte(2, 0.25)
-	m.InFlight(1)
-	m.InFlight(1)
-	m.InFlight(-1)
-	m.UpstreamError("connect")
-	m.UpstreamError("connect")
-	m.UpstreamError("timeout")
-	m.Retry()
-	m.Retry()
-	m.Retry()
-	m.RetryDenied()
-	m.Cancelled()
-	m.Cancelled()
-	m.Queued(1)
-	m.Queued(1)
-	m.Queued(1)
-	m.Queued(-1)
-	m.Overloaded()
-	m.Decision("warm", 1000, 750)
-	m.Decision("warm", 3000, 2250)
-	m.Decision("cold", 0, 0)  // no prompt: counted as a decision only
-	m.CacheReport(1000, 1000) // exact
-	m.CacheReport(1200, 1000) // within 256: exact
-	m.CacheReport(2000, 1000) // over
-	m.CacheReport(0, 512)     // under
+	recordSome(New(reg, testClasses, nil))
 
 	mfs := gather(t, reg)
 	wantType(t, mfs, "kvroute_requests_total", dto.MetricType_COUNTER)
@@ -202,6 +171,48 @@ func TestRecording(t *testing.T) {
 		t.Errorf("hit ratio %v, want 0.75", got)
 	}
 
+	checkRecordedHistograms(t, mfs)
+	lint(t, reg)
+}
+
+// recordSome calls every recording function of m, for TestRecording.
+func recordSome(m *Metrics) {
+	m.Request(1, 200, []byte("m"), 0.5)
+	m.Request(1, 200, []byte("m"), 1.5)
+	m.Request(2, 499, []byte("m"), 0.0002)
+	m.Request(0, 503, nil, 30)
+	m.FirstByte(1, 0.003)
+	m.FirstByte(2, 0.25)
+	m.InFlight(1)
+	m.InFlight(1)
+	m.InFlight(-1)
+	m.UpstreamError("connect")
+	m.UpstreamError("connect")
+	m.UpstreamError("timeout")
+	m.Retry()
+	m.Retry()
+	m.Retry()
+	m.RetryDenied()
+	m.Cancelled()
+	m.Cancelled()
+	m.Queued(1)
+	m.Queued(1)
+	m.Queued(1)
+	m.Queued(-1)
+	m.Overloaded()
+	m.Decision("warm", 1000, 750)
+	m.Decision("warm", 3000, 2250)
+	m.Decision("cold", 0, 0)  // no prompt: counted as a decision only
+	m.CacheReport(1000, 1000) // exact
+	m.CacheReport(1200, 1000) // within 256: exact
+	m.CacheReport(2000, 1000) // over
+	m.CacheReport(0, 512)     // under
+}
+
+// checkRecordedHistograms checks the latency histograms after recordSome:
+// per class, and with buckets from a loopback hop to a long generation.
+func checkRecordedHistograms(t *testing.T, mfs map[string]*dto.MetricFamily) {
+	t.Helper()
 	hist := func(name, class string) *dto.Histogram {
 		return sample(t, mfs, name, "class="+class).GetHistogram()
 	}
@@ -232,8 +243,6 @@ func TestRecording(t *testing.T) {
 			t.Errorf("chat duration bucket le=%v count %d, want %d", bk.GetUpperBound(), bk.GetCumulativeCount(), want)
 		}
 	}
-
-	lint(t, reg)
 }
 
 // TestEndpointCollector: the endpoints callback is read at every gather;

@@ -83,7 +83,41 @@ func TestErrorResponsesCarryRequestID(t *testing.T) {
 	empty := startProxy(t, nil, Options{})
 	timeout := startProxy(t, nil, Options{Limits: Limits{ResponseHeaderTimeout: 100 * time.Millisecond}}, slow.URL)
 	panicky := startProxy(t, panicOnRetry{}, Options{Limits: Limits{Retries: 1}}, busy.URL)
-	// One request held in flight saturates the only endpoint of full.
+	full := startFullProxy(t)
+
+	cases := []errorResponseCase{
+		{"malformed JSON", plain.url, "/v1/completions", `{"model":`, 400, nil},
+		{"messages not an array", plain.url, "/v1/chat/completions", `{"model":"m","messages":"hi"}`, 400, ptr("messages")},
+		{"prompt missing", plain.url, "/v1/completions", `{"model":"m"}`, 400, ptr("prompt")},
+		{"negative token id", plain.url, "/v1/completions", `{"model":"m","prompt":[1,-2]}`, 400, ptr("prompt")},
+		{"stream not a boolean", plain.url, "/v1/completions", `{"model":"m","prompt":"x","stream":"yes"}`, 400, ptr("stream")},
+		{"oversized body", plain.url, "/v1/completions", `{"model":"m","prompt":"` + strings.Repeat("x", 8192) + `"}`, 413, nil},
+		{"every endpoint refuses", refused.url, "/v1/completions", ok, 502, nil},
+		{"no endpoint", empty.url, "/v1/completions", ok, 503, nil},
+		{"response header timeout", timeout.url, "/v1/completions", ok, 504, nil},
+		{"internal error", panicky.url, "/v1/completions", ok, 500, nil},
+		{"no endpoint, other path", empty.url, "/v1/models", "", 503, nil},
+		{"overloaded", full.url, "/v1/completions", ok, 429, nil},
+	}
+	seen := map[string]string{} // generated id → the case it answered
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Run("generated id", func(t *testing.T) { tc.check(t, "", seen) })
+			t.Run("client's id", func(t *testing.T) { tc.check(t, "client-id-"+strings.ReplaceAll(tc.name, " ", "-"), seen) })
+		})
+	}
+	if goodHits.Load() != 0 {
+		t.Errorf("%d bad requests reached the backend", goodHits.Load())
+	}
+
+	t.Run("malformed HTTP", func(t *testing.T) { checkMalformedHTTP(t, plain.url) })
+}
+
+// startFullProxy returns a proxy whose only endpoint is saturated: it
+// admits one request in flight, and one is held there (a stream the
+// backend does not end) until the test ends.
+func startFullProxy(t *testing.T) *harness {
+	t.Helper()
 	hold := make(chan struct{})
 	held := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/event-stream")
@@ -119,90 +153,71 @@ func TestErrorResponsesCarryRequestID(t *testing.T) {
 			t.Fatal("the holding request never went in flight")
 		}
 	}
+	return full
+}
 
-	cases := []struct {
-		name, url, path, body string
-		status                int
-		param                 *string
-	}{
-		{"malformed JSON", plain.url, "/v1/completions", `{"model":`, 400, nil},
-		{"messages not an array", plain.url, "/v1/chat/completions", `{"model":"m","messages":"hi"}`, 400, ptr("messages")},
-		{"prompt missing", plain.url, "/v1/completions", `{"model":"m"}`, 400, ptr("prompt")},
-		{"negative token id", plain.url, "/v1/completions", `{"model":"m","prompt":[1,-2]}`, 400, ptr("prompt")},
-		{"stream not a boolean", plain.url, "/v1/completions", `{"model":"m","prompt":"x","stream":"yes"}`, 400, ptr("stream")},
-		{"oversized body", plain.url, "/v1/completions", `{"model":"m","prompt":"` + strings.Repeat("x", 8192) + `"}`, 413, nil},
-		{"every endpoint refuses", refused.url, "/v1/completions", ok, 502, nil},
-		{"no endpoint", empty.url, "/v1/completions", ok, 503, nil},
-		{"response header timeout", timeout.url, "/v1/completions", ok, 504, nil},
-		{"internal error", panicky.url, "/v1/completions", ok, 500, nil},
-		{"no endpoint, other path", empty.url, "/v1/models", "", 503, nil},
-		{"overloaded", full.url, "/v1/completions", ok, 429, nil},
-	}
-	seen := map[string]string{}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			for _, clientID := range []string{"", "client-id-" + strings.ReplaceAll(tc.name, " ", "-")} {
-				sub := "generated id"
-				if clientID != "" {
-					sub = "client's id"
-				}
-				t.Run(sub, func(t *testing.T) {
-					var hdr []string
-					if clientID != "" {
-						hdr = []string{"X-Request-Id", clientID}
-					}
-					resp := post(t, tc.url+tc.path, tc.body, hdr...)
-					body := readAll(t, resp)
-					if resp.StatusCode != tc.status {
-						t.Fatalf("status %d, want %d: %s", resp.StatusCode, tc.status, body)
-					}
-					if ct := resp.Header.Get("Content-Type"); ct != "application/json" {
-						t.Errorf("content type %q", ct)
-					}
-					checkEnvelope(t, []byte(body), tc.param)
-					ids := resp.Header.Values("X-Request-Id")
-					switch {
-					case len(ids) != 1 || ids[0] == "":
-						t.Errorf("X-Request-Id %q (client sent %q), want one", ids, clientID)
-					case clientID != "" && ids[0] != clientID:
-						t.Errorf("X-Request-Id %q, want the client's %q", ids[0], clientID)
-					case clientID == "":
-						if other, dup := seen[ids[0]]; dup {
-							t.Errorf("generated X-Request-Id %q also answered %q", ids[0], other)
-						}
-						seen[ids[0]] = tc.name
-					}
-				})
-			}
-		})
-	}
-	if goodHits.Load() != 0 {
-		t.Errorf("%d bad requests reached the backend", goodHits.Load())
-	}
+// errorResponseCase is a request (body to url+path) that kvroute answers
+// itself with status, and the param its error envelope names (nil: none).
+type errorResponseCase struct {
+	name, url, path, body string
+	status                int
+	param                 *string
+}
 
-	t.Run("malformed HTTP", func(t *testing.T) {
-		// A request fasthttp cannot parse: no client id can be read, so a
-		// fresh one is generated.
-		c, err := net.Dial("tcp", strings.TrimPrefix(plain.url, "http://"))
-		if err != nil {
-			t.Fatal(err)
+// check sends tc's request with clientID as X-Request-Id ("": none) and
+// checks the answer: tc's status, the error envelope, and one request id,
+// the client's or a generated one no earlier answer in seen carried.
+func (tc errorResponseCase) check(t *testing.T, clientID string, seen map[string]string) {
+	var hdr []string
+	if clientID != "" {
+		hdr = []string{"X-Request-Id", clientID}
+	}
+	resp := post(t, tc.url+tc.path, tc.body, hdr...)
+	body := readAll(t, resp)
+	if resp.StatusCode != tc.status {
+		t.Fatalf("status %d, want %d: %s", resp.StatusCode, tc.status, body)
+	}
+	if ct := resp.Header.Get("Content-Type"); ct != "application/json" {
+		t.Errorf("content type %q", ct)
+	}
+	checkEnvelope(t, []byte(body), tc.param)
+	ids := resp.Header.Values("X-Request-Id")
+	switch {
+	case len(ids) != 1 || ids[0] == "":
+		t.Errorf("X-Request-Id %q (client sent %q), want one", ids, clientID)
+	case clientID != "" && ids[0] != clientID:
+		t.Errorf("X-Request-Id %q, want the client's %q", ids[0], clientID)
+	case clientID == "":
+		if other, dup := seen[ids[0]]; dup {
+			t.Errorf("generated X-Request-Id %q also answered %q", ids[0], other)
 		}
-		defer c.Close()
-		_ = c.SetDeadline(time.Now().Add(guardWait))
-		if _, err := c.Write([]byte("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: nonsense\r\n\r\n")); err != nil {
-			t.Fatal(err)
-		}
-		resp, err := http.ReadResponse(bufio.NewReader(c), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		body := readAll(t, resp)
-		if resp.StatusCode != 400 {
-			t.Fatalf("status %d: %s", resp.StatusCode, body)
-		}
-		checkEnvelope(t, []byte(body), nil)
-		if id := resp.Header.Get("X-Request-Id"); id == "" {
-			t.Error("no X-Request-Id")
-		}
-	})
+		seen[ids[0]] = tc.name
+	}
+}
+
+// checkMalformedHTTP sends the proxy at url a request fasthttp cannot
+// parse: no client id can be read, so a fresh one is generated, on a 400
+// with the error envelope.
+func checkMalformedHTTP(t *testing.T, url string) {
+	c, err := net.Dial("tcp", strings.TrimPrefix(url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(guardWait))
+	if _, err := c.Write([]byte("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: nonsense\r\n\r\n")); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := readAll(t, resp)
+	if resp.StatusCode != 400 {
+		t.Fatalf("status %d: %s", resp.StatusCode, body)
+	}
+	checkEnvelope(t, []byte(body), nil)
+	if id := resp.Header.Get("X-Request-Id"); id == "" {
+		t.Error("no X-Request-Id")
+	}
 }

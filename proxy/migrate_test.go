@@ -176,13 +176,7 @@ func readStream(t *testing.T, url, body string) []string {
 // sent, with the tokens left; the client reads one stream with the first
 // leg's id, created and model, the usage of both legs and one [DONE].
 func TestMigrateContinuesTheText(t *testing.T) {
-	const sent = 3 // tokens the first leg sends before it fails
-	first := []string{" Hello", ", \"w\u00f6rld\"", " \\n"}
-	for _, tc := range []struct {
-		name, body, cause string
-		chat              bool
-		fail              func(c net.Conn)
-	}{
+	for _, tc := range []migrateCase{
 		{name: "completion reset", cause: "cut",
 			body: `{"model":"m","prompt":"Say \"hi\"","max_tokens":5,"min_tokens":4,"stream":true,"stream_options":{"include_usage":true},"ignore_eos":true}`,
 			fail: reset},
@@ -199,113 +193,139 @@ func TestMigrateContinuesTheText(t *testing.T) {
 				sseEnd(c)
 			}},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			a := startRawEndpoint(t, func(c net.Conn, _ []byte) {
-				sseHead(c)
-				if tc.chat {
-					sseEvent(c, `{"id":"chatcmpl-A","object":"chat.completion.chunk","created":1700000001,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}`)
-				}
-				for _, x := range first {
-					sseEvent(c, chunkOf(tc.chat, "cmpl-A", "m", x, ""))
-				}
-				tc.fail(c)
-			})
-			b := startRawEndpoint(t, func(c net.Conn, _ []byte) {
-				sseHead(c)
-				if tc.chat {
-					sseEvent(c, `{"id":"chatcmpl-B","object":"chat.completion.chunk","created":1800000002,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}`)
-				}
-				sseEvent(c, chunkOf(tc.chat, "cmpl-B", "m", " again", ""))
-				sseEvent(c, chunkOf(tc.chat, "cmpl-B", "m", "!", "length"))
-				sseEvent(c, `{"id":"cmpl-B","object":"chat.completion.chunk","created":1800000002,"model":"m","choices":[],"usage":{"prompt_tokens":12,"total_tokens":14,"completion_tokens":2}}`)
-				sseEnd(c)
-			})
-			h := startProxy(t, fixedOrder{}, Options{Limits: Limits{MaxMigrations: 2, StreamIdleTimeout: 300 * time.Millisecond}}, a.url, b.url)
-			path := "/v1/completions"
-			if tc.chat {
-				path = "/v1/chat/completions"
-			}
-			events := readStream(t, h.url+path, tc.body)
+		t.Run(tc.name, tc.run)
+	}
+}
 
-			// What B was asked: the original, the text sent, the tokens left.
-			got := b.received()
-			if len(got) != 1 {
-				t.Fatalf("B received %d requests", len(got))
-			}
-			var req map[string]any
-			if err := json.Unmarshal([]byte(got[0]), &req); err != nil {
-				t.Fatalf("continuation body %s: %v", got[0], err)
-			}
-			text := strings.Join(first, "")
-			if tc.chat {
-				msgs := req["messages"].([]any)
-				last := msgs[len(msgs)-1].(map[string]any)
-				if len(msgs) != 2 || last["role"] != "assistant" || last["content"] != text ||
-					req["continue_final_message"] != true || req["add_generation_prompt"] != false {
-					t.Errorf("chat continuation %s", got[0])
-				}
-			} else if req["prompt"] != `Say "hi"`+text && req["prompt"] != "Say hi"+text {
-				t.Errorf("prompt %q, want the original followed by %q", req["prompt"], text)
-			}
-			for _, k := range []string{"max_tokens", "max_completion_tokens", "min_tokens"} {
-				var orig map[string]any
-				_ = json.Unmarshal([]byte(tc.body), &orig)
-				if v, ok := orig[k]; ok && req[k] != v.(float64)-sent {
-					t.Errorf("%s %v, want %v", k, req[k], v.(float64)-sent)
-				}
-			}
-			if req["stream"] != true || req["model"] != "m" {
-				t.Errorf("continuation %s", got[0])
-			}
+// migrateFirst is the text the first leg of TestMigrateContinuesTheText
+// sends, a token an event, before it fails; migrateSent is its tokens.
+var migrateFirst = []string{" Hello", ", \"w\u00f6rld\"", " \\n"}
 
-			// What the client read: one stream.
-			var all string
-			done, usage := 0, 0
-			for _, ev := range events {
-				if ev == "[DONE]" {
-					done++
-					continue
-				}
-				var c struct {
-					ID, Model string
-					Created   int
-					Error     any
-					Choices   []struct {
-						Text  string
-						Delta struct{ Content string }
-					}
-					Usage *struct {
-						PromptTokens     int `json:"prompt_tokens"`
-						CompletionTokens int `json:"completion_tokens"`
-						TotalTokens      int `json:"total_tokens"`
-					} `json:"usage"`
-				}
-				if err := json.Unmarshal([]byte(ev), &c); err != nil {
-					t.Fatalf("event %q: %v", ev, err)
-				}
-				if c.Error != nil {
-					t.Fatalf("the client got an error event: %s", ev)
-				}
-				if (c.ID != "cmpl-A" && c.ID != "chatcmpl-A") || c.Created != 1700000001 || c.Model != "m" {
-					t.Errorf("event of another stream: %s", ev)
-				}
-				for _, ch := range c.Choices {
-					all += ch.Text + ch.Delta.Content
-				}
-				if c.Usage != nil {
-					usage++
-					if c.Usage.CompletionTokens != sent+2 || c.Usage.PromptTokens != 12-sent || c.Usage.TotalTokens != 12+2 {
-						t.Errorf("usage %+v", *c.Usage)
-					}
-				}
+const migrateSent = 3
+
+// migrateCase is a stream (body, a chat's when chat) whose first leg fails
+// after migrateFirst as fail makes it, a migration of cause.
+type migrateCase struct {
+	name, body, cause string
+	chat              bool
+	fail              func(c net.Conn)
+}
+
+func (tc migrateCase) run(t *testing.T) {
+	a := startRawEndpoint(t, func(c net.Conn, _ []byte) {
+		sseHead(c)
+		if tc.chat {
+			sseEvent(c, `{"id":"chatcmpl-A","object":"chat.completion.chunk","created":1700000001,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}`)
+		}
+		for _, x := range migrateFirst {
+			sseEvent(c, chunkOf(tc.chat, "cmpl-A", "m", x, ""))
+		}
+		tc.fail(c)
+	})
+	b := startRawEndpoint(t, func(c net.Conn, _ []byte) {
+		sseHead(c)
+		if tc.chat {
+			sseEvent(c, `{"id":"chatcmpl-B","object":"chat.completion.chunk","created":1800000002,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}`)
+		}
+		sseEvent(c, chunkOf(tc.chat, "cmpl-B", "m", " again", ""))
+		sseEvent(c, chunkOf(tc.chat, "cmpl-B", "m", "!", "length"))
+		sseEvent(c, `{"id":"cmpl-B","object":"chat.completion.chunk","created":1800000002,"model":"m","choices":[],"usage":{"prompt_tokens":12,"total_tokens":14,"completion_tokens":2}}`)
+		sseEnd(c)
+	})
+	h := startProxy(t, fixedOrder{}, Options{Limits: Limits{MaxMigrations: 2, StreamIdleTimeout: 300 * time.Millisecond}}, a.url, b.url)
+	path := "/v1/completions"
+	if tc.chat {
+		path = "/v1/chat/completions"
+	}
+	events := readStream(t, h.url+path, tc.body)
+	tc.checkContinuation(t, b.received())
+	checkOneStream(t, events)
+	if v := counterValue(t, h.reg, "kvroute_migrations_total", map[string]string{"cause": tc.cause, "outcome": "continued"}); v != 1 {
+		t.Errorf("kvroute_migrations_total{cause=%q,outcome=continued} = %v", tc.cause, v)
+	}
+}
+
+// checkContinuation checks what the second endpoint was asked (got, the
+// bodies it received): the original, the text sent, the tokens left.
+func (tc migrateCase) checkContinuation(t *testing.T, got []string) {
+	t.Helper()
+	if len(got) != 1 {
+		t.Fatalf("B received %d requests", len(got))
+	}
+	var req map[string]any
+	if err := json.Unmarshal([]byte(got[0]), &req); err != nil {
+		t.Fatalf("continuation body %s: %v", got[0], err)
+	}
+	text := strings.Join(migrateFirst, "")
+	if tc.chat {
+		msgs := req["messages"].([]any)
+		last := msgs[len(msgs)-1].(map[string]any)
+		if len(msgs) != 2 || last["role"] != "assistant" || last["content"] != text ||
+			req["continue_final_message"] != true || req["add_generation_prompt"] != false {
+			t.Errorf("chat continuation %s", got[0])
+		}
+	} else if req["prompt"] != `Say "hi"`+text && req["prompt"] != "Say hi"+text {
+		t.Errorf("prompt %q, want the original followed by %q", req["prompt"], text)
+	}
+	for _, k := range []string{"max_tokens", "max_completion_tokens", "min_tokens"} {
+		var orig map[string]any
+		_ = json.Unmarshal([]byte(tc.body), &orig)
+		if v, ok := orig[k]; ok && req[k] != v.(float64)-migrateSent {
+			t.Errorf("%s %v, want %v", k, req[k], v.(float64)-migrateSent)
+		}
+	}
+	if req["stream"] != true || req["model"] != "m" {
+		t.Errorf("continuation %s", got[0])
+	}
+}
+
+// checkOneStream checks what the client read (events): one stream, with
+// the first leg's id, created and model, the text of both legs, the usage
+// of both and one [DONE].
+func checkOneStream(t *testing.T, events []string) {
+	t.Helper()
+	var all string
+	done, usage := 0, 0
+	for _, ev := range events {
+		if ev == "[DONE]" {
+			done++
+			continue
+		}
+		var c struct {
+			ID, Model string
+			Created   int
+			Error     any
+			Choices   []struct {
+				Text  string
+				Delta struct{ Content string }
 			}
-			if all != text+" again!" || done != 1 || usage != 1 {
-				t.Errorf("text %q, %d [DONE], %d usage chunks", all, done, usage)
+			Usage *struct {
+				PromptTokens     int `json:"prompt_tokens"`
+				CompletionTokens int `json:"completion_tokens"`
+				TotalTokens      int `json:"total_tokens"`
+			} `json:"usage"`
+		}
+		if err := json.Unmarshal([]byte(ev), &c); err != nil {
+			t.Fatalf("event %q: %v", ev, err)
+		}
+		if c.Error != nil {
+			t.Fatalf("the client got an error event: %s", ev)
+		}
+		if (c.ID != "cmpl-A" && c.ID != "chatcmpl-A") || c.Created != 1700000001 || c.Model != "m" {
+			t.Errorf("event of another stream: %s", ev)
+		}
+		for _, ch := range c.Choices {
+			all += ch.Text + ch.Delta.Content
+		}
+		if c.Usage != nil {
+			usage++
+			if c.Usage.CompletionTokens != migrateSent+2 || c.Usage.PromptTokens != 12-migrateSent || c.Usage.TotalTokens != 12+2 {
+				t.Errorf("usage %+v", *c.Usage)
 			}
-			if v := counterValue(t, h.reg, "kvroute_migrations_total", map[string]string{"cause": tc.cause, "outcome": "continued"}); v != 1 {
-				t.Errorf("kvroute_migrations_total{cause=%q,outcome=continued} = %v", tc.cause, v)
-			}
-		})
+		}
+	}
+	if text := strings.Join(migrateFirst, ""); all != text+" again!" || done != 1 || usage != 1 {
+		t.Errorf("text %q, %d [DONE], %d usage chunks", all, done, usage)
 	}
 }
 

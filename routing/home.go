@@ -3,6 +3,7 @@ package routing
 import (
 	"cmp"
 	"math"
+	"math/rand/v2"
 	"slices"
 	"sync"
 	"time"
@@ -10,6 +11,7 @@ import (
 	"github.com/hashicorp/golang-lru/v2/simplelru"
 
 	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/prefix"
 )
 
 // homes gives every prefix key (the hash of the block at depth
@@ -132,6 +134,46 @@ func newHomes(ttl time.Duration, now func() time.Time) *homes {
 		}
 	})
 	return h
+}
+
+// prefixKey returns r's prefix key (see rendezvousKey), whether r has one
+// (keyed: a prompt of MinMatchBlocks blocks at least), and, when the key is
+// a conversation's own under a shared prefix (homes.family; among
+// replicas), the shared part's depth in blocks (branch, presumed held at
+// the branch's home; 0 otherwise). deepest is the deepest match in the
+// index; see is decide's (the request counts).
+func (p *Prefix) prefixKey(r *Request, prm *PrefixParams, deepest int, replicated, see bool) (key uint64, keyed bool, branch int) {
+	key = rendezvousKey(r.Hashes, prm.MinMatchBlocks)
+	keyed = len(r.Hashes) >= prm.MinMatchBlocks
+	if keyed {
+		// A family of conversations under one shared prefix: each
+		// branch (conversation) is keyed by its own first block.
+		shared, chained := p.homes.family(key, deepest, prm.MinMatchBlocks, see)
+		if chained && shared < len(r.Hashes) && replicated {
+			key, branch = r.Hashes[shared], shared
+		}
+	}
+	if r.Prefill {
+		// The prefill pool homes a prefix apart from the serving one.
+		key = prefix.Mix64(key ^ prefillPoolSalt)
+	}
+	return key, keyed, branch
+}
+
+// prefillPoolSalt separates a prefix key's home in the prefill pool from
+// its home among the endpoints that answer clients.
+const prefillPoolSalt = 0x5046_696c_6c50_6f6f // "PFillPoo"
+
+// rendezvousKey is the hash of the block at depth minMatch (or the last
+// block of shorter prompts): requests sharing a useful prefix share the key,
+// requests sharing less (a short system prompt) do not. A prompt shorter
+// than a block has nothing to share and gets a random key, so such prompts
+// spread.
+func rendezvousKey(hashes []uint64, minMatch int) uint64 {
+	if len(hashes) == 0 {
+		return rand.Uint64()
+	}
+	return hashes[min(minMatch, len(hashes))-1]
 }
 
 // lookup returns key's home among eps (every endpoint of the set, usable or
@@ -379,6 +421,13 @@ func choice(key uint64, eps []*discovery.Endpoint, prev uint64, limited bool) (i
 		}
 	}
 	return id, score, ok
+}
+
+// rendezvous is the highest-random-weight score of endpoint id for key
+// (SplitMix64's finaliser over their combination): the same everywhere, so
+// independent router replicas agree.
+func rendezvous(key, id uint64) uint64 {
+	return prefix.Mix64(key ^ (id * 0x9e3779b97f4a7c15))
 }
 
 // len returns how many keys recur.

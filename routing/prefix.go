@@ -2,7 +2,6 @@ package routing
 
 import (
 	"math"
-	"math/rand/v2"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -327,6 +326,10 @@ type Term struct {
 // endpoint's side of it, and then nothing is counted as seen. It reads
 // every endpoint's load once, so the terms and the decision agree.
 func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision {
+	// see: the decision is Pick's and the request counts (the homes see
+	// its key, Foreign learns from its view of the engines); Explain's
+	// (terms wanted) records nothing.
+	see := terms == nil
 	prm := p.params.Load()
 	sp := p.scratch.Get().(*[]prefix.Match)
 	matches := p.index.Match(r.Hashes, *sp)
@@ -337,14 +340,14 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	}
 
 	replicated := p.Foreign() >= sharedFleet
-	key, keyed, branch := p.prefixKey(r, prm, deepest, replicated, terms == nil)
+	key, keyed, branch := p.prefixKey(r, prm, deepest, replicated, see)
 	group := r.group(set)
 	// The key's home; established when the key recurs.
 	var homeID uint64
 	var hk homeKey
 	var hasHome bool
 	if keyed {
-		homeID, hk, hasHome = p.homes.lookup(key, group, prm.HomeLoadFactor, terms == nil, branch > 0)
+		homeID, hk, hasHome = p.homes.lookup(key, group, prm.HomeLoadFactor, see, branch > 0)
 	}
 	bpt := p.BytesPerToken()
 	promptTokens := r.PromptTokens
@@ -384,7 +387,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		}
 		ch.add(c, hasHome && e.ID == homeID, prm.TieSec)
 	}
-	if terms == nil && engines > 0 {
+	if see && engines > 0 {
 		p.learnForeign(float64(foreign) / float64(engines))
 	}
 	if ch.top.e == nil {
@@ -414,30 +417,6 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		d.PrefixKey, d.branch = key, branch > 0
 	}
 	return d
-}
-
-// prefixKey returns r's prefix key (see rendezvousKey), whether r has one
-// (keyed: a prompt of MinMatchBlocks blocks at least), and, when the key is
-// a conversation's own under a shared prefix (homes.family; among
-// replicas), the shared part's depth in blocks (branch, presumed held at
-// the branch's home; 0 otherwise). deepest is the deepest match in the
-// index; see is decide's (the request counts).
-func (p *Prefix) prefixKey(r *Request, prm *PrefixParams, deepest int, replicated, see bool) (key uint64, keyed bool, branch int) {
-	key = rendezvousKey(r.Hashes, prm.MinMatchBlocks)
-	keyed = len(r.Hashes) >= prm.MinMatchBlocks
-	if keyed {
-		// A family of conversations under one shared prefix: each
-		// branch (conversation) is keyed by its own first block.
-		shared, chained := p.homes.family(key, deepest, prm.MinMatchBlocks, see)
-		if chained && shared < len(r.Hashes) && replicated {
-			key, branch = r.Hashes[shared], shared
-		}
-	}
-	if r.Prefill {
-		// The prefill pool homes a prefix apart from the serving one.
-		key = prefix.Mix64(key ^ prefillPoolSalt)
-	}
-	return key, keyed, branch
 }
 
 // matchedBlocks returns the blocks matches credit endpoint id with, and
@@ -701,29 +680,6 @@ func (c candidate) beats(o candidate, tie float64) bool {
 func (c candidate) decision(reason string, promptTokens int) Decision {
 	return Decision{Endpoint: c.e, Reason: reason, Prefill: c.uncached, Loaded: c.loaded, MatchedBlocks: c.blocks,
 		Contended: c.load.pending > 0, PromptTokens: promptTokens}
-}
-
-// prefillPoolSalt separates a prefix key's home in the prefill pool from
-// its home among the endpoints that answer clients.
-const prefillPoolSalt = 0x5046_696c_6c50_6f6f // "PFillPoo"
-
-// rendezvousKey is the hash of the block at depth minMatch (or the last
-// block of shorter prompts): requests sharing a useful prefix share the key,
-// requests sharing less (a short system prompt) do not. A prompt shorter
-// than a block has nothing to share and gets a random key, so such prompts
-// spread.
-func rendezvousKey(hashes []uint64, minMatch int) uint64 {
-	if len(hashes) == 0 {
-		return rand.Uint64()
-	}
-	return hashes[min(minMatch, len(hashes))-1]
-}
-
-// rendezvous is the highest-random-weight score of endpoint id for key
-// (SplitMix64's finaliser over their combination): the same everywhere, so
-// independent router replicas agree.
-func rendezvous(key, id uint64) uint64 {
-	return prefix.Mix64(key ^ (id * 0x9e3779b97f4a7c15))
 }
 
 // Follow sets o's OnRemove, OnRestart and OnCapacity so that the policy

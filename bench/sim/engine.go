@@ -470,13 +470,31 @@ func (e *engine) reapCancelled() {
 
 // schedule builds e.batch for the next step, vLLM-v1 style: running
 // sequences first (decode one token or continue a chunked prefill),
-// preempting the newest running sequence when KV runs out; then waiting
-// sequences FCFS while the token budget, the sequence limit and KV last.
-// It returns the prompt tokens computed and the KV tokens read.
+// preempting the newest running sequence when KV runs out; then, unless
+// one was preempted, waiting sequences FCFS while the token budget, the
+// sequence limit and KV last. It returns the prompt tokens computed and the
+// KV tokens read.
 func (e *engine) schedule() (prefill, ctxTokens int) {
 	e.batch = e.batch[:0]
-	budget := e.cfg.MaxNumBatchedTokens
-	preempted := false
+	budget, preempted := e.scheduleRunning(e.cfg.MaxNumBatchedTokens)
+	if !preempted {
+		e.scheduleWaiting(budget)
+	}
+	for _, b := range e.batch {
+		if b.prefill {
+			prefill += b.n
+		}
+		ctxTokens += b.s.numComputed + b.n
+	}
+	return prefill, ctxTokens
+}
+
+// scheduleRunning batches the running sequences in order while budget
+// tokens last, growing each one's KV and preempting the newest running
+// sequence when KV runs out (the sequence itself, when it is the newest:
+// then the batch ends there). It returns the budget left and whether a
+// sequence was preempted.
+func (e *engine) scheduleRunning(budget int) (left int, preempted bool) {
 	for i := 0; i < len(e.running) && budget > 0; {
 		s := e.running[i]
 		n := min(s.numTokens()-s.numComputed, budget)
@@ -502,13 +520,21 @@ func (e *engine) schedule() (prefill, ctxTokens int) {
 		budget -= n
 		i++
 	}
+	return budget, preempted
+}
+
+// scheduleWaiting admits waiting sequences FCFS while budget tokens, the
+// sequence limit and KV last: into the batch, or into loading when their
+// KV comes from a remote prefill or the CPU tier. The first that KV cannot
+// hold ends the admissions.
+func (e *engine) scheduleWaiting(budget int) {
 	// vLLM's scheduler admits requests for at most MaxLoRAs adapters into a
 	// batch: a request for another is skipped, keeping its place.
 	var active []string
 	if len(e.cfg.LoRAs) > 0 {
 		active = loraNames(e.running)
 	}
-	for i := 0; !preempted && i < len(e.waiting) && budget > 0 && len(e.running) < e.cfg.MaxNumSeqs; {
+	for i := 0; i < len(e.waiting) && budget > 0 && len(e.running) < e.cfg.MaxNumSeqs; {
 		s := e.waiting[i]
 		if s.lora != "" && e.cfg.MaxLoRAs > 0 && !slices.Contains(active, s.lora) {
 			if len(active) >= e.cfg.MaxLoRAs {
@@ -521,68 +547,90 @@ func (e *engine) schedule() (prefill, ctxTokens int) {
 		if fresh {
 			e.match(s)
 		}
-		if s.remote != nil && !s.remoteDone {
-			need := e.blocksFor(len(s.prompt)) - len(s.blocks)
-			if need > e.cache.free {
-				e.unmatch(s, fresh)
-				break
-			}
-			e.grow(s, need)
-			e.admitStats(s, true)
-			e.m.extQueries.Add(float64(len(s.prompt) - 1 - s.numComputed))
-			e.removeWaiting(i)
-			s.state = stLoading
-			e.loading++
-			cost := e.cfg.TransferCost(len(s.prompt) - 1 - s.numComputed)
-			e.startPull(s, e.wallOf(e.modelNow+cost), time.Duration(float64(cost)/e.scale))
-			continue
+		var admitted bool
+		switch {
+		case s.remote != nil && !s.remoteDone:
+			admitted = e.admitPull(i, s, fresh)
+		case s.cpuBlocks > 0:
+			admitted = e.admitCPULoad(i, s, fresh)
+		default:
+			var n int
+			n, admitted = e.admitRunning(i, s, fresh, budget)
+			budget -= n
 		}
-		if s.cpuBlocks > 0 {
-			// vLLM's OffloadingConnector: the blocks after the GPU hit that
-			// the CPU tier holds are loaded asynchronously into newly
-			// allocated GPU blocks, and the request waits for them
-			// (WAITING_FOR_REMOTE_KVS) instead of computing them.
-			if s.cpuBlocks > e.cache.free {
-				e.unmatch(s, fresh)
-				break
-			}
-			e.prefixStats(s)
-			e.extStats(s)
-			e.grow(s, s.cpuBlocks)
-			e.removeWaiting(i)
-			s.state = stLoading
-			e.loading++
-			tokens := s.cpuBlocks * e.cfg.BlockSize
-			cost := e.cfg.CPUTransferCost(tokens)
-			e.m.offloaded(cpuToGPU, float64(tokens)*e.cfg.KVBytesPerToken, cost)
-			e.startCPULoad(s, e.wallOf(e.modelNow+cost))
-			continue
+		if !admitted {
+			return
 		}
-		n := min(s.numTokens()-s.numComputed, budget)
-		need := e.blocksFor(s.numComputed+n) - len(s.blocks)
-		if need > e.cache.free {
-			e.unmatch(s, fresh)
-			break
-		}
-		e.grow(s, need)
-		if fresh && e.cache.cpu != nil && s.remote == nil {
-			e.extStats(s) // the CPU tier was queried and missed
-		}
-		e.admitStats(s, !s.fromCPU)
-		s.fromCPU = false
-		e.removeWaiting(i)
-		s.state = stRunning
-		e.running = append(e.running, s)
-		e.batch = append(e.batch, scheduled{s, n, n > 1})
-		budget -= n
 	}
-	for _, b := range e.batch {
-		if b.prefill {
-			prefill += b.n
-		}
-		ctxTokens += b.s.numComputed + b.n
+}
+
+// admitPull moves waiting sequence i, s, whose prompt's KV a remote
+// prefill computed, into loading: it allocates the blocks and starts the
+// transfer. When KV cannot hold them it undoes s's match (fresh: made for
+// this admission) and returns false.
+func (e *engine) admitPull(i int, s *seq, fresh bool) bool {
+	need := e.blocksFor(len(s.prompt)) - len(s.blocks)
+	if need > e.cache.free {
+		e.unmatch(s, fresh)
+		return false
 	}
-	return prefill, ctxTokens
+	e.grow(s, need)
+	e.admitStats(s, true)
+	e.m.extQueries.Add(float64(len(s.prompt) - 1 - s.numComputed))
+	e.removeWaiting(i)
+	s.state = stLoading
+	e.loading++
+	cost := e.cfg.TransferCost(len(s.prompt) - 1 - s.numComputed)
+	e.startPull(s, e.wallOf(e.modelNow+cost), time.Duration(float64(cost)/e.scale))
+	return true
+}
+
+// admitCPULoad moves waiting sequence i, s, into loading its CPU-tier
+// blocks, as vLLM's OffloadingConnector does: the blocks after the GPU hit
+// that the CPU tier holds are loaded asynchronously into newly allocated
+// GPU blocks, and the request waits for them (WAITING_FOR_REMOTE_KVS)
+// instead of computing them. When KV cannot hold them it undoes s's match
+// (fresh: made for this admission) and returns false.
+func (e *engine) admitCPULoad(i int, s *seq, fresh bool) bool {
+	if s.cpuBlocks > e.cache.free {
+		e.unmatch(s, fresh)
+		return false
+	}
+	e.prefixStats(s)
+	e.extStats(s)
+	e.grow(s, s.cpuBlocks)
+	e.removeWaiting(i)
+	s.state = stLoading
+	e.loading++
+	tokens := s.cpuBlocks * e.cfg.BlockSize
+	cost := e.cfg.CPUTransferCost(tokens)
+	e.m.offloaded(cpuToGPU, float64(tokens)*e.cfg.KVBytesPerToken, cost)
+	e.startCPULoad(s, e.wallOf(e.modelNow+cost))
+	return true
+}
+
+// admitRunning moves waiting sequence i, s, into the running sequences and
+// the batch, with as many of its tokens as budget allows, and returns them.
+// When KV cannot hold them it undoes s's match (fresh: made for this
+// admission) and returns false.
+func (e *engine) admitRunning(i int, s *seq, fresh bool, budget int) (n int, ok bool) {
+	n = min(s.numTokens()-s.numComputed, budget)
+	need := e.blocksFor(s.numComputed+n) - len(s.blocks)
+	if need > e.cache.free {
+		e.unmatch(s, fresh)
+		return 0, false
+	}
+	e.grow(s, need)
+	if fresh && e.cache.cpu != nil && s.remote == nil {
+		e.extStats(s) // the CPU tier was queried and missed
+	}
+	e.admitStats(s, !s.fromCPU)
+	s.fromCPU = false
+	e.removeWaiting(i)
+	s.state = stRunning
+	e.running = append(e.running, s)
+	e.batch = append(e.batch, scheduled{s, n, n > 1})
+	return n, true
 }
 
 // removeWaiting takes waiting sequence i out of the queue, keeping the

@@ -58,59 +58,88 @@ func (m *podMetrics) offloaded(dir offloadDir, bytes float64, d time.Duration) {
 	m.offloadSize[dir].Observe(bytes)
 }
 
+// newPodMetrics registers the collectors of engine e, configured by cfg
+// and started at start, on a registry of their own.
 func newPodMetrics(cfg *Config, e *engine, start time.Time) *podMetrics {
-	reg := prometheus.NewRegistry()
-	labels := prometheus.Labels{"engine": "0", "model_name": cfg.Model}
-	counter := func(name, help string) prometheus.Counter {
-		c := prometheus.NewCounter(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: labels})
-		reg.MustRegister(c)
-		return c
-	}
-	hist := func(name, help string, buckets []float64) prometheus.Histogram {
-		h := prometheus.NewHistogram(prometheus.HistogramOpts{Name: name, Help: help, ConstLabels: labels, Buckets: buckets})
-		reg.MustRegister(h)
-		return h
-	}
-	gaugeFunc := func(name, help string, f func() float64) {
-		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: labels}, f))
-	}
-	m := &podMetrics{reg: reg}
+	r := podRegistry{reg: prometheus.NewRegistry(), labels: prometheus.Labels{"engine": "0", "model_name": cfg.Model}}
+	m := &podMetrics{reg: r.reg}
 
-	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+	r.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "process_start_time_seconds",
 		Help: "Start time of the process since unix epoch in seconds.",
 	}, func() float64 { return float64(start.UnixNano()) / 1e9 }))
 
-	gaugeFunc("vllm:num_requests_running", "Number of requests in model execution batches.",
+	r.gaugeFunc("vllm:num_requests_running", "Number of requests in model execution batches.",
 		func() float64 { return float64(e.nRunning.Load()) })
-	gaugeFunc("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+	r.gaugeFunc("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
 		func() float64 { return float64(e.nWaiting.Load()) })
-	gaugeFunc("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+	r.gaugeFunc("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
 		func() float64 { return float64(e.nUsed.Load()) / float64(cfg.NumGPUBlocks) })
 
-	m.prefixQueries = counter("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.")
-	m.prefixHits = counter("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.")
-	m.extQueries = counter("vllm:external_prefix_cache_queries_total",
+	m.registerRequests(r)
+	r.reg.MustRegister(cacheConfigInfo(cfg))
+	if len(cfg.LoRAs) > 0 {
+		r.reg.MustRegister(loraCollector{e: e, max: strconv.Itoa(cfg.MaxLoRAs), start: float64(start.UnixNano()) / 1e9})
+	}
+	m.registerKVConnector(r, cfg, e)
+	if cfg.CPUBlocks > 0 {
+		m.registerOffload(r)
+	}
+	return m
+}
+
+// podRegistry registers a pod's collectors with its constant labels (engine
+// and model_name).
+type podRegistry struct {
+	reg    *prometheus.Registry
+	labels prometheus.Labels
+}
+
+func (r podRegistry) counter(name, help string) prometheus.Counter {
+	c := prometheus.NewCounter(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: r.labels})
+	r.reg.MustRegister(c)
+	return c
+}
+
+func (r podRegistry) hist(name, help string, buckets []float64) prometheus.Histogram {
+	h := prometheus.NewHistogram(prometheus.HistogramOpts{Name: name, Help: help, ConstLabels: r.labels, Buckets: buckets})
+	r.reg.MustRegister(h)
+	return h
+}
+
+func (r podRegistry) gaugeFunc(name, help string, f func() float64) {
+	r.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: r.labels}, f))
+}
+
+// registerRequests registers the token, prefix-cache, outcome and latency
+// collectors of the requests the engine serves.
+func (m *podMetrics) registerRequests(r podRegistry) {
+	m.prefixQueries = r.counter("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.")
+	m.prefixHits = r.counter("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.")
+	m.extQueries = r.counter("vllm:external_prefix_cache_queries_total",
 		"External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.")
-	m.extHits = counter("vllm:external_prefix_cache_hits_total",
+	m.extHits = r.counter("vllm:external_prefix_cache_hits_total",
 		"External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.")
-	m.preemptions = counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.")
-	m.promptTokens = counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
-	m.generationTokens = counter("vllm:generation_tokens_total", "Number of generation tokens processed.")
+	m.preemptions = r.counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.")
+	m.promptTokens = r.counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
+	m.generationTokens = r.counter("vllm:generation_tokens_total", "Number of generation tokens processed.")
 
 	success := prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "vllm:request_success_total", Help: "Count of successfully processed requests.", ConstLabels: labels,
+		Name: "vllm:request_success_total", Help: "Count of successfully processed requests.", ConstLabels: r.labels,
 	}, []string{"finished_reason"})
-	reg.MustRegister(success)
+	r.reg.MustRegister(success)
 	m.successStop = success.WithLabelValues("stop")
 	m.successLength = success.WithLabelValues("length")
 	m.successAbort = success.WithLabelValues("abort")
 
-	m.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", ttftBuckets)
-	m.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", itlBuckets)
-	m.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", latencyBuckets)
-	m.queue = hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", latencyBuckets)
+	m.ttft = r.hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", ttftBuckets)
+	m.itl = r.hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", itlBuckets)
+	m.e2e = r.hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", latencyBuckets)
+	m.queue = r.hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", latencyBuckets)
+}
 
+// cacheConfigInfo is vLLM's vllm:cache_config_info for cfg's KV cache.
+func cacheConfigInfo(cfg *Config) prometheus.Gauge {
 	info := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "vllm:cache_config_info",
 		Help: "Information of the LLMEngine CacheConfig",
@@ -128,46 +157,46 @@ func newPodMetrics(cfg *Config, e *engine, start time.Time) *podMetrics {
 		},
 	})
 	info.Set(1)
-	reg.MustRegister(info)
+	return info
+}
 
-	if len(cfg.LoRAs) > 0 {
-		reg.MustRegister(loraCollector{e: e, max: strconv.Itoa(cfg.MaxLoRAs), start: float64(start.UnixNano()) / 1e9})
-	}
-
-	// KV connector figures. vLLM's NixlConnector exports the failure count;
-	// the hold figures are the simulator's own (kvsim: prefix).
-	m.kvFailed = counter("vllm:nixl_num_failed_transfers",
+// registerKVConnector registers the KV connector figures, and the KV
+// events' drop count when cfg publishes events. vLLM's NixlConnector
+// exports the failure count; the hold and drop figures are the simulator's
+// own (kvsim: prefix).
+func (m *podMetrics) registerKVConnector(r podRegistry, cfg *Config, e *engine) {
+	m.kvFailed = r.counter("vllm:nixl_num_failed_transfers",
 		"Number of failed NIXL KV Cache transfers; the decode pod computed the prefill itself.")
-	m.kvExpired = counter("kvsim:kv_hold_expired_total",
+	m.kvExpired = r.counter("kvsim:kv_hold_expired_total",
 		"Prefill KV holds released because no decode pod pulled them before the timeout.")
-	gaugeFunc("kvsim:kv_held_blocks", "KV blocks a prefill pod holds for decode pods that have not pulled them yet.",
+	r.gaugeFunc("kvsim:kv_held_blocks", "KV blocks a prefill pod holds for decode pods that have not pulled them yet.",
 		func() float64 { return float64(e.nHeld.Load()) })
 
 	if cfg.KVEventsPort != 0 {
-		m.kvEventsDropped = counter("kvsim:kv_events_dropped_total",
+		m.kvEventsDropped = r.counter("kvsim:kv_events_dropped_total",
 			"KV event batches dropped because the publisher's queue was full (their sequence numbers are skipped), plus batches a subscriber's full send queue dropped.")
 	}
-	if cfg.CPUBlocks > 0 {
-		// vLLM's OffloadingConnector metrics (OffloadPromMetrics), per
-		// transfer_type; times are modelled seconds.
-		dirs := []string{"GPU_to_CPU", "CPU_to_GPU"}
-		vec := func(name, help string) *prometheus.CounterVec {
-			v := prometheus.NewCounterVec(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: labels}, []string{"transfer_type"})
-			reg.MustRegister(v)
-			return v
-		}
-		bytes := vec("vllm:kv_offload_total_bytes_total", "Number of bytes offloaded by KV connector")
-		secs := vec("vllm:kv_offload_total_time_total", "Total time measured by all KV offloading operations")
-		size := prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "vllm:kv_offload_size",
-			Help: "Histogram of KV offload transfer size, in bytes.", ConstLabels: labels, Buckets: offloadBuckets}, []string{"transfer_type"})
-		reg.MustRegister(size)
-		for i, d := range dirs {
-			m.offloadBytes[i] = bytes.WithLabelValues(d)
-			m.offloadTime[i] = secs.WithLabelValues(d)
-			m.offloadSize[i] = size.WithLabelValues(d)
-		}
+}
+
+// registerOffload registers vLLM's OffloadingConnector metrics
+// (OffloadPromMetrics), per transfer_type; times are modelled seconds.
+func (m *podMetrics) registerOffload(r podRegistry) {
+	dirs := []string{"GPU_to_CPU", "CPU_to_GPU"}
+	vec := func(name, help string) *prometheus.CounterVec {
+		v := prometheus.NewCounterVec(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: r.labels}, []string{"transfer_type"})
+		r.reg.MustRegister(v)
+		return v
 	}
-	return m
+	bytes := vec("vllm:kv_offload_total_bytes_total", "Number of bytes offloaded by KV connector")
+	secs := vec("vllm:kv_offload_total_time_total", "Total time measured by all KV offloading operations")
+	size := prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "vllm:kv_offload_size",
+		Help: "Histogram of KV offload transfer size, in bytes.", ConstLabels: r.labels, Buckets: offloadBuckets}, []string{"transfer_type"})
+	r.reg.MustRegister(size)
+	for i, d := range dirs {
+		m.offloadBytes[i] = bytes.WithLabelValues(d)
+		m.offloadTime[i] = secs.WithLabelValues(d)
+		m.offloadSize[i] = size.WithLabelValues(d)
+	}
 }
 
 // loraDesc is vLLM's LoRA gauge (vllm/v1/metrics/loggers.py): one series

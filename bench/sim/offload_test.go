@@ -10,52 +10,20 @@ import (
 // back from the CPU tier faster than a pod without one recomputes it, is
 // counted as vLLM counts connector hits, and is announced on both media.
 func TestCPUTierServesEvictedPrefix(t *testing.T) {
-	const n = 1000 // prompt tokens: 62 full blocks and a partial one
-	promptA, promptC := tokenPrompt(1000, n), tokenPrompt(50000, n)
+	const n = 1000            // prompt tokens: 62 full blocks and a partial one
 	full := (n - 1) / 16 * 16 // the most a prefix can hit: vLLM recomputes the last token
-
-	type result struct {
-		ttft             float64
-		cached           int
-		gpuHits, extHits float64
-	}
-	// measure sends A, then C (which evicts most of A from the 80 GPU
-	// blocks), then A again, and returns the second A's modelled TTFT
-	// (seconds), cached tokens and prefix-cache hits.
-	measure := func(t *testing.T, url string) result {
-		t.Helper()
-		c := newClient(t)
-		send := func(prompt []int) completionJSON {
-			t.Helper()
-			code, _, body := post(t, c, url+"/v1/completions", map[string]any{"prompt": prompt, "max_tokens": 1})
-			if code != 200 {
-				t.Fatalf("%d %s", code, body)
-			}
-			return decodeCompletion(t, body)
-		}
-		send(promptA)
-		send(promptC)
-		before := scrape(t, c, url)
-		r := send(promptA)
-		after := scrape(t, c, url)
-		delta := func(name string) float64 { return metricValue(t, after, name) - metricValue(t, before, name) }
-		return result{
-			ttft: delta("vllm:time_to_first_token_seconds"), cached: r.Usage.cached(),
-			gpuHits: delta("vllm:prefix_cache_hits_total"), extHits: delta("vllm:external_prefix_cache_hits_total"),
-		}
-	}
 
 	base := fastConfig()
 	base.NumGPUBlocks = 80
 	_, url := servePod(t, base)
-	recompute := measure(t, url)
+	recompute := measureSecondA(t, url, n)
 
 	cfg := base
 	cfg.CPUBlocks = 200
 	cfg.KVEventsPort = -1
 	p, url := servePod(t, cfg)
 	sub := subscribeKV(t, p, "")
-	loaded := measure(t, url)
+	loaded := measureSecondA(t, url, n)
 
 	t.Logf("second A: recomputed after %d GPU-hit tokens in %.1f ms; loaded %v CPU tokens after %v GPU tokens in %.1f ms",
 		int(recompute.gpuHits), recompute.ttft*1e3, loaded.extHits, loaded.gpuHits, loaded.ttft*1e3)
@@ -68,6 +36,52 @@ func TestCPUTierServesEvictedPrefix(t *testing.T) {
 	if loaded.ttft >= recompute.ttft/2 {
 		t.Errorf("TTFT %.1f ms with the CPU tier, %.1f ms recomputing: want the load much faster", loaded.ttft*1e3, recompute.ttft*1e3)
 	}
+	checkOffloadSeries(t, url)
+
+	// The events: A's blocks were stored on both media; the reload stores
+	// the loaded blocks on the GPU again, after the blocks that stayed.
+	checkCPUTierEvents(t, sub, chainHashes(tokenPromptU32(1000, n), 16, rootHash(""))[:full/16], int(loaded.gpuHits)/16)
+}
+
+// secondA is what measureSecondA reports of the second A.
+type secondA struct {
+	ttft             float64
+	cached           int
+	gpuHits, extHits float64
+}
+
+// measureSecondA sends prompt A, then C (which evicts most of A from the 80
+// GPU blocks), then A again, each n tokens, to the pod at url, and returns
+// the second A's modelled TTFT (seconds), cached tokens and prefix-cache
+// hits.
+func measureSecondA(t *testing.T, url string, n int) secondA {
+	t.Helper()
+	promptA, promptC := tokenPrompt(1000, n), tokenPrompt(50000, n)
+	c := newClient(t)
+	send := func(prompt []int) completionJSON {
+		t.Helper()
+		code, _, body := post(t, c, url+"/v1/completions", map[string]any{"prompt": prompt, "max_tokens": 1})
+		if code != 200 {
+			t.Fatalf("%d %s", code, body)
+		}
+		return decodeCompletion(t, body)
+	}
+	send(promptA)
+	send(promptC)
+	before := scrape(t, c, url)
+	r := send(promptA)
+	after := scrape(t, c, url)
+	delta := func(name string) float64 { return metricValue(t, after, name) - metricValue(t, before, name) }
+	return secondA{
+		ttft: delta("vllm:time_to_first_token_seconds"), cached: r.Usage.cached(),
+		gpuHits: delta("vllm:prefix_cache_hits_total"), extHits: delta("vllm:external_prefix_cache_hits_total"),
+	}
+}
+
+// checkOffloadSeries checks that the pod at url exports vLLM's offloading
+// metrics for both transfer types, each with some transfer counted.
+func checkOffloadSeries(t *testing.T, url string) {
+	t.Helper()
 	mfs := scrape(t, newClient(t), url)
 	for _, name := range []string{"vllm:kv_offload_total_bytes_total", "vllm:kv_offload_total_time_total", "vllm:kv_offload_size"} {
 		for _, m := range mfs[name].GetMetric() {
@@ -79,11 +93,15 @@ func TestCPUTierServesEvictedPrefix(t *testing.T) {
 			t.Errorf("%s: %d series, want GPU_to_CPU and CPU_to_GPU", name, len(mfs[name].GetMetric()))
 		}
 	}
+}
 
-	// The events: A's blocks were stored on both media; the reload stores
-	// the loaded blocks on the GPU again, after the blocks that stayed.
-	hashesA := chainHashes(tokenPromptU32(1000, n), 16, rootHash(""))[:full/16]
-	gpuHit := int(loaded.gpuHits) / 16
+// checkCPUTierEvents checks sub's events of the second A, whose first
+// gpuHit of hashesA (A's full blocks) stayed on the GPU: A's blocks were
+// stored on the CPU as vLLM's OffloadingConnector announces them, the
+// reload removed none of them from the CPU and stored the rest on the GPU
+// again, after the GPU evicted exactly those.
+func checkCPUTierEvents(t *testing.T, sub *kvSub, hashesA []uint64, gpuHit int) {
+	t.Helper()
 	batches := sub.until(t, func(e kvTestEvent) bool {
 		return e.Type == "BlockStored" && e.Medium == "GPU" && e.Parent != nil && *e.Parent == hashesA[gpuHit-1]
 	})

@@ -7,15 +7,20 @@ import (
 	"testing"
 )
 
+// generationOption is one case of TestGenerationOptions: body posted to
+// path on a pod configured by cfg (sped up), answered with choices choices
+// that check checks (a stream's events instead, when body streams).
+type generationOption struct {
+	name    string
+	cfg     Config
+	path    string
+	body    string
+	choices int
+	check   func(t *testing.T, r completionJSON, events []string)
+}
+
 func TestGenerationOptions(t *testing.T) {
-	tests := []struct {
-		name    string
-		cfg     Config
-		path    string
-		body    string
-		choices int
-		check   func(t *testing.T, r completionJSON, events []string)
-	}{
+	tests := []generationOption{
 		{
 			name: "default max_tokens for completions", path: "/v1/completions", choices: 1,
 			body: `{"prompt":"x"}`,
@@ -84,27 +89,29 @@ func TestGenerationOptions(t *testing.T) {
 		},
 	}
 	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			tc.cfg.TimeScale = 1000
-			_, url := servePod(t, tc.cfg)
-			code, _, body := post(t, newClient(t), url+tc.path, tc.body)
-			if code != 200 {
-				t.Fatalf("%d %s", code, body)
-			}
-			if strings.Contains(tc.body, `"stream":true`) {
-				tc.check(t, completionJSON{}, sseEvents(t, body))
-				return
-			}
-			r := decodeCompletion(t, body)
-			if len(r.Choices) != tc.choices {
-				t.Fatalf("%d choices, want %d", len(r.Choices), tc.choices)
-			}
-			for i := range r.Choices {
-				if r.Choices[i].Text == "" {
-					r.Choices[i].Text = r.Choices[i].Message.Content
-				}
-			}
-			tc.check(t, r, nil)
-		})
+		t.Run(tc.name, func(t *testing.T) { tc.run(t) })
 	}
+}
+
+func (tc generationOption) run(t *testing.T) {
+	tc.cfg.TimeScale = 1000
+	_, url := servePod(t, tc.cfg)
+	code, _, body := post(t, newClient(t), url+tc.path, tc.body)
+	if code != 200 {
+		t.Fatalf("%d %s", code, body)
+	}
+	if strings.Contains(tc.body, `"stream":true`) {
+		tc.check(t, completionJSON{}, sseEvents(t, body))
+		return
+	}
+	r := decodeCompletion(t, body)
+	if len(r.Choices) != tc.choices {
+		t.Fatalf("%d choices, want %d", len(r.Choices), tc.choices)
+	}
+	for i := range r.Choices {
+		if r.Choices[i].Text == "" {
+			r.Choices[i].Text = r.Choices[i].Message.Content
+		}
+	}
+	tc.check(t, r, nil)
 }

@@ -1,4 +1,5 @@
-# kvroute — build, test, benchmark.
+# kvroute — build, test, benchmark. `make help` lists the targets; the
+# one-liner after each target's `##` is what it prints.
 GO       ?= go
 BIN      ?= bin
 IMAGE    ?= kvroute:dev
@@ -8,28 +9,30 @@ VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev
 REVISION ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 LDFLAGS  := -X main.version=$(VERSION) -X main.revision=$(REVISION)
 
-.PHONY: all build test vet fmt-check bench run docker clean demo bench-e2e bench-pd bench-proxy fuzz soak
+.PHONY: all help build test vet fmt-check bench run docker clean demo bench-e2e bench-pd bench-proxy fuzz soak
 
-all: build
+all: build ## the default: build
 
-build:
+help: ## list the targets, a line each
+	@awk 'BEGIN { FS = ":[^#]*## " } /^[a-zA-Z0-9_-]+:[^=]*## / { printf "  %-12s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
+
+build: ## bin/kvroute (version-stamped), bin/kvsim and bin/kvbench
 	$(GO) build -trimpath -ldflags "$(LDFLAGS)" -o $(BIN)/kvroute .
 	$(GO) build -trimpath -o $(BIN)/kvsim ./bench/cmd/kvsim
 	$(GO) build -trimpath -o $(BIN)/kvbench ./bench/cmd/kvbench
 
-# The README's test command: vet, formatting, and the race-enabled suite.
-test: vet fmt-check
+# The README's test command (and CI's, .ci/run).
+test: vet fmt-check ## vet, gofmt check and the race-enabled test suite
 	$(GO) test -race -timeout 20m $(PKGS)
 
-vet:
+vet: ## go vet every package
 	$(GO) vet $(PKGS)
 
-fmt-check:
+fmt-check: ## fail when a tracked Go file needs gofmt
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
-# Micro-benchmarks beside the code (hop latency, parsing, policies).
-bench:
+bench: ## micro-benchmarks beside the code (hop latency, parsing, policies)
 	$(GO) test -run '^$$' -bench . -benchtime 2s $(PKGS)
 
 # Every native fuzz target in turn, FUZZTIME each (not part of test). A
@@ -38,23 +41,22 @@ FUZZTIME ?= 30s
 FUZZ_TARGETS := ./proxy:FuzzParse ./proxy:FuzzRender ./proxy:FuzzUsageScanner ./proxy:FuzzStreamTrack \
 	./discovery:FuzzParseEngine ./discovery:FuzzDNSAnswer ./kvevents:FuzzDecodeBatch \
 	./kvevents:FuzzZMTP ./prefix:FuzzHasher
-fuzz:
+fuzz: ## every native fuzz target in turn, FUZZTIME (30s) each
 	@set -e; for t in $(FUZZ_TARGETS); do \
 	  pkg=$${t%%:*}; name=$${t#*:}; echo "== $$name ($$pkg, $(FUZZTIME))"; \
 	  $(GO) test -run '^$$' -fuzz "^$$name\$$" -fuzztime $(FUZZTIME) $$pkg; \
 	done
 
-# Run kvroute against four local simulated pods.
-run: build
+run: build ## kvroute on :8000 (admin :9090) in front of four simulated pods
 	./$(BIN)/kvsim --pods 4 --port 8100 & echo $$! > $(BIN)/kvsim.pid; \
 	trap 'kill $$(cat $(BIN)/kvsim.pid)' EXIT INT TERM; \
 	./$(BIN)/kvroute --listen :8000 --admin-listen :9090 --log-format console \
 	  --backends http://127.0.0.1:8100,http://127.0.0.1:8101,http://127.0.0.1:8102,http://127.0.0.1:8103
 
-docker:
+docker: ## the image kvroute:dev (IMAGE), version-stamped: static, distroless, non-root
 	docker build --build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION) -t $(IMAGE) .
 
-clean:
+clean: ## remove bin/ (BIN)
 	rm -rf $(BIN)
 
 # The README's first command: a short shared-prefix run (three rising-rate
@@ -63,7 +65,7 @@ clean:
 # two minutes on two cores); prints the results table and where the charts
 # are (bench/results/demo/). The full eight-policy comparison is bench-e2e.
 # See BENCHMARKS.md.
-demo: build
+demo: build ## a short shared-prefix run of four policies on 8 simulated pods
 	./$(BIN)/kvbench --scenario demo
 
 # Every benchmark scenario (shared-prefix, multi-turn, random, hot-prefix,
@@ -79,7 +81,7 @@ demo: build
 TRACE ?= ../shared/traces/conversation_trace.jsonl
 ENGINES ?= kvsim$(if $(wildcard ../shared/engines/llm-d-inference-sim.gz),$(comma)llm-d)
 comma := ,
-bench-e2e: build
+bench-e2e: build ## every benchmark scenario and the engine-profile matrix (hours)
 	./$(BIN)/kvbench --scenario all,matrix --engine $(ENGINES) $(if $(wildcard $(TRACE)),--trace $(TRACE))
 
 # Prefill/decode disaggregation (issue #13): the same 8 simulated pods laid
@@ -88,7 +90,7 @@ bench-e2e: build
 # prompts with short answers, short prompts with long answers, and
 # shared-prefix (selective against always-PD). Results under
 # bench/results/pd-*/. About 15 minutes on two cores.
-bench-pd: build
+bench-pd: build ## aggregated against disaggregated layouts of 8 simulated pods
 	./$(BIN)/kvbench --scenario pd-long-prompt,pd-long-output,pd-selective
 
 # The cost of one hop (issue #14): wrk against an instant loopback backend
@@ -100,7 +102,7 @@ bench-pd: build
 # takes two of kvroute's file descriptors, and the machine's limit is
 # 20,000). Installs wrk, nginx and haproxy with apt-get when missing.
 # Results in bench/results/proxy/. About 10 minutes.
-bench-proxy: build
+bench-proxy: build ## one hop's cost against nginx, HAProxy and a bare proxy, memory per stream
 	@command -v wrk >/dev/null && command -v nginx >/dev/null && command -v haproxy >/dev/null || \
 		apt-get install -y wrk nginx-light haproxy
 	$(GO) build -trimpath -o $(BIN)/kvhop ./bench/cmd/kvhop
@@ -116,5 +118,5 @@ bench-proxy: build
 # stops kvroute cleanly. Results under bench/results/soak/ (soak.md,
 # soak.png, soak.csv). Takes SOAK_DURATION + ~20 s.
 SOAK_DURATION ?= 10m
-soak: build
+soak: build ## SOAK_DURATION (10m) of mixed traffic and rotating faults; checks nothing grows
 	$(GO) run ./bench/cmd/kvsoak --duration $(SOAK_DURATION) --kvroute $(BIN)/kvroute --out bench/results/soak

@@ -64,13 +64,14 @@ func (f *Flags) WriteUsage(w io.Writer) {
 	}
 }
 
-// Markdown returns the flags as Markdown tables, one per group: name (with
-// its value type), default and meaning, from the flag definitions (the
-// README's flag reference is this, kept current by a test).
+// Markdown returns the flags as Markdown tables, one per group under a
+// second-level heading: name (with its value type), default and meaning,
+// from the flag definitions (the flag reference in docs/flags.md is this,
+// kept current by a test).
 func (f *Flags) Markdown() string {
 	var b strings.Builder
 	for i, g := range f.groups {
-		fmt.Fprintf(&b, "**%s**\n\n| flag | default | meaning |\n|---|---|---|\n", f.titles[i])
+		fmt.Fprintf(&b, "## %s\n\n| flag | default | meaning |\n|---|---|---|\n", f.titles[i])
 		g.VisitAll(func(fl *pflag.Flag) {
 			typ, usage := pflag.UnquoteUsage(fl)
 			name := "`--" + fl.Name

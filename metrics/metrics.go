@@ -9,7 +9,7 @@ import (
 )
 
 // Namespace prefixes kvroute's own metrics; the llm_router_* names are the
-// conventional names the README's metrics section lists beside them.
+// conventional names docs/operations.md ("Metrics") lists beside them.
 const Namespace = "kvroute"
 
 // latencyBuckets span 100 µs (a router hop on loopback) to 10 min (a long

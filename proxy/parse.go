@@ -229,7 +229,7 @@ func promptCount(p *fastjson.Value) int {
 }
 
 // render writes the canonical rendering of v's prompt to w. The rendering
-// is defined in the README ("Canonical prompt rendering"); its one promise is
+// is defined in docs/routing.md ("Canonical prompt rendering"); its one promise is
 // that a request whose prompt extends another's (a later turn of the same
 // conversation, the same system prompt with another question) renders to
 // bytes that extend the other's rendering.

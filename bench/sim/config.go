@@ -148,7 +148,7 @@ type Config struct {
 	// PrefillStepOverhead is added to a step that computes a prompt chunk
 	// (more than one token of some sequence); default 13 ms, so that a
 	// prefill step costs ≈ 20 ms + tokens/20k including the ≈ 7 ms weight
-	// pass (the README's "The simulator" gives the cost model).
+	// pass (docs/engines.md, "The simulator", gives the cost model).
 	PrefillStepOverhead time.Duration
 	// KVTransferBandwidth is the NIXL pull rate in bytes/s; default 40e9.
 	KVTransferBandwidth float64

@@ -72,7 +72,7 @@ func (e Engine) Fill(c *Config) {
 }
 
 // The engines of the profiles. Each derives the cost model's constants
-// (README, "The simulator") the way the defaults do: KV bytes per token from
+// (docs/engines.md, "The simulator") the way the defaults do: KV bytes per token from
 // the model's layers × KV heads × head dim × K and V × 2 bytes; the weight
 // bytes one step reads (bf16, without the input embedding, of which a step
 // gathers a few rows, unless the embedding is tied to the output layer);

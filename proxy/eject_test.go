@@ -21,7 +21,7 @@ import (
 )
 
 // guardWait bounds every wait of the tests of this file and of
-// timeouts_test.go; a deadlock guard, not a speed assertion.
+// transport_test.go; a deadlock guard, not a speed assertion.
 const guardWait = 10 * time.Second
 
 // fleetHarness is a kvroute proxy on 127.0.0.1:0 whose endpoints a real

@@ -31,12 +31,18 @@ func (s *Server) client(ep *discovery.Endpoint) *fasthttp.HostClient {
 		ReadBufferSize:                upstreamHeaderBytes,
 		SecureErrorLogMessage:         true, // errors never quote what the endpoint sent
 		Dial:                          s.dial,
-		RetryIfErr: func(_ *fasthttp.Request, attempts int, err error) (bool, bool) {
-			// A pooled keep-alive connection the endpoint had closed, found
-			// so before writing (timedConn.Write): nothing was sent, so
-			// resend once on a new one. A connection closed after the
-			// request went out is not resent: the engine may have started.
-			return false, attempts < 2 && errors.Is(err, errStaleConn)
+		// A pooled keep-alive connection the endpoint had closed, found so
+		// before writing (timedConn.Write): nothing was sent, so the request
+		// goes again on the next connection, as often as the pool holds
+		// dead ones (an engine whose keep-alive is shorter than
+		// UpstreamIdleTimeout closes them all) and at last on a new one:
+		// each dead connection is dropped when found, so MaxConns + 1
+		// attempts always reach a live or new one. A connection closed
+		// after the request went out is not resent: the engine may have
+		// started.
+		MaxIdemponentCallAttempts: s.opt.MaxConnsPerEndpoint + 1,
+		RetryIfErr: func(_ *fasthttp.Request, _ int, err error) (bool, bool) {
+			return false, errors.Is(err, errStaleConn)
 		},
 	}
 	c, _ := s.clients.LoadOrStore(ep, hc)

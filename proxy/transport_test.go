@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -22,8 +23,16 @@ type connCounter struct {
 // countedBackend serves h on loopback and counts its connections.
 func countedBackend(t *testing.T, h http.Handler) (*httptest.Server, *connCounter) {
 	t.Helper()
+	return countedBackendIdle(t, h, 0)
+}
+
+// countedBackendIdle is countedBackend closing idle keep-alive
+// connections after idle (0: never).
+func countedBackendIdle(t *testing.T, h http.Handler, idle time.Duration) (*httptest.Server, *connCounter) {
+	t.Helper()
 	c := &connCounter{}
 	s := httptest.NewUnstartedServer(h)
+	s.Config.IdleTimeout = idle
 	s.Config.ConnState = func(_ net.Conn, st http.ConnState) {
 		switch st {
 		case http.StateNew:
@@ -284,5 +293,48 @@ func TestShutdownClosesIdleUpstreamConnections(t *testing.T) {
 			t.Fatalf("%d of %d upstream connections still open after Shutdown",
 				conns.accepted.Load()-conns.closed.Load(), conns.accepted.Load())
 		}
+	}
+}
+
+// TestStalePooledConnectionsResent: an engine whose keep-alive is shorter
+// than kvroute's upstream-idle timeout (llama.cpp's server closes idle
+// connections after 5 s) leaves the pool full of connections it closed.
+// Every request that meets one is sent again on another, as often as the
+// pool holds dead ones: none of them reached the engine, so none is the
+// client's error, and the retry budget is not spent on them.
+func TestStalePooledConnectionsResent(t *testing.T) {
+	slow := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		time.Sleep(30 * time.Millisecond) // concurrent requests open connections of their own
+		okHandler(w, r)
+	})
+	be, conns := countedBackendIdle(t, slow, 100*time.Millisecond)
+	h := startProxy(t, nil, Options{Limits: Limits{UpstreamIdleTimeout: time.Hour}}, be.URL)
+	const n = 8
+	round := func() {
+		var wg sync.WaitGroup
+		for range n {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				resp := post(t, h.url+"/v1/completions", `{"model":"m","prompt":"hi"}`)
+				if body := readAll(t, resp); resp.StatusCode != http.StatusOK {
+					t.Errorf("status %d: %s", resp.StatusCode, body)
+				}
+			}()
+		}
+		wg.Wait()
+	}
+	round()
+	pooled := conns.accepted.Load()
+	deadline := time.Now().Add(guardWait)
+	for conns.closed.Load() < pooled { // the engine closes every idle one
+		if time.Now().After(deadline) {
+			t.Fatalf("the engine closed %d of %d idle connections", conns.closed.Load(), pooled)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	round()
+	if pooled < 2 {
+		t.Errorf("only %d connection pooled: the case is not exercised", pooled)
 	}
 }

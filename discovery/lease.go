@@ -158,6 +158,31 @@ func (l *Lease) Complete(computed int) {
 	l.Release()
 }
 
+// TTFT returns the lease's time to first byte when its response streamed
+// (0: not streamed, or no first byte yet).
+func (l *Lease) TTFT() time.Duration {
+	if l.e == nil || l.firstByte.IsZero() {
+		return 0
+	}
+	return l.firstByte.Sub(l.start)
+}
+
+// PredictTTFT returns the time to first byte the endpoint's learned costs
+// predict for the lease's request had the endpoint computed own of its
+// prompt tokens, with the load it found at Acquire; 0 when the endpoint
+// has no costs measured yet.
+func (l *Lease) PredictTTFT(own int) time.Duration {
+	if l.e == nil {
+		return 0
+	}
+	c := l.e.costs.Load()
+	if c == nil || c.TTFTSamples == 0 {
+		return 0
+	}
+	sec := c.FixedSec + float64(own)/c.PrefillTokensPerSec + float64(l.ahead)/c.PendingTokensPerSec + float64(l.before)*c.InFlightSec
+	return time.Duration(sec * float64(time.Second))
+}
+
 // Take returns the lease and empties l: the new owner releases it.
 func (l *Lease) Take() Lease {
 	t := *l

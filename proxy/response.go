@@ -459,8 +459,14 @@ func (b *upstreamBody) CloseWithError(err error) error {
 	}
 	if err == nil && b.readErr == nil {
 		computed := discovery.Uncomputed
-		if b.scan && b.usage.CachedFound && b.usage.PromptFound {
+		switch {
+		case b.scan && b.usage.CachedFound && b.usage.PromptFound:
 			computed = max(0, b.usage.Prompt-b.usage.Cached)
+		case b.learn && !b.usage.CachedFound:
+			// No cached tokens reported (Ollama): the policy reads them
+			// from the TTFT; the calibration keeps the policy's estimate,
+			// so that it does not fit its own inference.
+			s.opt.Learner.LearnTTFT(b.rec.decision, b.promptBytes, b.lease.TTFT(), b.lease.PredictTTFT)
 		}
 		b.lease.Complete(computed)
 	} else {

@@ -8,6 +8,7 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/valyala/fasthttp"
@@ -27,9 +28,13 @@ type Picker = routing.Picker
 // prompt tokens (0 when absent) and those it served from its prefix cache
 // (usage.prompt_tokens_details.cached_tokens) of a request decided as d,
 // whose canonical rendering was promptBytes long. Learn returns the cached
-// tokens the policy had estimated.
+// tokens the policy had estimated. LearnTTFT learns from a streamed answer
+// whose usage did not say what was cached: from its time to first token
+// against the endpoint's predicted TTFT for a number of prompt tokens to
+// compute; false when it could not tell.
 type Learner interface {
 	Learn(d routing.Decision, promptBytes, enginePromptTokens, engineCachedTokens int) (estimated int)
+	LearnTTFT(d routing.Decision, promptBytes int, ttft time.Duration, predict func(own int) time.Duration) bool
 }
 
 // Classes are the path-class labels of the metrics, indexed by routing.Kind.

@@ -62,6 +62,14 @@ type homes struct {
 
 	proposals map[uint64][]uint64 // endpoint → its first-round proposals' scores, highest first
 	pending   []proposal          // scratch
+
+	// kept, when set, returns the keys an endpoint's engine is learned to
+	// keep warm (0: unknown; warmth.kept), and keptVersion moves when one
+	// changes: the assignment then is redone, bounded by them (bounds).
+	kept        func(id uint64) int
+	keptVersion func() uint64
+	keptSeen    uint64
+	bound       map[uint64]int // the assignment's bound per endpoint
 }
 
 type proposal struct{ key, endpoint, score uint64 }
@@ -208,6 +216,11 @@ func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, se
 			h.lru.Get(key) // recency only
 		}
 	}
+	if h.keptVersion != nil {
+		if v := h.keptVersion(); v != h.keptSeen {
+			h.keptSeen, h.dirty = v, true
+		}
+	}
 	if !sameSlice(eps, h.eps) || factor != h.factor || h.dirty {
 		if len(h.recurring)*len(eps) <= cheapRounds || now.Sub(h.last) >= 200*h.cost {
 			h.assign(eps, factor, now)
@@ -340,16 +353,50 @@ func (h *homes) place(key, first uint64, eps []*discovery.Endpoint, factor float
 		total++
 	}
 	bound := homeBound(factor, total, len(eps))
+	boundAt := func(e uint64) int {
+		if b, ok := h.bound[e]; ok {
+			return min(b, bound)
+		}
+		return bound
+	}
 	s := rendezvous(key, first)
-	if higher, _ := slices.BinarySearchFunc(h.proposals[first], s, descending); higher < bound {
+	if higher, _ := slices.BinarySearchFunc(h.proposals[first], s, descending); higher < boundAt(first) {
 		return first
 	}
 	for e, ok := first, true; ok; e, s, ok = choice(key, eps, s, true) {
-		if h.load[e] < bound {
+		if h.load[e] < boundAt(e) {
 			return e
 		}
 	}
 	return first
+}
+
+// bounds returns how many of total recurring keys each endpoint of eps may
+// home: LoadFactor × the mean (homeBound), and no more than its engine is
+// learned to keep warm (kept) while the fleet so keeps them all; when it
+// cannot, the keys are spread as evenly as they can be (the mean, rounded
+// up), so that no engine thrashes more of them than another.
+func (h *homes) bounds(factor float64, total int, eps []*discovery.Endpoint) map[uint64]int {
+	b := homeBound(factor, total, len(eps))
+	out := make(map[uint64]int, len(eps))
+	room := 0
+	for _, e := range eps {
+		n := b
+		if h.kept != nil {
+			if k := h.kept(e.ID); k > 0 {
+				n = min(n, k)
+			}
+		}
+		out[e.ID] = n
+		room += n
+	}
+	if room < total {
+		even := homeBound(1, total, len(eps))
+		for id := range out {
+			out[id] = even
+		}
+	}
+	return out
 }
 
 func descending(a, b uint64) int { return cmp.Compare(b, a) }
@@ -372,7 +419,7 @@ func (h *homes) assign(eps []*discovery.Endpoint, factor float64, now time.Time)
 	for k := range h.recurring {
 		pending = append(pending, proposal{key: k})
 	}
-	bound := homeBound(factor, len(pending), len(eps))
+	h.bound = h.bounds(factor, len(pending), eps)
 	for round := 0; len(pending) > 0; round++ {
 		n := 0
 		for _, p := range pending {
@@ -396,7 +443,7 @@ func (h *homes) assign(eps []*discovery.Endpoint, factor float64, now time.Time)
 			if round == 0 {
 				h.proposals[p.endpoint] = append(h.proposals[p.endpoint], p.score)
 			}
-			if h.load[p.endpoint] >= bound {
+			if h.load[p.endpoint] >= h.bound[p.endpoint] {
 				rejected = append(rejected, p)
 				continue
 			}

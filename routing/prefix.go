@@ -84,6 +84,7 @@ const (
 type Prefix struct {
 	index      *prefix.Index
 	homes      *homes
+	warm       *warmth
 	blockBytes int
 	params     atomic.Pointer[PrefixParams]
 	scratch    sync.Pool // *[]prefix.Match
@@ -116,8 +117,10 @@ const (
 // NewPrefix returns the policy over index, whose blocks are blockBytes of
 // the canonical rendering (≈ blockBytes/4 tokens).
 func NewPrefix(index *prefix.Index, blockBytes int, p PrefixParams) *Prefix {
-	pp := &Prefix{index: index, homes: newHomes(index.TTL(), time.Now), blockBytes: blockBytes,
+	w := newWarmth()
+	pp := &Prefix{index: index, homes: newHomes(index.TTL(), time.Now), warm: w, blockBytes: blockBytes,
 		capTokens: make(map[uint64]int), capBPT: initialBytesPerToken}
+	pp.homes.kept, pp.homes.keptVersion = w.kept, w.version.Load
 	pp.params.Store(&p)
 	pp.bpt.Store(math.Float64bits(initialBytesPerToken))
 	pp.scratch.New = func() any { s := make([]prefix.Match, 0, 16); return &s }
@@ -164,6 +167,7 @@ func (p *Prefix) Forget(id uint64) {
 	p.capMu.Unlock()
 	p.index.Forget(id)
 	p.homes.forget(id)
+	p.warm.forget(id)
 }
 
 func (p *Prefix) blocksFor(tokens int, bpt float64) int {
@@ -242,8 +246,12 @@ func (p *Prefix) learnForeign(sample float64) {
 // behind the code".)
 func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 	d := p.decide(r, set, nil)
+	d.distance = -1
 	if d.Endpoint != nil {
 		p.index.Record(d.Endpoint.ID, r.Hashes)
+		if d.PrefixKey != 0 {
+			d.distance = p.warm.see(d.Endpoint.ID, d.PrefixKey)
+		}
 	}
 	if (d.Reason == ReasonCold || d.branch) && !d.Home && d.PrefixKey != 0 {
 		p.homes.stray(d.PrefixKey)
@@ -273,8 +281,12 @@ func (p *Prefix) Explain(r *Request, set *discovery.Set) (Decision, []Term) {
 func (p *Prefix) Learn(d Decision, promptBytes, enginePrompt, engineCached int) (estimated int) {
 	p.learnBytesPerToken(promptBytes, enginePrompt)
 	tokensPerBlock := int(float64(p.blockBytes) / p.BytesPerToken())
-	if d.PrefixKey != 0 && !d.branch && engineCached >= p.params.Load().MinMatchBlocks*tokensPerBlock {
+	keyWarm := engineCached >= p.params.Load().MinMatchBlocks*tokensPerBlock
+	if d.PrefixKey != 0 && !d.branch && keyWarm {
 		p.homes.recur(d.PrefixKey)
+	}
+	if d.Endpoint != nil && d.PrefixKey != 0 {
+		p.warm.outcome(d.Endpoint.ID, d.distance, keyWarm)
 	}
 	estimated = min(d.MatchedBlocks*tokensPerBlock, max(enginePrompt, d.PromptTokens))
 	over := engineCached+tokensPerBlock <= estimated
@@ -282,6 +294,30 @@ func (p *Prefix) Learn(d Decision, promptBytes, enginePrompt, engineCached int) 
 		p.index.Correct(d.Endpoint.ID, over)
 	}
 	return estimated
+}
+
+// LearnTTFT is Learn for an engine that does not report its cached tokens
+// (a stock Ollama server): how many of the prompt's tokens it served from
+// cache is read from the request's time to first token, ttft. predict
+// gives the TTFT the endpoint's learned costs predict, with the load the
+// request found, for a number of tokens to compute; the tokens computed
+// are the TTFT beyond predict(0) at the rate predict implies, and the rest
+// of the prompt was cached. A warm prefix is an order of magnitude faster
+// than a cold prefill, so the key's blocks (a few hundred tokens) show
+// well above the noise. It reports false, learning nothing, when the TTFT
+// cannot tell: no prefix key, no costs measured yet.
+func (p *Prefix) LearnTTFT(d Decision, promptBytes int, ttft time.Duration, predict func(own int) time.Duration) bool {
+	if d.Endpoint == nil || d.PrefixKey == 0 || ttft <= 0 || d.PromptTokens <= 0 {
+		return false
+	}
+	base, cold := predict(0), predict(d.PromptTokens)
+	if base <= 0 || cold <= base {
+		return false
+	}
+	computed := float64(d.PromptTokens) * float64(ttft-base) / float64(cold-base)
+	cached := d.PromptTokens - min(max(int(computed), 0), d.PromptTokens)
+	p.Learn(d, promptBytes, 0, cached)
+	return true
 }
 
 // Term is one endpoint's side of a decision, for /debug/route.
@@ -367,6 +403,9 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 			continue
 		}
 		matched, lower := matchedBlocks(matches, e.ID)
+		if keyed && matched > 0 && !p.warm.holds(e.ID, key) {
+			matched, lower = 0, 0 // beyond what the engine keeps (warmth)
+		}
 		if hasHome && e.ID == homeID {
 			// Every replica sends the family's branches to their homes,
 			// which so hold the shared part too (or compute it once).
@@ -691,3 +730,8 @@ func (p *Prefix) Follow(o *discovery.Options) {
 	o.OnRemove, o.OnRestart = forget, forget
 	o.OnCapacity = func(e *discovery.Endpoint, tokens int) { p.SetCapacityTokens(e.ID, tokens) }
 }
+
+// Kept returns how many distinct prefix keys endpoint id's engine is
+// learned to keep warm (warmth); 0 when unknown: as many as the index
+// remembers.
+func (p *Prefix) Kept(id uint64) int { return p.warm.kept(id) }

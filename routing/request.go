@@ -126,4 +126,7 @@ type Decision struct {
 	// branch is true when PrefixKey is a conversation's own key (a branch
 	// of a chained family, see homes.family).
 	branch bool
+	// distance is PrefixKey's distance at Endpoint when picked (warmth.see;
+	// -1: none or unknown).
+	distance int
 }

@@ -218,6 +218,11 @@ type Config struct {
 	// KiB per token, against 50 µs per token of prefill compute.
 	CPUBandwidth float64
 
+	// NoCachedTokens leaves usage.prompt_tokens_details.cached_tokens out
+	// of answers, as a stock Ollama server does: the router then learns
+	// what the engine had cached only from its times to first token.
+	NoCachedTokens bool
+
 	// Faults is the initial fault set; the admin API and SetFaults change it.
 	Faults Faults
 

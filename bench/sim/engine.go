@@ -19,6 +19,7 @@ type request struct {
 	chat         bool
 	stream       bool
 	includeUsage bool
+	noCached     bool // usage without cached_tokens (Config.NoCachedTokens)
 	holdKV       bool // prefill role: hold the KV for a remote decode
 	model        string
 	created      int64 // unix seconds

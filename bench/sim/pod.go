@@ -483,7 +483,7 @@ func (p *Pod) newInferRequest(ctx *fasthttp.RequestCtx, ar *apiRequest, chat boo
 	}
 	ctx.Response.Header.Set("X-Request-Id", base)
 	r := newRequest()
-	r.chat, r.stream, r.includeUsage = chat, ar.stream, ar.includeUsage
+	r.chat, r.stream, r.includeUsage, r.noCached = chat, ar.stream, ar.includeUsage, p.cfg.NoCachedTokens
 	r.model, r.created = p.cfg.Model, time.Now().Unix()
 	r.id = "cmpl-" + base
 	if chat {

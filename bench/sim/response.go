@@ -87,8 +87,12 @@ func appendHead(b []byte, r *request, object string) []byte {
 	return appendJSONString(b, r.model)
 }
 
-// usage is a request's token accounting.
-type usage struct{ prompt, completion, cached int }
+// usage is a request's token accounting; noCached leaves cached_tokens
+// out.
+type usage struct {
+	prompt, completion, cached int
+	noCached                   bool
+}
 
 func appendUsage(b []byte, u usage) []byte {
 	b = append(b, `{"prompt_tokens":`...)
@@ -97,6 +101,9 @@ func appendUsage(b []byte, u usage) []byte {
 	b = strconv.AppendInt(b, int64(u.prompt+u.completion), 10)
 	b = append(b, `,"completion_tokens":`...)
 	b = strconv.AppendInt(b, int64(u.completion), 10)
+	if u.noCached {
+		return append(b, '}')
+	}
 	b = append(b, `,"prompt_tokens_details":{"cached_tokens":`...)
 	b = strconv.AppendInt(b, int64(u.cached), 10)
 	return append(b, "}}"...)
@@ -198,7 +205,7 @@ func appendFull(b []byte, r *request, pubs []seqPub, kv *kvHold, p *Pod) []byte 
 
 // requestUsage sums a request's usage; a prompt shared by n choices counts once.
 func requestUsage(r *request, pubs []seqPub) usage {
-	var u usage
+	u := usage{noCached: r.noCached}
 	var last []uint32
 	for i, s := range r.seqs {
 		u.completion += pubs[i].generated

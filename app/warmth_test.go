@@ -1,0 +1,90 @@
+package app
+
+import (
+	"bufio"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/kvroute/kvroute/bench/sim"
+)
+
+// engineHits returns the prefix-cache hit and queried tokens of the
+// fleet's engines (their own counters).
+func engineHits(t *testing.T, fleet *sim.Fleet) (hits, queries float64) {
+	t.Helper()
+	for i := range len(fleet.URLs()) {
+		mfs, err := fleet.Pod(i).Registry().Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, mf := range mfs {
+			for _, m := range mf.GetMetric() {
+				switch mf.GetName() {
+				case "vllm:prefix_cache_hits_total":
+					hits += m.GetCounter().GetValue()
+				case "vllm:prefix_cache_queries_total":
+					queries += m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return hits, queries
+}
+
+// Four engines that each keep one prompt cached (one sequence slot, a KV
+// cache for one prompt) and report no cached tokens, as stock Ollama
+// servers do, behind the router with default flags; four prompt groups in
+// random order, one request at a time. The router learns from the times
+// to first token which answers were served warm and that each engine keeps
+// one prompt, and gives each group an engine of its own: the engines serve
+// nearly every prompt of the last half from cache. (Homed by load factor
+// alone, two of four groups share an engine as often as not, and each of
+// their requests evicts the other's prompt.)
+func TestRouterLearnsEnginesThatKeepOnePrompt(t *testing.T) {
+	cfg := sim.DefaultConfig()
+	cfg.NumGPUBlocks = 70 // 1,120 tokens: one prompt of ~1,040, and nothing of the one before
+	cfg.MaxNumSeqs = 1
+	cfg.PrefillTokensPerSec = 20000 // a cold prompt ≈ 50 ms, a warm one a few
+	cfg.NoCachedTokens = true
+	fleet := startSimFleet(t, 4, cfg)
+	rc := DefaultConfig()
+	rc.Backends, rc.AccessLog = fleet.URLs(), false
+	rt, url := startRouter(t, rc)
+
+	rng := rand.New(rand.NewPCG(3, 4))
+	send := func(group, i int) {
+		prompt := strings.Repeat(fmt.Sprintf("Group %d keeps its own long instructions here. ", group), 90) + fmt.Sprintf("Question %d?", i)
+		body := fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":4,"stream":true}`, cfg.Model, prompt)
+		resp, err := testClient.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		sc := bufio.NewScanner(resp.Body)
+		for sc.Scan() {
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("status %d", resp.StatusCode)
+		}
+	}
+	const n = 160
+	var h0, q0 float64
+	for i := range n {
+		if i == n/2 {
+			h0, q0 = engineHits(t, fleet)
+		}
+		send(rng.IntN(4), i)
+	}
+	h1, q1 := engineHits(t, fleet)
+	rate := (h1 - h0) / (q1 - q0)
+	t.Logf("engine hit rate over the last %d requests: %.2f", n/2, rate)
+	for _, e := range rt.Pool.Load().Endpoints {
+		t.Logf("%s: %d requests, keeps %d prompts (0: unknown)", e.URL, e.Requests(), rt.Prefix.Kept(e.ID))
+	}
+	if rate < 0.85 {
+		t.Errorf("engine hit rate %.2f over the last %d requests, want ≥ 0.85 (each group on an engine of its own)", rate, n/2)
+	}
+}

@@ -1,0 +1,75 @@
+package routing
+
+import (
+	"testing"
+	"time"
+
+	"github.com/kvroute/kvroute/discovery"
+)
+
+// An engine that keeps one prompt: keys alternating on it miss at
+// distance 1 and hit at distance 0; warmth learns 1, a key one back is no
+// longer held, and the count holds while its evidence fades, until a key
+// is seen warm beyond it.
+func TestWarmthLearnsKeptPrompts(t *testing.T) {
+	w := newWarmth()
+	const ep = 7
+	if d := w.see(ep, 1); d != -1 {
+		t.Fatalf("first sight at distance %d", d)
+	}
+	for range 3 {
+		w.outcome(ep, w.see(ep, 2), false) // -1 first: ignored
+		w.outcome(ep, w.see(ep, 1), false) // distance 1: cold
+		w.outcome(ep, w.see(ep, 1), true)  // distance 0: warm
+	}
+	if k := w.kept(ep); k != 1 {
+		t.Fatalf("kept %d, want 1", k)
+	}
+	if !w.holds(ep, 1) || w.holds(ep, 2) || !w.holds(8, 2) {
+		t.Fatalf("holds: last key %v, the one before %v, another endpoint's %v", w.holds(ep, 1), w.holds(ep, 2), w.holds(8, 2))
+	}
+	for range 200 {
+		w.outcome(ep, w.see(ep, 1), true)
+	}
+	if k := w.kept(ep); k != 1 {
+		t.Fatalf("kept %d after its evidence faded, want 1 still", k)
+	}
+	for range 3 {
+		w.see(ep, 3)
+		w.outcome(ep, w.see(ep, 1), true) // distance 1 warm: it keeps more
+	}
+	if k := w.kept(ep); k != 0 {
+		t.Fatalf("kept %d after warm answers at distance 1, want 0 (unknown)", k)
+	}
+	w.forget(ep)
+	if w.learned.Load() != 0 || w.see(ep, 1) != -1 {
+		t.Fatal("forget left state behind")
+	}
+}
+
+// Homes follow what engines keep: four keys over four endpoints that each
+// keep one get one each (the load factor alone allows two on one); eight
+// keys, more than the fleet keeps, are spread two by two.
+func TestHomesBoundedByKeptPrompts(t *testing.T) {
+	var eps []*discovery.Endpoint
+	for i := range 4 {
+		e, err := discovery.NewEndpoint("http://127.0.0.1:"+string(rune('1'+i))+"000", discovery.RoleMixed)
+		if err != nil {
+			t.Fatal(err)
+		}
+		eps = append(eps, e)
+	}
+	for _, tc := range []struct{ keys, want int }{{4, 1}, {8, 2}} {
+		h := newHomes(time.Hour, time.Now)
+		h.kept = func(uint64) int { return 1 }
+		for k := range tc.keys {
+			h.recur(uint64(1000 + k))
+		}
+		h.assign(eps, 1.1, time.Now())
+		for _, e := range eps {
+			if n := h.load[e.ID]; n != tc.want {
+				t.Errorf("%d keys: %s homes %d, want %d", tc.keys, e.URL, n, tc.want)
+			}
+		}
+	}
+}

@@ -20,6 +20,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -294,6 +295,9 @@ func (p *Process) WaitReady(ctx context.Context, path string, timeout time.Durat
 	}
 }
 
+// Pid returns the process's id, also its process group's.
+func (p *Process) Pid() int { return p.cmd.Process.Pid }
+
 // Output returns the last 4 KiB of the process's output.
 func (p *Process) Output() string { return p.out.String() }
 
@@ -321,6 +325,44 @@ func (p *Process) Stop(grace time.Duration) error {
 		_ = p.Kill()
 		return fmt.Errorf("proc: %s killed after %s", p.URL, grace)
 	}
+}
+
+// Lingering reports whether a process of p's group is still alive after
+// wait, polled every 10 ms: after Stop or Kill none should be (an orphan
+// killed with its group is reaped by init a moment later, a zombie till
+// then, which does not count). Linux only (/proc); elsewhere it reports
+// false once the process group is empty.
+func (p *Process) Lingering(wait time.Duration) bool {
+	pgid := p.Pid()
+	for deadline := time.Now().Add(wait); ; time.Sleep(10 * time.Millisecond) {
+		if err := syscall.Kill(-pgid, 0); errors.Is(err, syscall.ESRCH) || onlyZombies(pgid) {
+			return false
+		}
+		if time.Now().After(deadline) {
+			return true
+		}
+	}
+}
+
+// onlyZombies reports whether every process of group pgid in /proc is a
+// zombie (dead, waiting for its parent to reap it).
+func onlyZombies(pgid int) bool {
+	ds, err := os.ReadDir("/proc")
+	if err != nil {
+		return false
+	}
+	for _, d := range ds {
+		b, err := os.ReadFile("/proc/" + d.Name() + "/stat")
+		if err != nil {
+			continue
+		}
+		// pid (comm) state ppid pgrp ...: comm may hold spaces.
+		f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+		if len(f) > 2 && f[2] == strconv.Itoa(pgid) && f[0] != "Z" {
+			return false
+		}
+	}
+	return true
 }
 
 // StopAll stops every process at once (see Stop) and waits for them all.

@@ -39,6 +39,9 @@ type Preset struct {
 	// EngineLlamaCpp; its Engine is taken from Engine): the local
 	// scenarios run with them.
 	Local localengine.Settings
+	// LocalRate overrides the local scenarios' offered rate, requests/s
+	// (0: localRate, 5).
+	LocalRate float64
 }
 
 // DefaultPods is the default fleet size.
@@ -381,10 +384,14 @@ func LocalNames() []string {
 const localPods = 4
 
 // localRate is the local scenarios' offered rate, requests/s: cold, 5
-// prefills of 150 ms a second keep Ollama's four servers about 40% busy
-// on two cores, so that queueing stays a consequence of the routing (a
-// policy that sends a group where its prefix is not pays a cold prefill),
-// not of an overloaded machine.
+// prefills of 150 ms a second (Ollama's, as shared/engines measured them)
+// keep four servers about 40% busy on two cores, so that queueing stays a
+// consequence of the routing (a policy that sends a group where its prefix
+// is not pays a cold prefill), not of an overloaded machine. Where a cold
+// prefill takes longer (300 ms on llama.cpp and 440 ms on Ollama were
+// measured on a slower two-core machine), a policy that misses saturates
+// the cores at 5 req/s: lower it with Preset.LocalRate (kvbench
+// --local-rate).
 const localRate = 5
 
 // The local scenarios' request shape in the workload's words (about 1.57
@@ -426,6 +433,9 @@ func localScenario(p Preset, name string) (Scenario, bool) {
 		s := p.Local
 		s.Engine = p.Engine
 		sc.Local = &s
+	}
+	if p.LocalRate > 0 {
+		sc.Load.Rate = load.Rate(p.LocalRate)
 	}
 	sc.Sim = sim.Config{Seed: p.Seed, TimeScale: 1}
 	sc.SLO, sc.Timeout = load.SLO{TTFT: 1000}, 5*time.Minute

@@ -148,7 +148,7 @@ func unique(ss []string) []string {
 // preset is the scenarios' preset for profile on engine.
 func (o *options) preset(engine, profile string) scenario.Preset {
 	return scenario.Preset{Full: o.full, Pods: o.pods, TimeScale: o.timeScale, TracePath: o.trace, Seed: o.seed,
-		Profile: profile, Engine: engine, Local: o.local.settings(engine)}
+		Profile: profile, Engine: engine, Local: o.local.settings(engine), LocalRate: o.localRate}
 }
 
 // resultDir is where a scenario's results on profile and engine go:

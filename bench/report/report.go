@@ -196,12 +196,7 @@ func localMarkdown(rep *scenario.Report) string {
 // (prompt_tokens_details.cached_tokens; "–" when none did, as Ollama
 // v0.24) and the failed requests.
 func ReferenceTable(runs []*load.Result) string {
-	var ref *load.Result
-	for _, r := range runs {
-		if r.Label == scenario.FixedAffinity {
-			ref = r
-		}
-	}
+	ref := run(runs, scenario.FixedAffinity)
 	ratio := func(v, base float64) string {
 		if ref == nil || base == 0 {
 			return "–"
@@ -228,16 +223,22 @@ func ReferenceTable(runs []*load.Result) string {
 	return b.String()
 }
 
+// run returns the last of runs labelled label, nil if none.
+func run(runs []*load.Result, label string) *load.Result {
+	var found *load.Result
+	for _, r := range runs {
+		if r.Label == label {
+			found = r
+		}
+	}
+	return found
+}
+
 // referenceLine compares every other run with the fixed-affinity client's
 // (the finite-cache reference): engine hit rate and TTFT mean, each as a
 // ratio ("" without that run).
 func referenceLine(runs []*load.Result) string {
-	var ref *load.Result
-	for _, r := range runs {
-		if r.Label == scenario.FixedAffinity {
-			ref = r
-		}
-	}
+	ref := run(runs, scenario.FixedAffinity)
 	if ref == nil || ref.Engine == nil || ref.Engine.HitRate == 0 || ref.Summary.TTFT.Mean == 0 {
 		return ""
 	}

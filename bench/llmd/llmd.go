@@ -9,21 +9,15 @@
 package llmd
 
 import (
-	"bytes"
-	"compress/gzip"
 	"context"
 	"errors"
 	"fmt"
-	"io"
-	"net"
-	"net/http"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strconv"
-	"sync"
-	"syscall"
 	"time"
+
+	"github.com/kvroute/kvroute/bench/proc"
 )
 
 // ErrNoBinary is returned by Binary when neither the given path nor the
@@ -36,9 +30,8 @@ var ErrStart = errors.New("llmd: pod did not start")
 // BinaryName is the simulator's file name under the module's bin/.
 const BinaryName = "llm-d-inference-sim"
 
-// archive is where the workplace keeps the simulator, relative to an
-// ancestor of the working directory (the checkout's parent holds shared/).
-var archive = filepath.Join("shared", "engines", BinaryName+".gz")
+// archive is the simulator's archive under shared/engines.
+const archive = BinaryName + ".gz"
 
 // EnvBinary names the environment variable that, when set, gives the
 // simulator's path (as Binary's path argument would).
@@ -49,9 +42,8 @@ const EnvBinary = "KVBENCH_LLMD"
 // bin/llm-d-inference-sim, decompressed there from
 // <ancestor>/shared/engines/llm-d-inference-sim.gz (the first ancestor of
 // the working directory that has it) when missing or older than the
-// archive. It returns ErrNoBinary when there is none. Safe to call from
-// several processes at once: the binary is written to a temporary file and
-// renamed.
+// archive (proc.Gunzip). It returns ErrNoBinary when there is none. Safe
+// to call from several processes at once.
 func Binary(path string) (string, error) {
 	if path == "" {
 		path = os.Getenv(EnvBinary)
@@ -62,80 +54,11 @@ func Binary(path string) (string, error) {
 		}
 		return path, nil
 	}
-	wd, err := os.Getwd()
-	if err != nil {
-		return "", err
+	bin, err := proc.Gunzip(archive, BinaryName)
+	if errors.Is(err, proc.ErrNotFound) {
+		return "", fmt.Errorf("%w: %v (set --llmd-binary or %s)", ErrNoBinary, err, EnvBinary)
 	}
-	gz := findUp(wd, archive)
-	if gz == "" {
-		return "", fmt.Errorf("%w: no %s above %s (set --llmd-binary or %s)", ErrNoBinary, archive, wd, EnvBinary)
-	}
-	root := findUp(wd, "go.mod")
-	if root == "" {
-		return "", fmt.Errorf("%w: no go.mod above %s to put bin/ beside", ErrNoBinary, wd)
-	}
-	dst := filepath.Join(filepath.Dir(root), "bin", BinaryName)
-	if fresh(dst, gz) {
-		return dst, nil
-	}
-	return dst, decompress(gz, dst)
-}
-
-// findUp returns dir/rel for the first of dir and its ancestors where it
-// exists, "" if none.
-func findUp(dir, rel string) string {
-	for {
-		p := filepath.Join(dir, rel)
-		if _, err := os.Stat(p); err == nil {
-			return p
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return ""
-		}
-		dir = parent
-	}
-}
-
-// fresh reports whether dst exists and is not older than src.
-func fresh(dst, src string) bool {
-	d, err := os.Stat(dst)
-	if err != nil {
-		return false
-	}
-	s, err := os.Stat(src)
-	return err == nil && !d.ModTime().Before(s.ModTime())
-}
-
-// decompress writes the gunzipped src to dst, executable, through a
-// temporary file in dst's directory.
-func decompress(src, dst string) error {
-	in, err := os.Open(src)
-	if err != nil {
-		return err
-	}
-	defer in.Close()
-	zr, err := gzip.NewReader(in)
-	if err != nil {
-		return fmt.Errorf("llmd: %s: %w", src, err)
-	}
-	if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
-		return err
-	}
-	tmp, err := os.CreateTemp(filepath.Dir(dst), BinaryName+".*")
-	if err != nil {
-		return err
-	}
-	_, err = io.Copy(tmp, zr)
-	err = errors.Join(err, tmp.Chmod(0o755), tmp.Close())
-	if err == nil {
-		err = os.Rename(tmp.Name(), dst)
-	}
-	if err != nil {
-		os.Remove(tmp.Name())
-		return fmt.Errorf("llmd: decompress %s: %w", src, err)
-	}
-	return nil
+	return bin, err
 }
 
 // Settings are one simulated pod's engine, in the simulator's terms. Times
@@ -219,15 +142,7 @@ func (s Settings) Args(port int) []string {
 // Fleet is a set of running simulator processes, one per pod, each on its
 // own loopback port. Close stops them.
 type Fleet struct {
-	pods []*pod
-}
-
-type pod struct {
-	url  string
-	cmd  *exec.Cmd
-	out  *tail
-	done chan struct{}
-	err  error // Wait's, set before done closes
+	pods []*proc.Process
 }
 
 // readyTimeout bounds a pod's start: the simulator answers /health within
@@ -248,65 +163,26 @@ func Start(ctx context.Context, bin string, settings []Settings) (*Fleet, error)
 		f.pods = append(f.pods, p)
 	}
 	for _, p := range f.pods {
-		if err := p.ready(ctx); err != nil {
-			return nil, errors.Join(err, f.Close())
+		if err := p.WaitReady(ctx, "/health", readyTimeout); err != nil {
+			return nil, errors.Join(fmt.Errorf("%w: %v", ErrStart, err), f.Close())
 		}
 	}
 	return f, nil
 }
 
-// freePort returns a loopback port free a moment ago.
-func freePort() (int, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port, nil
-}
-
-func startPod(bin string, s Settings) (*pod, error) {
-	port, err := freePort()
+func startPod(bin string, s Settings) (*proc.Process, error) {
+	port, err := proc.FreePort()
 	if err != nil {
 		return nil, err
 	}
 	cmd := exec.Command(bin, s.Args(port)...)
 	// POD_IP names the pod in its KV events' topic (kv@<ip>:<port>@<model>).
 	cmd.Env = append(os.Environ(), "POD_IP=127.0.0.1")
-	out := &tail{max: 4 << 10}
-	cmd.Stdout, cmd.Stderr = out, out
-	if err := cmd.Start(); err != nil {
+	p, err := proc.Start("http://127.0.0.1:"+strconv.Itoa(port), cmd)
+	if err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrStart, err)
 	}
-	p := &pod{url: "http://127.0.0.1:" + strconv.Itoa(port), cmd: cmd, out: out, done: make(chan struct{})}
-	go func() { p.err = cmd.Wait(); close(p.done) }()
 	return p, nil
-}
-
-// ready waits until the pod answers GET /health with 200.
-func (p *pod) ready(ctx context.Context) error {
-	ctx, cancel := context.WithTimeout(ctx, readyTimeout)
-	defer cancel()
-	hc := &http.Client{Timeout: time.Second}
-	t := time.NewTicker(20 * time.Millisecond)
-	defer t.Stop()
-	for {
-		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, p.url+"/health", nil)
-		if resp, err := hc.Do(req); err == nil {
-			io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return nil
-			}
-		}
-		select {
-		case <-p.done:
-			return fmt.Errorf("%w: %s exited (%v): %s", ErrStart, p.url, p.err, p.out.String())
-		case <-ctx.Done():
-			return fmt.Errorf("%w: %s not healthy: %v: %s", ErrStart, p.url, ctx.Err(), p.out.String())
-		case <-t.C:
-		}
-	}
 }
 
 // URLs returns the pods' base URLs (http://127.0.0.1:port), in settings
@@ -314,21 +190,14 @@ func (p *pod) ready(ctx context.Context) error {
 func (f *Fleet) URLs() []string {
 	urls := make([]string, len(f.pods))
 	for i, p := range f.pods {
-		urls[i] = p.url
+		urls[i] = p.URL
 	}
 	return urls
 }
 
 // Kill kills pod i at once (SIGKILL: its connections reset, as when its
 // node dies) and waits for it.
-func (f *Fleet) Kill(i int) error {
-	p := f.pods[i]
-	if err := p.cmd.Process.Kill(); err != nil {
-		return err
-	}
-	<-p.done
-	return nil
-}
+func (f *Fleet) Kill(i int) error { return f.pods[i].Kill() }
 
 // stopGrace is how long a pod may take to exit after SIGTERM before it is
 // killed.
@@ -336,43 +205,4 @@ const stopGrace = 5 * time.Second
 
 // Close stops every pod (SIGTERM, then SIGKILL after 5 s) and waits for
 // them. Safe to call more than once.
-func (f *Fleet) Close() error {
-	var errs []error
-	for _, p := range f.pods {
-		_ = p.cmd.Process.Signal(syscall.SIGTERM)
-	}
-	for _, p := range f.pods {
-		select {
-		case <-p.done:
-		case <-time.After(stopGrace):
-			_ = p.cmd.Process.Kill()
-			<-p.done
-			errs = append(errs, fmt.Errorf("llmd: %s killed after %s", p.url, stopGrace))
-		}
-	}
-	return errors.Join(errs...)
-}
-
-// tail keeps the last max bytes written to it (a process's output, for
-// error messages). Safe for concurrent use.
-type tail struct {
-	mu  sync.Mutex
-	max int
-	b   []byte
-}
-
-func (t *tail) Write(p []byte) (int, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.b = append(t.b, p...)
-	if over := len(t.b) - t.max; over > 0 {
-		t.b = t.b[over:]
-	}
-	return len(p), nil
-}
-
-func (t *tail) String() string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return string(bytes.TrimSpace(t.b))
-}
+func (f *Fleet) Close() error { return proc.StopAll(f.pods, stopGrace) }

@@ -107,6 +107,13 @@ func newClient(baseURL string, api workload.API, timeout time.Duration) (*client
 		WriteBufferSize:        16 << 10,
 		DisablePathNormalizing: true,
 		StreamResponseBody:     true,
+		// A pooled keep-alive connection the server had closed answers
+		// the request written on it with EOF before any byte: resend once
+		// on a new one. llama-server closes its connection after every
+		// streamed response without saying so (no Connection: close).
+		RetryIfErr: func(_ *fasthttp.Request, attempts int, err error) (bool, bool) {
+			return false, attempts < 2 && errors.Is(err, io.EOF)
+		},
 	}
 	c.bufs.New = func() any { return &exchange{buf: make([]byte, 32<<10)} }
 	return c, nil

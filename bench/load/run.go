@@ -19,9 +19,9 @@ type Config struct {
 	// BaseURL receives the requests: kvroute, one pod, or any
 	// OpenAI-compatible server ("http://host:port[/prefix]").
 	BaseURL string
-	// PodURLs are the engines' base URLs; when set, their /metrics are
-	// scraped before and after the run (and each stage) for the
-	// engine-side prefix-cache hit rate.
+	// PodURLs are the engines' base URLs; when set (and NoEngineMetrics
+	// not), their /metrics are scraped before and after the run (and each
+	// stage) for the engine-side prefix-cache hit rate.
 	PodURLs []string
 	// Direct sends every request straight to one of PodURLs instead of
 	// BaseURL, with fixed, balanced affinity: the sessions of prefix group
@@ -30,6 +30,9 @@ type Config struct {
 	// reference a router is measured against: each group cached on one
 	// pod, groups spread evenly, no load awareness.
 	Direct bool
+	// NoEngineMetrics leaves PodURLs' /metrics alone: engines without
+	// vLLM's (Ollama has none; llama-server's, when on, have other names).
+	NoEngineMetrics bool
 	// Model is the "model" field; "" leaves it out (the server's default).
 	Model string
 	// API selects completions or chat.
@@ -134,7 +137,7 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	hc := &http.Client{Timeout: scrapeTimeout}
 	defer hc.CloseIdleConnections()
 	var before *EngineSnapshot
-	if len(cfg.PodURLs) > 0 {
+	if len(cfg.PodURLs) > 0 && !cfg.NoEngineMetrics {
 		var err error
 		if before, err = ScrapeEngines(ctx, hc, cfg.PodURLs); err != nil {
 			return nil, err

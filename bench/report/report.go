@@ -132,6 +132,10 @@ func Markdown(rep *scenario.Report) string {
 		fmt.Fprintf(&b, "%s\n\n", sc.Description)
 	}
 	f := sc.Fleet
+	if f.Local != nil {
+		b.WriteString(localMarkdown(rep))
+		return b.String()
+	}
 	fmt.Fprintf(&b, "%d simulated pods (%s, %d KV blocks × %d tokens = %s tokens per pod",
 		sc.Pods, costModel(sc), f.NumGPUBlocks, f.BlockSize, thousands(f.KVTokensPerPod))
 	if f.WorkingSetShare > 0 {
@@ -168,16 +172,73 @@ func Markdown(rep *scenario.Report) string {
 	return b.String()
 }
 
+// localMarkdown renders a scenario on real local servers: the setup, the
+// reference table (TTFT mean and p90 against fixed affinity, failures)
+// and the full policy table.
+func localMarkdown(rep *scenario.Report) string {
+	var b strings.Builder
+	sc := &rep.Scenario
+	fmt.Fprintf(&b, "%d real servers (%s; model %s, one thread each) behind kvroute with its default flags. Workload: %s. Load: %s. "+
+		"Ideal hit rate (infinite cache): %s.\n\n", sc.Pods, sc.Fleet.Local, sc.Fleet.Model,
+		describeWorkload(sc.Workload, sc.API), describeLoad(sc.Load), pct(rep.IdealHitRate))
+	b.WriteString(ReferenceTable(rep.Runs))
+	b.WriteString("\n")
+	b.WriteString(PolicyTable(rep.Runs))
+	if cpu := cpuLine(rep.Runs); cpu != "" {
+		fmt.Fprintf(&b, "\n%s\n", cpu)
+	}
+	return b.String()
+}
+
+// ReferenceTable renders one row per run: TTFT mean and p90, each also as
+// a ratio to the fixed-affinity client's run (the finite-cache reference;
+// "–" without it), the cached share of prompt tokens the engines reported
+// (prompt_tokens_details.cached_tokens; "–" when none did, as Ollama
+// v0.24) and the failed requests.
+func ReferenceTable(runs []*load.Result) string {
+	ref := run(runs, scenario.FixedAffinity)
+	ratio := func(v, base float64) string {
+		if ref == nil || base == 0 {
+			return "–"
+		}
+		return fmt.Sprintf("%.2f×", v/base)
+	}
+	var b strings.Builder
+	b.WriteString("| policy | requests | TTFT mean | TTFT p90 | mean vs " + scenario.FixedAffinity + " | p90 vs " + scenario.FixedAffinity +
+		" | cached tokens (reported) | failed |\n")
+	b.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|\n")
+	for _, r := range runs {
+		s := &r.Summary
+		var mean, p90 float64
+		if ref != nil {
+			mean, p90 = ref.Summary.TTFT.Mean, ref.Summary.TTFT.P90
+		}
+		cached := "–"
+		if s.CachedTokens > 0 {
+			cached = pct(s.CachedRate)
+		}
+		fmt.Fprintf(&b, "| %s | %d | %s | %s | %s | %s | %s | %s |\n", r.Label, s.Requests, ms(s.TTFT.Mean), ms(s.TTFT.P90),
+			ratio(s.TTFT.Mean, mean), ratio(s.TTFT.P90, p90), cached, errorsCell(s))
+	}
+	return b.String()
+}
+
+// run returns the last of runs labelled label, nil if none.
+func run(runs []*load.Result, label string) *load.Result {
+	var found *load.Result
+	for _, r := range runs {
+		if r.Label == label {
+			found = r
+		}
+	}
+	return found
+}
+
 // referenceLine compares every other run with the fixed-affinity client's
 // (the finite-cache reference): engine hit rate and TTFT mean, each as a
 // ratio ("" without that run).
 func referenceLine(runs []*load.Result) string {
-	var ref *load.Result
-	for _, r := range runs {
-		if r.Label == scenario.FixedAffinity {
-			ref = r
-		}
-	}
+	ref := run(runs, scenario.FixedAffinity)
 	if ref == nil || ref.Engine == nil || ref.Engine.HitRate == 0 || ref.Summary.TTFT.Mean == 0 {
 		return ""
 	}

@@ -7,20 +7,29 @@ import (
 	"time"
 
 	"github.com/kvroute/kvroute/bench/llmd"
+	"github.com/kvroute/kvroute/bench/localengine"
 	"github.com/kvroute/kvroute/bench/sim"
 )
 
 // The engines a scenario's pods can run: the project's simulator
-// (bench/sim, in process) or the public llm-d inference simulator
+// (bench/sim, in process), the public llm-d inference simulator
 // (bench/llmd, one process per pod), whose scheduler, latency model and
-// cache nobody here wrote.
+// cache nobody here wrote, and two real local servers with real CPU
+// compute (bench/localengine): stock Ollama and llama.cpp's llama-server,
+// serving the tiny model, their flags from Scenario.Local.
 const (
-	EngineKVSim = "kvsim"
-	EngineLLMD  = "llm-d"
+	EngineKVSim    = "kvsim"
+	EngineLLMD     = "llm-d"
+	EngineOllama   = localengine.Ollama
+	EngineLlamaCpp = localengine.LlamaCpp
 )
 
 // Engines lists the engines in documentation order.
-func Engines() []string { return []string{EngineKVSim, EngineLLMD} }
+func Engines() []string { return []string{EngineKVSim, EngineLLMD, EngineOllama, EngineLlamaCpp} }
+
+// IsLocal reports whether engine is a real local server (bench/localengine),
+// for which only the local scenarios (LocalNames) are sized.
+func IsLocal(engine string) bool { return slices.Contains(localengine.Engines(), engine) }
 
 // ParseEngine checks an engine name; "" is EngineKVSim.
 func ParseEngine(name string) (string, error) {
@@ -47,11 +56,39 @@ func (sc *Scenario) engineName() string {
 	return sc.Engine
 }
 
+// localSettings returns the local servers' settings of sc (its Local,
+// else the engine's defaults); false when sc's engine is not local.
+func (sc *Scenario) localSettings() (localengine.Settings, bool) {
+	e := sc.engineName()
+	if !IsLocal(e) {
+		return localengine.Settings{}, false
+	}
+	if sc.Local != nil {
+		s := *sc.Local
+		s.Engine = e
+		return s, true
+	}
+	return localengine.Settings{Engine: e}, true
+}
+
+// simEngines returns cfgs when sc's pods are simulated (the peers
+// calibrated per deployment read them), nil on a real engine.
+func (sc *Scenario) simEngines(cfgs []sim.Config) []sim.Config {
+	if IsLocal(sc.engineName()) {
+		return nil
+	}
+	return cfgs
+}
+
 // startFleet starts sc's pods, configured as cfgs, on sc's engine: bin is
-// the llm-d simulator's binary (see llmd.Binary; "" finds it).
+// the llm-d simulator's binary (see llmd.Binary; "" finds it). Real local
+// servers (bench/localengine) ignore cfgs: sc.Pods of them, warm.
 func startFleet(ctx context.Context, sc *Scenario, cfgs []sim.Config, bin string) (engineFleet, error) {
 	if sc.engineName() == EngineKVSim {
 		return sim.StartFleetOf(cfgs...)
+	}
+	if s, ok := sc.localSettings(); ok {
+		return localengine.Start(ctx, s, sc.Pods)
 	}
 	path, err := llmd.Binary(bin)
 	if err != nil {

@@ -23,6 +23,7 @@ import (
 	"github.com/kvroute/kvroute/app"
 	"github.com/kvroute/kvroute/bench/llmd"
 	"github.com/kvroute/kvroute/bench/load"
+	"github.com/kvroute/kvroute/bench/localengine"
 	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/bench/workload"
 )
@@ -40,8 +41,12 @@ type Scenario struct {
 	Pods int `json:"pods"`
 	// Engine names the pods' engine (Engines): "" or EngineKVSim for
 	// bench/sim, EngineLLMD for the llm-d simulator with settings derived
-	// from the same configs (LLMDSettings).
+	// from the same configs (LLMDSettings), EngineOllama or EngineLlamaCpp
+	// for real local servers (Sim then unused).
 	Engine string `json:"engine,omitempty"`
+	// Local are the real local servers' flags (Engine is taken from
+	// Engine); nil: the engine's defaults.
+	Local *localengine.Settings `json:"-"`
 	// Profile names the pods' engine profile (sim.Profiles); "" runs Sim
 	// as it is.
 	Profile string `json:"profile,omitempty"`
@@ -87,6 +92,9 @@ type FleetDescriptor struct {
 	WorkingSetShare float64 `json:"working_set_share,omitempty"`
 	// LLMD is pod 0's llm-d simulator settings (engine llm-d only).
 	LLMD *llmd.Settings `json:"llmd,omitempty"`
+	// Local is the real local servers' engine and flags (engines ollama
+	// and llamacpp only; Model is then localengine.Model, TimeScale 1).
+	Local *localengine.Settings `json:"local,omitempty"`
 }
 
 // describeFleet fills sc.Fleet from sc.Sim and the profile.
@@ -101,6 +109,9 @@ func (sc *Scenario) describeFleet() {
 		Model: cfg.Model, TimeScale: cfg.TimeScale, BlockSize: cfg.BlockSize,
 		NumGPUBlocks: cfg.NumGPUBlocks, KVTokensPerPod: kv,
 		MaxNumSeqs: cfg.MaxNumSeqs, MaxNumBatchedTokens: cfg.MaxNumBatchedTokens,
+	}
+	if s, ok := sc.localSettings(); ok {
+		sc.Fleet.Local, sc.Fleet.Model, sc.Fleet.TimeScale = &s, localengine.Model, 1
 	}
 	if sc.engineName() == EngineLLMD {
 		prompt, output := meanRequest(sc.Workload)
@@ -222,7 +233,7 @@ func Run(ctx context.Context, sc Scenario, opt RunOptions) (*Report, error) {
 			if p.Direct {
 				front = "sent to directly"
 			}
-			fmt.Fprintf(opt.Log, "%s: %s on %d simulated pods%s %s\n", sc.Name, p.Name, sc.Pods, sc.profileNote(), front)
+			fmt.Fprintf(opt.Log, "%s: %s on %d pods%s %s\n", sc.Name, p.Name, sc.Pods, sc.profileNote(), front)
 		}
 		res, seen, err := runPolicy(ctx, sc, wl, p, opt)
 		if res != nil {
@@ -328,6 +339,8 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 		Seed:      sc.Seed,
 		Label:     p.Name,
 		Progress:  opt.Progress,
+		// Real local servers have no vLLM /metrics.
+		NoEngineMetrics: IsLocal(sc.engineName()),
 	}
 	if p.Direct {
 		lc.Direct = true
@@ -350,7 +363,7 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 		pods := backends
 		backends = nil
 		for i := 0; i < p.Replicas; i++ {
-			inner, err := StartRouter(p, pods, cfgs)
+			inner, err := StartRouter(p, pods, sc.simEngines(cfgs))
 			if err != nil {
 				return nil, seen, err
 			}
@@ -361,7 +374,7 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 			return nil, seen, err
 		}
 	}
-	rt, err := StartRouter(front, backends, cfgs)
+	rt, err := StartRouter(front, backends, sc.simEngines(cfgs))
 	if err != nil {
 		return nil, seen, err
 	}

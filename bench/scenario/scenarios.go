@@ -1,10 +1,12 @@
 package scenario
 
 import (
+	"fmt"
 	"math"
 	"time"
 
 	"github.com/kvroute/kvroute/bench/load"
+	"github.com/kvroute/kvroute/bench/localengine"
 	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/bench/workload"
 )
@@ -30,8 +32,16 @@ type Preset struct {
 	Profile string
 	// Engine names the pods' engine (Engines; "" is EngineKVSim). The
 	// loads are fitted to the profile, not to the engine: the llm-d pods
-	// are given the profile's costs (LLMDSettings).
+	// are given the profile's costs (LLMDSettings). The local scenarios
+	// (LocalNames) are not fitted: they are sized for real servers on CPU.
 	Engine string
+	// Local are the real local servers' flags (EngineOllama,
+	// EngineLlamaCpp; its Engine is taken from Engine): the local
+	// scenarios run with them.
+	Local localengine.Settings
+	// LocalRate overrides the local scenarios' offered rate, requests/s
+	// (0: localRate, 5).
+	LocalRate float64
 }
 
 // DefaultPods is the default fleet size.
@@ -69,6 +79,13 @@ const (
 	// Demo is a short shared-prefix comparison of four policies (see
 	// Lookup); it is not part of Names.
 	Demo = "demo"
+	// The local scenarios, sized for real servers on CPU (LocalNames);
+	// not part of Names.
+	LocalSharedPrefix4        = "local-shared-prefix-4"
+	LocalSharedPrefix8        = "local-shared-prefix-8"
+	LocalSharedPrefix16       = "local-shared-prefix-16"
+	LocalSharedPrefixPressure = "local-shared-prefix-pressure"
+	LocalMultiTurn            = "local-multi-turn"
 )
 
 // Names lists every scenario of a full benchmark run in run order (overhead
@@ -90,6 +107,9 @@ func Lookup(p Preset, name string) (Scenario, bool) {
 	}
 	if name == SharedPrefixTiers {
 		return fit(p, sharedPrefixTiers(p)), true
+	}
+	if sc, ok := localScenario(p, name); ok {
+		return sc, true
 	}
 	for _, sc := range Builtin(p) {
 		if sc.Name == name {
@@ -338,5 +358,123 @@ func trace(p Preset) Scenario {
 		Pods:        pods, Sim: cfg,
 		Workload: tr, Load: load.Load{Arrival: load.ArrivalTrace}, Seed: p.Seed,
 		SLO: load.SLO{TTFT: 5000, TPOT: 100}, Timeout: 30 * time.Minute,
+	}
+}
+
+// The local scenarios run real servers with real CPU compute (EngineOllama,
+// EngineLlamaCpp: the tiny model of bench/localengine, one thread each,
+// four servers sharing two cores by default) behind a fresh kvroute with
+// its default flags, against fixed affinity. Their prefixes are about
+// 1,000 of the model's tokens (640 of the workload's words: the tiny
+// model's byte-level BPE makes about 1.57 tokens of one), a cold prefill
+// of 150 ms on Ollama and 65 ms on llama.cpp, about a tenth of that
+// cached, so that where a prompt lands shows in TTFT. Outputs are 32
+// tokens (the model never stops before max_tokens). Each policy sends
+// about 100 requests in an open Poisson loop at localRate: about 20 s.
+// They are not fitted to a profile and run on bench/sim or llm-d at the
+// default engine's costs only as a check of the harness.
+
+// LocalNames lists the local scenarios in run order.
+func LocalNames() []string {
+	return []string{LocalSharedPrefix4, LocalSharedPrefix8, LocalSharedPrefix16, LocalSharedPrefixPressure, LocalMultiTurn}
+}
+
+// localPods is the local scenarios' fleet unless the preset sets one:
+// four single-threaded servers on a two-core machine.
+const localPods = 4
+
+// localRate is the local scenarios' offered rate, requests/s: cold, 5
+// prefills of 150 ms a second (Ollama's, as shared/engines measured them)
+// keep four servers about 40% busy on two cores, so that queueing stays a
+// consequence of the routing (a policy that sends a group where its prefix
+// is not pays a cold prefill), not of an overloaded machine. Where a cold
+// prefill takes longer (300 ms on llama.cpp and 440 ms on Ollama were
+// measured on a slower two-core machine), a policy that misses saturates
+// the cores at 5 req/s: lower it with Preset.LocalRate (kvbench
+// --local-rate).
+const localRate = 5
+
+// The local scenarios' request shape in the workload's words (about 1.57
+// of the tiny model's tokens each) and output tokens.
+const (
+	localSystem   = 640
+	localQuestion = 32
+	localOutput   = 32
+)
+
+// localPolicies are the policies a local scenario compares: fixed
+// affinity (the reference), the ClusterIP anchor, the best load-only
+// policy and kvroute's.
+var localPolicies = []string{FixedAffinity, Baseline, LeastRequest, "prefix"}
+
+// localScenario returns the local scenario called name for p; false for
+// another name.
+func localScenario(p Preset, name string) (Scenario, bool) {
+	var sc Scenario
+	switch name {
+	case LocalSharedPrefix4:
+		sc = localSharedPrefix(p, name, 4, 25)
+	case LocalSharedPrefix8:
+		sc = localSharedPrefix(p, name, 8, 12)
+	case LocalSharedPrefix16:
+		sc = localSharedPrefix(p, name, 16, 6)
+	case LocalSharedPrefixPressure:
+		sc = localSharedPrefix(p, name, 24, 4)
+	case LocalMultiTurn:
+		sc = localMultiTurn(p)
+	default:
+		return Scenario{}, false
+	}
+	sc.Engine, sc.Pods, sc.Seed, sc.Policies = p.Engine, localPods, p.Seed, localPolicies
+	if p.Pods > 0 {
+		sc.Pods = p.Pods
+	}
+	if IsLocal(p.Engine) {
+		s := p.Local
+		s.Engine = p.Engine
+		sc.Local = &s
+	}
+	if p.LocalRate > 0 {
+		sc.Load.Rate = load.Rate(p.LocalRate)
+	}
+	sc.Sim = sim.Config{Seed: p.Seed, TimeScale: 1}
+	sc.SLO, sc.Timeout = load.SLO{TTFT: 1000}, 5*time.Minute
+	return sc, true
+}
+
+// localSharedPrefix is shared-prefix on real servers: groups prefixes of
+// about 1,000 tokens, perGroup prompts each (rows shuffled), a 50-token
+// question, 32 out, at localRate. With 4 groups on four servers fixed
+// affinity keeps one prefix per server, which even stock Ollama (one
+// cached prompt per server) holds; with 8 and 16 a server alternates
+// between 2 and 4 prefixes; the pressure variant's 24 groups (6 per
+// server) exceed what Ollama and llama-server -np 1 --cache-ram 8 hold
+// (about four 1,000-token prompts), not what llama-server's default 8 GiB
+// host cache holds.
+func localSharedPrefix(p Preset, name string, groups, perGroup int) Scenario {
+	w := workload.Config{Kind: workload.KindSharedPrefix, Seed: p.Seed, Groups: groups, PromptsPerGroup: perGroup,
+		SystemTokens: localSystem, QuestionTokens: localQuestion, OutputTokens: localOutput}
+	return Scenario{
+		Name: name,
+		Description: fmt.Sprintf("Shared-prefix on real local servers: %d groups of a ~1,000-token prefix, %d prompts each (shuffled), "+
+			"a short question, 32 tokens out, open loop at %d req/s; fixed affinity (group g to server g mod n) is the reference.",
+			groups, perGroup, localRate),
+		WorkingSet: sharedPrefixWorkingSet(w), Workload: w, Load: load.Load{Rate: localRate},
+	}
+}
+
+// localMultiTurn is multi-turn on real servers: 16 conversations of 4–6
+// turns after a common ~1,000-token prefix, user turns of 40–60 words,
+// answers of 16–32 tokens, so that a conversation's last request is about
+// 1,700 tokens; open loop at localRate (a conversation's next turn goes at
+// the next arrival after its answer), about 80 requests.
+func localMultiTurn(p Preset) Scenario {
+	mt := workload.Config{Kind: workload.KindMultiTurn, Seed: p.Seed, Conversations: 16, PrefixTokens: localSystem,
+		TurnsMin: 4, TurnsMax: 6, UserMin: 40, UserMax: 60, AnswerMin: 16, AnswerMax: 32}
+	return Scenario{
+		Name: LocalMultiTurn,
+		Description: fmt.Sprintf("Multi-turn on real local servers: 16 conversations of 4–6 turns resend their history after a common ~1,000-token prefix, "+
+			"open loop at %d req/s; fixed affinity (conversation c to server c mod n) is the reference.", localRate),
+		API: workload.APIChat, Workload: mt, Load: load.Load{Rate: localRate},
 	}
 }

@@ -63,6 +63,8 @@ type options struct {
 	scenarios []string
 	engines   []string
 	llmdBin   string
+	local     localFlags
+	localRate float64
 	profiles  []string
 	policies  []string
 	full      bool
@@ -108,14 +110,21 @@ func newFlags(o *options) *app.Flags {
 	sc.StringSliceVar(&o.scenarios, "scenario", nil, "scenarios to run: "+strings.Join(scenario.Names(), ", ")+", all of them, demo (a short shared-prefix run of four policies), "+
 		scenario.SharedPrefixTiers+" (pressure 2x on pods with a CPU KV tier: engine truth with and without tiers; kvsim only), "+
 		strings.Join(scenario.PDNames(), ", ")+" (aggregated vs disaggregated fleets), or matrix ("+
-		strings.Join(scenario.MatrixScenarios(), ", ")+" on every profile, one table); default shared-prefix without --base-url")
+		strings.Join(scenario.MatrixScenarios(), ", ")+" on every profile, one table), or local ("+strings.Join(scenario.LocalNames(), ", ")+
+		": sized for --engine "+scenario.EngineOllama+" and "+scenario.EngineLlamaCpp+"); default shared-prefix without --base-url ("+scenario.LocalSharedPrefix4+" on real servers)")
 	sc.StringSliceVar(&o.profiles, "profile", nil, "engine profiles to run the scenarios on: "+strings.Join(sim.ProfileNames(), ", ")+
 		" (default "+sim.DefaultProfile+"; the matrix's: "+strings.Join(scenario.MatrixProfiles(), ", ")+"); loads are fitted to each; results of "+
 		sim.DefaultProfile+" under --out/<scenario>, of the others under --out/<profile>/<scenario>")
 	sc.StringSliceVar(&o.engines, "engine", nil, "engines the pods run: "+strings.Join(scenario.Engines(), ", ")+
-		" (default "+scenario.EngineKVSim+"; "+scenario.EngineLLMD+" is the public llm-d inference simulator, one process per pod, its flags derived from the profile); results of "+
-		scenario.EngineLLMD+" under --out/"+scenario.EngineLLMD+"/…")
+		" (default "+scenario.EngineKVSim+"; "+scenario.EngineLLMD+" is the public llm-d inference simulator, one process per pod, its flags derived from the profile; "+
+		scenario.EngineOllama+" and "+scenario.EngineLlamaCpp+" are real servers with the tiny model on CPU, for the local scenarios only); results of "+
+		scenario.EngineLLMD+" under --out/"+scenario.EngineLLMD+"/…, of the real servers under --out/<engine>[-<flags>]/…")
 	sc.StringVar(&o.llmdBin, "llmd-binary", "", "the llm-d simulator's binary (default $"+llmd.EnvBinary+", else bin/"+llmd.BinaryName+" decompressed from ../shared/engines)")
+	sc.IntVar(&o.local.numParallel, "ollama-num-parallel", 0, "engine ollama: OLLAMA_NUM_PARALLEL, sequences at once and cache slots per server (0: Ollama's default, 1)")
+	sc.IntVar(&o.local.slots, "llamacpp-np", 0, "engine llamacpp: llama-server's -np, slots per server (0: its default, auto: 4 over one unified KV)")
+	sc.IntVar(&o.local.cacheRAM, "llamacpp-cache-ram", -1, "engine llamacpp: llama-server's --cache-ram, its host prompt cache in MiB (-1: its default, 8192; 0: none)")
+	sc.BoolVar(&o.local.metrics, "llamacpp-metrics", false, "engine llamacpp: llama-server's --metrics (its /metrics, which kvroute's scraper reads)")
+	sc.Float64Var(&o.localRate, "local-rate", 0, "local scenarios: offered rate in requests/s, open Poisson loop (0: 5)")
 	sc.StringSliceVar(&o.policies, "policies", nil, "policies to compare (default all: "+strings.Join(policyNames(), ", ")+"; the demo, near-identical and lora their own; the matrix "+
 		strings.Join(matrixPolicyNames(), ", ")+"); opt in: "+strings.Join(names(scenario.OptInPolicies()), ", ")+
 		" ("+scenario.PrefixEvents+"* and "+scenario.LLMDPrecise+" fed by the pods' KV events; on "+scenario.EngineLLMD+" one router, no replicas)")
@@ -193,6 +202,7 @@ Usage:
   kvbench --scenario NAME,... --profile P,...       the same on other engine profiles (e.g. slow-large)
   kvbench --scenario matrix                         the matrix's workloads × four profiles, one table
   kvbench --scenario NAME,... --engine kvsim,llm-d  the same on the llm-d inference simulator too
+  kvbench --scenario local --engine ollama,llamacpp real servers on CPU (4 by default), one run per policy
   kvbench --base-url URL [--pod-urls URL,...] ...   drive any OpenAI-compatible server (kvroute, vLLM)
   kvbench --serve-instant 127.0.0.1:8200           the overhead scenario's instant backend, for wrk
 `

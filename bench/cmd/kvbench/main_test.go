@@ -13,6 +13,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/kvroute/kvroute/bench/load"
+	"github.com/kvroute/kvroute/bench/localengine"
 	"github.com/kvroute/kvroute/bench/report"
 	"github.com/kvroute/kvroute/bench/scenario"
 	"github.com/kvroute/kvroute/bench/sim"
@@ -130,6 +131,12 @@ func TestPlan(t *testing.T) {
 		{name: "unknown profile", o: options{profiles: []string{"tpu"}}, wantErr: "unknown profile"},
 		{name: "unknown engine", o: options{engines: []string{"vllm"}}, wantErr: "unknown engine"},
 		{name: "unknown scenario", o: options{scenarios: []string{"matrixx"}}, wantErr: "unknown scenario"},
+		{name: "local default", o: options{engines: []string{"ollama", "llamacpp"}}, names: []string{scenario.LocalSharedPrefix4},
+			profiles: []string{"h100-8b"}, mpro: scenario.MatrixProfiles(), mpols: len(scenario.MatrixPolicies())},
+		{name: "local", o: options{scenarios: []string{"local"}, engines: []string{"kvsim", "llamacpp"}}, names: scenario.LocalNames(),
+			profiles: []string{"h100-8b"}, mpro: scenario.MatrixProfiles(), mpols: len(scenario.MatrixPolicies())},
+		{name: "GPU scenario on a local engine", o: options{scenarios: []string{"shared-prefix"}, engines: []string{"ollama"}},
+			wantErr: "sized for simulated GPUs"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pl, err := newPlan(&tc.o)
@@ -145,13 +152,23 @@ func TestPlan(t *testing.T) {
 			}
 		})
 	}
-	for _, tc := range []struct{ engine, profile, want string }{
+	ram := 8
+	for _, tc := range []struct {
+		engine, profile, want string
+		local                 localengine.Settings
+	}{
+		{engine: scenario.EngineOllama, profile: "h100-8b", want: filepath.Join("out", "ollama", "random"),
+			local: localengine.Settings{Engine: "ollama"}},
+		{engine: scenario.EngineOllama, profile: "h100-8b", want: filepath.Join("out", "ollama-parallel-4", "random"),
+			local: localengine.Settings{Engine: "ollama", NumParallel: 4}},
+		{engine: scenario.EngineLlamaCpp, profile: "h100-8b", want: filepath.Join("out", "llamacpp-np-1-cache-ram-8-metrics", "random"),
+			local: localengine.Settings{Engine: "llamacpp", Slots: 1, CacheRAMMiB: &ram, Metrics: true}},
 		{engine: scenario.EngineKVSim, profile: "h100-8b", want: filepath.Join("out", "random")},
 		{engine: scenario.EngineKVSim, profile: "mixed", want: filepath.Join("out", "mixed", "random")},
 		{engine: scenario.EngineLLMD, profile: "h100-8b", want: filepath.Join("out", "llm-d", "random")},
 		{engine: scenario.EngineLLMD, profile: "mixed", want: filepath.Join("out", "llm-d", "mixed", "random")},
 	} {
-		if d := resultDir("out", tc.engine, tc.profile, "random"); d != tc.want {
+		if d := resultDir("out", tc.engine, tc.profile, "random", tc.local); d != tc.want {
 			t.Errorf("%s on %s: results in %s, want %s", tc.profile, tc.engine, d, tc.want)
 		}
 	}

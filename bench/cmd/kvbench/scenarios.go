@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvroute/kvroute/bench/localengine"
 	"github.com/kvroute/kvroute/bench/report"
 	"github.com/kvroute/kvroute/bench/scenario"
 	"github.com/kvroute/kvroute/bench/sim"
@@ -33,33 +34,37 @@ type plan struct {
 // newPlan checks o's scenario-mode flags and returns the plan.
 func newPlan(o *options) (*plan, error) {
 	pl := &plan{}
+	pl.engines = []string{scenario.EngineKVSim}
+	if len(o.engines) > 0 {
+		pl.engines = unique(o.engines)
+	}
 	req := o.scenarios
 	if len(req) == 0 {
 		req = []string{scenario.SharedPrefix}
+		if !slices.ContainsFunc(pl.engines, func(e string) bool { return !scenario.IsLocal(e) }) {
+			req = []string{scenario.LocalSharedPrefix4}
+		}
 	}
-	known := append(append(scenario.Names(), scenario.Demo, scenario.SharedPrefixTiers), scenario.PDNames()...)
+	known := append(append(scenario.Names(), scenario.Demo, scenario.SharedPrefixTiers), append(scenario.PDNames(), scenario.LocalNames()...)...)
 	for _, n := range req {
 		switch {
 		case n == "all":
 			pl.names = append(pl.names, scenario.Names()...)
+		case n == "local":
+			pl.names = append(pl.names, scenario.LocalNames()...)
 		case n == scenario.Matrix:
 			pl.matrix = true
 		case slices.Contains(known, n):
 			pl.names = append(pl.names, n)
 		default:
-			return nil, fmt.Errorf("unknown scenario %q (want %s, all, %s, %s, %s or %s)",
-				n, strings.Join(scenario.Names(), ", "), strings.Join(scenario.PDNames(), ", "), scenario.SharedPrefixTiers, scenario.Demo, scenario.Matrix)
+			return nil, fmt.Errorf("unknown scenario %q (want %s, all, %s, %s, %s, %s, local or %s)",
+				n, strings.Join(scenario.Names(), ", "), strings.Join(scenario.PDNames(), ", "), scenario.SharedPrefixTiers, scenario.Demo,
+				strings.Join(scenario.LocalNames(), ", "), scenario.Matrix)
 		}
 	}
 	pl.names = unique(pl.names)
-	pl.engines = []string{scenario.EngineKVSim}
-	if len(o.engines) > 0 {
-		pl.engines = unique(o.engines)
-	}
-	for _, e := range pl.engines {
-		if _, err := scenario.ParseEngine(e); err != nil {
-			return nil, err
-		}
+	if err := checkEngines(pl); err != nil {
+		return nil, err
 	}
 	for _, p := range o.profiles {
 		if _, err := sim.LookupProfile(p); err != nil {
@@ -81,6 +86,54 @@ func newPlan(o *options) (*plan, error) {
 	return pl, nil
 }
 
+// checkEngines checks pl's engines, and that the real local servers run
+// only the scenarios sized for them.
+func checkEngines(pl *plan) error {
+	for _, e := range pl.engines {
+		if _, err := scenario.ParseEngine(e); err != nil {
+			return err
+		}
+		if !scenario.IsLocal(e) {
+			continue
+		}
+		for _, n := range pl.names {
+			if !slices.Contains(scenario.LocalNames(), n) {
+				return fmt.Errorf("scenario %s is sized for simulated GPUs, not for --engine %s: run the local scenarios (%s)",
+					n, e, strings.Join(scenario.LocalNames(), ", "))
+			}
+		}
+		if pl.matrix {
+			return fmt.Errorf("the matrix is sized for simulated GPUs, not for --engine %s", e)
+		}
+	}
+	return nil
+}
+
+// localFlags are the real local servers' flags (localengine.Settings).
+type localFlags struct {
+	numParallel, slots, cacheRAM int
+	metrics                      bool
+}
+
+// settings returns the flags that apply to engine (the zero Settings for
+// a simulated one).
+func (l localFlags) settings(engine string) localengine.Settings {
+	s := localengine.Settings{Engine: engine}
+	switch engine {
+	case scenario.EngineOllama:
+		s.NumParallel = l.numParallel
+	case scenario.EngineLlamaCpp:
+		s.Slots, s.Metrics = l.slots, l.metrics
+		if l.cacheRAM >= 0 {
+			ram := l.cacheRAM
+			s.CacheRAMMiB = &ram
+		}
+	default:
+		return localengine.Settings{}
+	}
+	return s
+}
+
 // unique returns ss without repeats, in first-seen order.
 func unique(ss []string) []string {
 	var out []string
@@ -95,13 +148,18 @@ func unique(ss []string) []string {
 // preset is the scenarios' preset for profile on engine.
 func (o *options) preset(engine, profile string) scenario.Preset {
 	return scenario.Preset{Full: o.full, Pods: o.pods, TimeScale: o.timeScale, TracePath: o.trace, Seed: o.seed,
-		Profile: profile, Engine: engine}
+		Profile: profile, Engine: engine, Local: o.local.settings(engine), LocalRate: o.localRate}
 }
 
 // resultDir is where a scenario's results on profile and engine go:
 // out/<scenario> for the default profile on bench/sim (as before profiles),
-// out/<profile>/<scenario> for the others, under out/llm-d/ on that engine.
-func resultDir(out, engine, profile, name string) string {
+// out/<profile>/<scenario> for the others, under out/llm-d/ on that engine;
+// on a real local server out/<engine>[-<flags>]/<scenario>
+// (localengine.Settings.Tag of local).
+func resultDir(out, engine, profile, name string, local localengine.Settings) string {
+	if scenario.IsLocal(engine) {
+		return filepath.Join(out, local.Tag(), name)
+	}
 	if engine != scenario.EngineKVSim {
 		out = filepath.Join(out, engine)
 	}
@@ -141,7 +199,7 @@ func scenarios(ctx context.Context, o *options, stdout, stderr, progress io.Writ
 					fmt.Fprintln(stderr, "trace: skipped, no --trace file (the Mooncake traces are not in the repository)")
 					continue
 				}
-				dir := resultDir(o.out, eng, prof, name)
+				dir := resultDir(o.out, eng, prof, name, o.local.settings(eng))
 				rep, files, err := comparison(ctx, o, sc, pl.pols, dir, stdout, stderr, progress)
 				if rep != nil {
 					done[cell{eng, prof, name}] = rep
@@ -207,7 +265,7 @@ func matrix(ctx context.Context, o *options, pl *plan, done map[cell]*scenario.R
 						continue
 					}
 				}
-				dir := resultDir(o.out, eng, prof, name)
+				dir := resultDir(o.out, eng, prof, name, o.local.settings(eng))
 				var rep *scenario.Report
 				var files []string
 				rep, files, err = comparison(ctx, o, sc, pols, dir, stdout, stderr, progress)

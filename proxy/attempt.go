@@ -55,10 +55,13 @@ type attempts struct {
 	// tick, when set, is called each round while attempts are in flight
 	// (the server's check for endpoints that left: drainGone).
 	tick func()
-	n    atomic.Int64
-	stop chan struct{}
-	once sync.Once
-	wg   sync.WaitGroup
+	// closedEarly, when set, is told of an endpoint that closed a pooled
+	// connection before kvroute's idle timeout (timedConn.Write).
+	closedEarly func(*discovery.Endpoint)
+	n           atomic.Int64
+	stop        chan struct{}
+	once        sync.Once
+	wg          sync.WaitGroup
 }
 
 // clientCheckInterval is how often the watcher checks whether the clients of
@@ -365,6 +368,9 @@ func (c *timedConn) Write(p []byte) (int, error) {
 		// A pooled connection the endpoint closed while it sat idle (its
 		// keep-alive timeout, a graceful shutdown, a pod that died): the
 		// request is not sent, so it provably never started.
+		if c.att != nil && c.as.closedEarly != nil {
+			c.as.closedEarly(c.att.ep)
+		}
 		c.att.wrote(errStaleConn)
 		return 0, errStaleConn
 	}

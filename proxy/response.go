@@ -447,6 +447,13 @@ func (b *upstreamBody) CloseWithError(err error) error {
 	s, ep := b.s, b.rec.ep
 	s.attempts.end(b.att) // before the connection goes back to the pool
 	if b.resp != nil {    // nil after a failed migration (migrate.go)
+		if _, early := s.closesEarly.Load(ep); early {
+			// The endpoint closes connections kvroute would pool
+			// (llama.cpp's server, after every streamed answer, without
+			// saying so): close this one rather than race its FIN with the
+			// next request.
+			b.resp.SetConnectionClose()
+		}
 		_ = b.resp.CloseBodyStream()
 		fasthttp.ReleaseResponse(b.resp)
 	}

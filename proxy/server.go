@@ -88,9 +88,13 @@ type Server struct {
 	opt     Options
 	srv     *fasthttp.Server
 	clients sync.Map // *discovery.Endpoint → *fasthttp.HostClient
-	pruned  atomic.Uint64
-	states  sync.Pool // *reqState
-	bodies  sync.Pool // *upstreamBody
+	// closesEarly holds the endpoints seen closing a pooled connection
+	// before kvroute's upstream-idle timeout: their answers' connections
+	// are closed, not pooled (*discovery.Endpoint → true).
+	closesEarly sync.Map
+	pruned      atomic.Uint64
+	states      sync.Pool // *reqState
+	bodies      sync.Pool // *upstreamBody
 	// idPrefix makes generated request ids unique across router replicas.
 	idPrefix [8]byte
 	idSeq    atomic.Uint64
@@ -184,6 +188,7 @@ func (q quietLogger) Printf(format string, _ ...any) {
 // Serve accepts client connections on ln until Shutdown.
 func (s *Server) Serve(ln net.Listener) error {
 	s.attempts.tick = s.checkSet
+	s.attempts.closedEarly = func(ep *discovery.Endpoint) { s.closesEarly.Store(ep, true) }
 	s.attempts.start(s.opt.Metrics.Cancelled)
 	s.access.start()
 	return s.srv.Serve(clientListener{Listener: ln, body: s.opt.ClientBodyTimeout})

@@ -84,6 +84,7 @@ func (s *Server) prune(set *discovery.Set) {
 	s.clients.Range(func(k, v any) bool {
 		if !present[k.(*discovery.Endpoint)] {
 			s.clients.Delete(k)
+			s.closesEarly.Delete(k)
 			v.(*fasthttp.HostClient).CloseIdleConnections()
 		}
 		return true

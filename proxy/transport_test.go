@@ -301,7 +301,8 @@ func TestShutdownClosesIdleUpstreamConnections(t *testing.T) {
 // connections after 5 s) leaves the pool full of connections it closed.
 // Every request that meets one is sent again on another, as often as the
 // pool holds dead ones: none of them reached the engine, so none is the
-// client's error, and the retry budget is not spent on them.
+// client's error, and the retry budget is not spent on them. Then the
+// endpoint's connections are closed after each answer instead of pooled.
 func TestStalePooledConnectionsResent(t *testing.T) {
 	slow := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		time.Sleep(30 * time.Millisecond) // concurrent requests open connections of their own
@@ -336,5 +337,12 @@ func TestStalePooledConnectionsResent(t *testing.T) {
 	round()
 	if pooled < 2 {
 		t.Errorf("only %d connection pooled: the case is not exercised", pooled)
+	}
+	// The endpoint is now known to close connections early: its answers'
+	// connections are closed, not pooled, so the next requests race no FIN.
+	before := conns.accepted.Load()
+	round()
+	if got := conns.accepted.Load() - before; got != n {
+		t.Errorf("%d connections dialled for %d requests to an endpoint that closes early, want one each", got, n)
 	}
 }

@@ -89,8 +89,10 @@ func newFlags(c *config) *app.Flags {
 	backends.IntVar(&c.MaxQueue, "max-queue", c.MaxQueue, "most requests waiting for a saturated fleet; beyond, 429 at once")
 	backends.IntVar(&c.MaxInFlightPerEndpoint, "max-in-flight-per-endpoint", c.MaxInFlightPerEndpoint, "this router's requests in flight per endpoint before it counts as saturated (0: no cap but --max-conns-per-endpoint)")
 
-	health.DurationVar(&c.HealthInterval, "health-interval", c.HealthInterval, "GET /health every endpoint this often (0: no probes)")
+	health.DurationVar(&c.HealthInterval, "health-interval", c.HealthInterval, "probe every endpoint (GET /health; Ollama: /api/version) this often (0: no probes)")
 	health.DurationVar(&c.HealthTimeout, "health-timeout", c.HealthTimeout, "timeout of one health probe")
+	health.StringVar(&c.HealthPath, "health-path", c.HealthPath, "probe path of every endpoint (default: its engine dialect's, /health, or /api/version for Ollama); a 404 or 405 is never a failed probe")
+	health.StringVar(&c.EngineDialect, "engine-dialect", c.EngineDialect, "engine of every endpoint: auto (detect each endpoint's), vllm, sglang, llamacpp or ollama; decides the probe path, model-name matching and the metrics read")
 	health.IntVar(&c.HealthFailThreshold, "health-fail-threshold", c.HealthFailThreshold, "consecutive failed probes that mark an endpoint down")
 	health.IntVar(&c.HealthRiseThreshold, "health-rise-threshold", c.HealthRiseThreshold, "consecutive good probes that bring it back")
 	health.IntVar(&c.EjectFailures, "eject-failures", c.EjectFailures, "consecutive request failures (connection errors, 5xx) that eject an endpoint (0: never)")

@@ -41,6 +41,9 @@ type Options struct {
 	Models ModelsConfig
 	// Calibration configures the learning of every endpoint's Costs.
 	Calibration CalibrationConfig
+	// Dialect pins every endpoint's engine dialect (--engine-dialect);
+	// DialectUnknown (the default, "auto") detects each endpoint's.
+	Dialect Dialect
 	// DrainLimit is the longest an endpoint that left the Set keeps
 	// draining with requests still in flight before it is dropped anyway
 	// (a stream that never ends must not keep a gone pod forever).
@@ -239,6 +242,9 @@ func (f *Fleet) update(src *source, eps []*Endpoint) {
 	for _, e := range all {
 		if e.owner == nil { // never published: no reader yet
 			e.owner = f
+			if f.o.Dialect != DialectUnknown {
+				e.SetDialect(f.o.Dialect)
+			}
 			if !f.o.Calibration.Disabled {
 				e.calib = newCalibrator(f.o.Calibration, &e.costs, f.costs[roleIndex(e.Role)])
 			}

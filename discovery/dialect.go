@@ -263,7 +263,7 @@ func (f *Fleet) get(ctx context.Context, url string) (int, []byte, error) {
 // alive and serves something else; it is detected again (at most once per
 // redetectEvery), and nothing is counted.
 func (f *Fleet) unserved(e *Endpoint) {
-	if f.o.Dialect == DialectUnknown && time.Since(time.Unix(0, e.detectedAt.Load())) > redetectEvery {
+	if f.o.Dialect == DialectUnknown && time.Since(time.Unix(0, e.detectedAt.Load())) >= f.redetectEvery {
 		e.detected.Store(false)
 	}
 	f.event("probe-unserved", e)

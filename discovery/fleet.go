@@ -115,6 +115,9 @@ type Fleet struct {
 	// reapEvery and reapGrace pace the reaping of drained endpoints:
 	// every second, an endpoint idle and draining for at least a second.
 	reapEvery, reapGrace time.Duration
+	// redetectEvery bounds re-detection after a 404 probe (dialect.go's
+	// redetectEvery; tests shorten it).
+	redetectEvery time.Duration
 	// trace, when set before Run, is told about events (tests only).
 	trace func(event string, e *Endpoint)
 }
@@ -162,7 +165,7 @@ func New(o Options) (*Fleet, error) {
 		client:    &http.Client{Transport: tr, CheckRedirect: noRedirect},
 		m:         newFleetMetrics(),
 		costs:     [3]*fleetCosts{newFleetCosts(), newFleetCosts(), newFleetCosts()},
-		reapEvery: time.Second, reapGrace: time.Second,
+		reapEvery: time.Second, reapGrace: time.Second, redetectEvery: redetectEvery,
 	}, nil
 }
 

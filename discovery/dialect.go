@@ -17,7 +17,8 @@ import (
 // same flags: each endpoint's dialect decides its liveness probe, how its
 // model names match a request's, which /metrics names give its load and
 // where it states its capacity. The dialect is detected by the Fleet, once
-// per engine incarnation, beside the request path:
+// per engine incarnation, beside the request path, from the first health
+// probe's answer (or its own GET /health when probes are off):
 //
 //  1. GET /health. A "Server: llama.cpp" header (llama-server sets it on
 //     every answer, 503 while loading included) means llamacpp.
@@ -29,11 +30,11 @@ import (
 //     names), and the first scrape whose metric names are vLLM's, SGLang's
 //     or llama.cpp's sets it.
 //
-// llama.cpp thus costs one request, Ollama two, vLLM and SGLang two. An
-// endpoint is detected again when its engine restarted (a scrape shows
-// it), when it went down, and when its probe path starts answering 404
-// (rate-limited to once per redetectEvery). Options.Dialect pins one
-// dialect for every endpoint (--engine-dialect): no detection then.
+// Beyond the probe, llama.cpp thus costs no request, Ollama and vLLM and
+// SGLang one. An endpoint is detected again after it went down, when a
+// scrape shows its engine restarted, and when its probe path starts
+// answering 404 (at most once per redetectEvery). Options.Dialect pins
+// one dialect for every endpoint (--engine-dialect): no detection then.
 
 // Dialect is the kind of engine an endpoint runs. The zero value is
 // DialectUnknown (also the "auto" of --engine-dialect).

@@ -31,7 +31,8 @@ type Options struct {
 	// removed; DNS and scrape outages, each logged once per outage). nil
 	// means no logging.
 	Logger *zap.Logger
-	// Health configures active /health probes.
+	// Health configures active health probes (/health; Ollama's
+	// /api/version).
 	Health HealthConfig
 	// Passive configures ejection on failures the proxy reports.
 	Passive PassiveConfig
@@ -89,8 +90,9 @@ func DefaultOptions() Options {
 
 // Fleet keeps a Pool's Set current from its sources (static lists and
 // headless-Service DNS, one per role or several), drains the endpoints that
-// leave, probes every endpoint's /health, ejects endpoints the proxy
-// reports failing and scrapes the engines' /metrics. Sources are added
+// leave, detects every endpoint's engine dialect and probes its liveness,
+// ejects endpoints the proxy reports failing and scrapes the engines'
+// /metrics. Sources are added
 // before Run; Run owns every goroutine and returns when its context ends.
 // A Fleet is also a prometheus.Collector of its own metrics. Methods are
 // safe for concurrent use.

@@ -164,8 +164,8 @@ func (f *Fleet) probe(ctx context.Context, e *Endpoint) {
 	}
 	if f.o.Dialect == DialectUnknown && !e.detected.Load() {
 		var first *answer
-		if path == DefaultHealthPath {
-			first = &a
+		if path == DefaultHealthPath || a.status == 0 {
+			first = &a // no answer at all says the same of /health
 		}
 		f.ensureDetected(ctx, e, first)
 		if p := f.healthPath(e.Dialect()); p != path {

@@ -53,7 +53,7 @@ type config struct {
 // newFlags binds c's fields to flags, in groups; each flag's default is
 // the field's value in c (app.DefaultConfig for the router's).
 func newFlags(c *config) *app.Flags {
-	f := app.NewFlags("kvroute", "kvroute: a KV-cache-aware router for vLLM and SGLang.\n\nUsage: kvroute [flags]\n\n"+
+	f := app.NewFlags("kvroute", "kvroute: a KV-cache-aware router for vLLM, SGLang, llama.cpp and Ollama.\n\nUsage: kvroute [flags]\n\n"+
 		"Every flag may also be set as KVROUTE_<FLAG> in the environment, e.g. KVROUTE_BACKENDS.\n")
 	g := f.Group
 	listen, backends, health, pfx, kv, pd, upstream, ops := g("Listeners"), g("Backends and routing"), g("Health and engine metrics"),
@@ -89,17 +89,7 @@ func newFlags(c *config) *app.Flags {
 	backends.IntVar(&c.MaxQueue, "max-queue", c.MaxQueue, "most requests waiting for a saturated fleet; beyond, 429 at once")
 	backends.IntVar(&c.MaxInFlightPerEndpoint, "max-in-flight-per-endpoint", c.MaxInFlightPerEndpoint, "this router's requests in flight per endpoint before it counts as saturated (0: no cap but --max-conns-per-endpoint)")
 
-	health.DurationVar(&c.HealthInterval, "health-interval", c.HealthInterval, "GET /health every endpoint this often (0: no probes)")
-	health.DurationVar(&c.HealthTimeout, "health-timeout", c.HealthTimeout, "timeout of one health probe")
-	health.IntVar(&c.HealthFailThreshold, "health-fail-threshold", c.HealthFailThreshold, "consecutive failed probes that mark an endpoint down")
-	health.IntVar(&c.HealthRiseThreshold, "health-rise-threshold", c.HealthRiseThreshold, "consecutive good probes that bring it back")
-	health.IntVar(&c.EjectFailures, "eject-failures", c.EjectFailures, "consecutive request failures (connection errors, 5xx) that eject an endpoint (0: never)")
-	health.DurationVar(&c.EjectCooldown, "eject-cooldown", c.EjectCooldown, "first ejection's length; doubles on repeat")
-	health.DurationVar(&c.EjectMaxCooldown, "eject-max-cooldown", c.EjectMaxCooldown, "longest ejection")
-	health.DurationVar(&c.ScrapeInterval, "scrape-interval", c.ScrapeInterval, "scrape every endpoint's /metrics this often for queue and KV usage (0: never)")
-	health.DurationVar(&c.ScrapeTimeout, "scrape-timeout", c.ScrapeTimeout, "timeout of one scrape")
-	health.DurationVar(&c.ModelsInterval, "models-interval", c.ModelsInterval, "read every endpoint's GET /v1/models this often, to send a request only to endpoints serving its model or LoRA adapter and to answer /v1/models with their union (0: never; every endpoint is presumed to serve every model)")
-	health.DurationVar(&c.EndpointDrainLimit, "endpoint-drain-limit", c.EndpointDrainLimit, "an endpoint that left DNS is dropped once idle, or after this long")
+	healthFlags(health, c)
 
 	pfx.IntVar(&c.PrefixBlockBytes, "prefix-block-bytes", c.PrefixBlockBytes, "bytes of the canonical prompt rendering per hashed block (1 KiB ≈ 256 tokens)")
 	pfx.IntVar(&c.NearMissBlocks, "near-miss-blocks", c.NearMissBlocks, "leading blocks of every prompt checked for near-identical prefixes (the same text up to whitespace, line endings or a byte-order mark, but other bytes: counted in kvroute_prompt_near_misses_total, sampled in the log; 0: off)")
@@ -150,6 +140,23 @@ func newFlags(c *config) *app.Flags {
 	ops.BoolVar(&c.showVersion, "version", false, "print the version and exit")
 
 	return f
+}
+
+// healthFlags binds the health, engine-dialect and engine-metrics flags.
+func healthFlags(health *pflag.FlagSet, c *config) {
+	health.DurationVar(&c.HealthInterval, "health-interval", c.HealthInterval, "probe every endpoint (GET /health; Ollama: /api/version) this often (0: no probes)")
+	health.DurationVar(&c.HealthTimeout, "health-timeout", c.HealthTimeout, "timeout of one health probe")
+	health.StringVar(&c.HealthPath, "health-path", c.HealthPath, "probe path of every endpoint (default: its engine dialect's, /health, or /api/version for Ollama); a 404 or 405 is never a failed probe")
+	health.StringVar(&c.EngineDialect, "engine-dialect", c.EngineDialect, "engine of every endpoint: auto (detect each endpoint's), vllm, sglang, llamacpp or ollama; decides the probe path, model-name matching and the metrics read")
+	health.IntVar(&c.HealthFailThreshold, "health-fail-threshold", c.HealthFailThreshold, "consecutive failed probes that mark an endpoint down")
+	health.IntVar(&c.HealthRiseThreshold, "health-rise-threshold", c.HealthRiseThreshold, "consecutive good probes that bring it back")
+	health.IntVar(&c.EjectFailures, "eject-failures", c.EjectFailures, "consecutive request failures (connection errors, 5xx) that eject an endpoint (0: never)")
+	health.DurationVar(&c.EjectCooldown, "eject-cooldown", c.EjectCooldown, "first ejection's length; doubles on repeat")
+	health.DurationVar(&c.EjectMaxCooldown, "eject-max-cooldown", c.EjectMaxCooldown, "longest ejection")
+	health.DurationVar(&c.ScrapeInterval, "scrape-interval", c.ScrapeInterval, "scrape every endpoint's /metrics this often for queue and KV usage (0: never)")
+	health.DurationVar(&c.ScrapeTimeout, "scrape-timeout", c.ScrapeTimeout, "timeout of one scrape")
+	health.DurationVar(&c.ModelsInterval, "models-interval", c.ModelsInterval, "read every endpoint's GET /v1/models this often, to send a request only to endpoints serving its model or LoRA adapter and to answer /v1/models with their union (0: never; every endpoint is presumed to serve every model)")
+	health.DurationVar(&c.EndpointDrainLimit, "endpoint-drain-limit", c.EndpointDrainLimit, "an endpoint that left DNS is dropped once idle, or after this long")
 }
 
 // parseConfig reads flags from args and the environment (getenv).

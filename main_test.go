@@ -56,7 +56,8 @@ func TestConfigFromFlagsAndEnv(t *testing.T) {
 
 func TestValidateReportsEveryProblem(t *testing.T) {
 	c, err := parseConfig([]string{"--listen", "nonsense", "--policy", "magic", "--backends", "ftp://x",
-		"--retries", "-1", "--log-format", "xml", "--connect-timeout", "-1s"}, func(string) string { return "" }, io.Discard)
+		"--retries", "-1", "--log-format", "xml", "--connect-timeout", "-1s", "--engine-dialect", "tgi", "--health-path", "health"},
+		func(string) string { return "" }, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -64,7 +65,8 @@ func TestValidateReportsEveryProblem(t *testing.T) {
 	if err == nil {
 		t.Fatal("invalid config accepted")
 	}
-	for _, want := range []string{"--listen", "--policy", "--backends", "--retries", "--log-format", "--connect-timeout"} {
+	for _, want := range []string{"--listen", "--policy", "--backends", "--retries", "--log-format", "--connect-timeout",
+		"--engine-dialect", "--health-path"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("error does not mention %s:\n%v", want, err)
 		}

@@ -44,6 +44,11 @@ type Config struct {
 	ScrapeTimeout       time.Duration
 	ModelsInterval      time.Duration
 	EndpointDrainLimit  time.Duration
+	// EngineDialect pins every endpoint's engine dialect (vllm, sglang,
+	// llamacpp, ollama); "auto" detects each endpoint's. HealthPath, when
+	// set, is every endpoint's probe path instead of its dialect's.
+	EngineDialect string
+	HealthPath    string
 
 	proxy.Limits
 	// Prefill/decode disaggregation (with a decode pool).
@@ -137,6 +142,7 @@ func DefaultConfig() Config {
 		EjectMaxCooldown:    d.Passive.MaxCooldown,
 		ScrapeInterval:      d.Scrape.Interval,
 		ModelsInterval:      5 * time.Second,
+		EngineDialect:       "auto",
 		ScrapeTimeout:       d.Scrape.Timeout,
 		EndpointDrainLimit:  d.DrainLimit,
 
@@ -263,6 +269,12 @@ func (c *Config) validateLimits(bad func(string, ...any)) {
 	}
 	if c.HealthFailThreshold < 1 || c.HealthRiseThreshold < 1 || c.EjectFailures < 0 {
 		bad("--health-fail-threshold and --health-rise-threshold must be at least 1, --eject-failures not negative")
+	}
+	if _, err := discovery.ParseDialect(c.EngineDialect); err != nil {
+		bad("--engine-dialect %q: want auto, vllm, sglang, llamacpp or ollama", c.EngineDialect)
+	}
+	if c.HealthPath != "" && c.HealthPath[0] != '/' {
+		bad("--health-path %q must start with /", c.HealthPath)
 	}
 	if c.MaxBodyBytes <= 0 {
 		bad("--max-body-bytes must be positive, got %d", c.MaxBodyBytes)

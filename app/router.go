@@ -142,7 +142,8 @@ func newFleet(cfg *Config, logger *zap.Logger, pfx *routing.Prefix) (*discovery.
 	o := discovery.Options{
 		Logger: logger.Named("discovery"),
 		Health: discovery.HealthConfig{Disabled: cfg.HealthInterval == 0, Interval: cfg.HealthInterval,
-			Timeout: cfg.HealthTimeout, FailThreshold: cfg.HealthFailThreshold, RiseThreshold: cfg.HealthRiseThreshold},
+			Timeout: cfg.HealthTimeout, FailThreshold: cfg.HealthFailThreshold, RiseThreshold: cfg.HealthRiseThreshold,
+			Path: cfg.HealthPath},
 		Passive: discovery.PassiveConfig{Disabled: cfg.EjectFailures == 0, Failures: cfg.EjectFailures,
 			Cooldown: cfg.EjectCooldown, MaxCooldown: cfg.EjectMaxCooldown},
 		Scrape:     discovery.ScrapeConfig{Disabled: cfg.ScrapeInterval == 0, Interval: cfg.ScrapeInterval, Timeout: cfg.ScrapeTimeout},
@@ -151,6 +152,7 @@ func newFleet(cfg *Config, logger *zap.Logger, pfx *routing.Prefix) (*discovery.
 		// The prefix policy's prefill rate is the calibration's prior.
 		Calibration: discovery.CalibrationConfig{PrefillTokensPerSec: cfg.Prefix.PrefillTokensPerSec},
 	}
+	o.Dialect, _ = discovery.ParseDialect(cfg.EngineDialect) // validated
 	if pfx != nil {
 		pfx.Follow(&o)
 	}

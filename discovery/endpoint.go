@@ -123,6 +123,20 @@ type Endpoint struct {
 	fresh   atomic.Pointer[EngineStats]
 	last    atomic.Pointer[EngineStats]
 	scr     scrapeMemory
+	// noMetricsUntil (Unix ns; 0: scrape) is set when the engine serves
+	// no /metrics (404, 405, 501; llama.cpp's endpoint_metrics false):
+	// the scraper leaves it alone until then.
+	noMetricsUntil atomic.Int64
+
+	// Engine dialect (dialect.go): dialect is a Dialect; detected is
+	// cleared to detect it again; detecting is held by the one worker
+	// detecting; detectedAt is the last detection (Unix ns); info is what
+	// the engine said of itself.
+	dialect    atomic.Uint32
+	detected   atomic.Bool
+	detecting  atomic.Bool
+	detectedAt atomic.Int64
+	info       atomic.Pointer[EngineInfo]
 }
 
 // Reasons an endpoint is not routable, bits of Endpoint.flags.

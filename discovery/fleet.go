@@ -31,7 +31,8 @@ type Options struct {
 	// removed; DNS and scrape outages, each logged once per outage). nil
 	// means no logging.
 	Logger *zap.Logger
-	// Health configures active /health probes.
+	// Health configures active health probes (/health; Ollama's
+	// /api/version).
 	Health HealthConfig
 	// Passive configures ejection on failures the proxy reports.
 	Passive PassiveConfig
@@ -41,6 +42,9 @@ type Options struct {
 	Models ModelsConfig
 	// Calibration configures the learning of every endpoint's Costs.
 	Calibration CalibrationConfig
+	// Dialect pins every endpoint's engine dialect (--engine-dialect);
+	// DialectUnknown (the default, "auto") detects each endpoint's.
+	Dialect Dialect
 	// DrainLimit is the longest an endpoint that left the Set keeps
 	// draining with requests still in flight before it is dropped anyway
 	// (a stream that never ends must not keep a gone pod forever).
@@ -86,8 +90,9 @@ func DefaultOptions() Options {
 
 // Fleet keeps a Pool's Set current from its sources (static lists and
 // headless-Service DNS, one per role or several), drains the endpoints that
-// leave, probes every endpoint's /health, ejects endpoints the proxy
-// reports failing and scrapes the engines' /metrics. Sources are added
+// leave, detects every endpoint's engine dialect and probes its liveness,
+// ejects endpoints the proxy reports failing and scrapes the engines'
+// /metrics. Sources are added
 // before Run; Run owns every goroutine and returns when its context ends.
 // A Fleet is also a prometheus.Collector of its own metrics. Methods are
 // safe for concurrent use.
@@ -112,6 +117,9 @@ type Fleet struct {
 	// reapEvery and reapGrace pace the reaping of drained endpoints:
 	// every second, an endpoint idle and draining for at least a second.
 	reapEvery, reapGrace time.Duration
+	// redetectEvery bounds re-detection after a 404 probe (dialect.go's
+	// redetectEvery; tests shorten it).
+	redetectEvery time.Duration
 	// trace, when set before Run, is told about events (tests only).
 	trace func(event string, e *Endpoint)
 }
@@ -159,7 +167,7 @@ func New(o Options) (*Fleet, error) {
 		client:    &http.Client{Transport: tr, CheckRedirect: noRedirect},
 		m:         newFleetMetrics(),
 		costs:     [3]*fleetCosts{newFleetCosts(), newFleetCosts(), newFleetCosts()},
-		reapEvery: time.Second, reapGrace: time.Second,
+		reapEvery: time.Second, reapGrace: time.Second, redetectEvery: redetectEvery,
 	}, nil
 }
 
@@ -239,6 +247,9 @@ func (f *Fleet) update(src *source, eps []*Endpoint) {
 	for _, e := range all {
 		if e.owner == nil { // never published: no reader yet
 			e.owner = f
+			if f.o.Dialect != DialectUnknown {
+				e.SetDialect(f.o.Dialect)
+			}
 			if !f.o.Calibration.Disabled {
 				e.calib = newCalibrator(f.o.Calibration, &e.costs, f.costs[roleIndex(e.Role)])
 			}

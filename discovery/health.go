@@ -38,8 +38,11 @@ type HealthConfig struct {
 	// RiseThreshold is the consecutive successful probes that bring a down
 	// endpoint back. Default 2.
 	RiseThreshold int
-	// Path is the probe path. Default "/health" (vLLM and SGLang: 200 when
-	// serving, 503 when the engine is dead).
+	// Path is the probe path of every endpoint. Default (empty): per
+	// dialect, "/health" (vLLM and SGLang: 200 when serving, 503 when the
+	// engine is dead; llama.cpp: 503 while loading its model) and Ollama's
+	// "/api/version" (it has no /health). A 404 or 405 is never a failed
+	// probe: the engine is alive and serves another path.
 	Path string
 	// Workers is the number of probes in flight at once. Default 16.
 	Workers int
@@ -66,7 +69,6 @@ func (c HealthConfig) withDefaults() HealthConfig {
 	c.Jitter = orDefault(c.Jitter, DefaultHealthJitter)
 	c.FailThreshold = orDefault(c.FailThreshold, DefaultFailThreshold)
 	c.RiseThreshold = orDefault(c.RiseThreshold, DefaultRiseThreshold)
-	c.Path = orDefault(c.Path, DefaultHealthPath)
 	c.Workers = orDefault(c.Workers, DefaultHealthWorkers)
 	return c
 }
@@ -79,7 +81,7 @@ func (c HealthConfig) validate() error {
 		return fmt.Errorf("%w: health jitter must be in [0, 1)", ErrBadConfig)
 	case c.FailThreshold < 1 || c.RiseThreshold < 1 || c.Workers < 1:
 		return fmt.Errorf("%w: health thresholds and workers must be at least 1", ErrBadConfig)
-	case c.Path == "" || c.Path[0] != '/':
+	case c.Path != "" && c.Path[0] != '/':
 		return fmt.Errorf("%w: health path %q must start with /", ErrBadConfig, c.Path)
 	}
 	return nil
@@ -148,13 +150,36 @@ func (f *Fleet) proberLoop() loopConfig {
 	}
 }
 
-// probe runs one probe of e and applies the thresholds.
+// probe runs one probe of e and applies the thresholds. It detects e's
+// dialect from the probe's answer when needed (dialect.go), and probes
+// again at once when the dialect's probe path differs; a probe path the
+// engine does not serve (404, 405) counts neither way and asks for
+// detection.
 func (f *Fleet) probe(ctx context.Context, e *Endpoint) {
 	h := &f.o.Health
-	err := f.probeOnce(ctx, e.URL+h.Path, h.Timeout)
+	path := f.healthPath(e.Dialect())
+	a := f.probeOnce(ctx, e.URL+path, h.Timeout)
 	if ctx.Err() != nil {
 		return // shutting down: not the endpoint's fault
 	}
+	if f.o.Dialect == DialectUnknown && !e.detected.Load() {
+		var first *answer
+		if path == DefaultHealthPath || a.status == 0 {
+			first = &a // no answer at all says the same of /health
+		}
+		f.ensureDetected(ctx, e, first)
+		if p := f.healthPath(e.Dialect()); p != path {
+			a = f.probeOnce(ctx, e.URL+p, h.Timeout)
+			if ctx.Err() != nil {
+				return
+			}
+		}
+	}
+	if a.status == http.StatusNotFound || a.status == http.StatusMethodNotAllowed {
+		f.unserved(e)
+		return
+	}
+	err := a.err
 	if err == nil {
 		e.probeFails.Store(0)
 		n := e.probeOKs.Add(1)
@@ -171,6 +196,7 @@ func (f *Fleet) probe(ctx context.Context, e *Endpoint) {
 	f.m.probeFailures[roleIndex(e.Role)].Inc()
 	if int(n) >= h.FailThreshold && e.flags.Load()&flagDown == 0 {
 		e.flags.Or(flagDown)
+		e.detected.Store(false) // what answers when it returns may be another engine
 		f.log.Warn("endpoint down", zap.String("endpoint", e.URL), zap.Stringer("role", e.Role),
 			zap.Int32("failed_probes", n), zap.Error(err))
 		f.event("down", e)
@@ -178,24 +204,33 @@ func (f *Fleet) probe(ctx context.Context, e *Endpoint) {
 	f.event("probe-fail", e)
 }
 
+// answer is a probe's result: the status (0: no answer), the Server
+// header, and an error for anything but a 200.
+type answer struct {
+	status int
+	server string
+	err    error
+}
+
 // probeOnce GETs url and reports anything but a 200 as an error.
-func (f *Fleet) probeOnce(ctx context.Context, url string, timeout time.Duration) error {
+func (f *Fleet) probeOnce(ctx context.Context, url string, timeout time.Duration) answer {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
-		return err
+		return answer{err: err}
 	}
 	resp, err := f.client.Do(req)
 	if err != nil {
-		return err
+		return answer{err: err}
 	}
 	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // reuse the connection
 	resp.Body.Close()
+	a := answer{status: resp.StatusCode, server: resp.Header.Get("Server")}
 	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("%w: %s", ErrStatus, resp.Status)
+		a.err = fmt.Errorf("%w: %s", ErrStatus, resp.Status)
 	}
-	return nil
+	return a
 }
 
 // passiveFailure handles the n-th consecutive failure reported on e.

@@ -21,6 +21,12 @@ import (
 // endpoint answers 404. An endpoint whose list is not known (not read yet,
 // or an engine without the endpoint) is presumed to serve every model; a
 // failed read keeps the last list read.
+//
+// Names match per dialect (dialect.go): exactly for vLLM and SGLang (a
+// LoRA adapter's name is its own); as Ollama matches them for Ollama
+// (ollamaName: "tiny", "TINY" and "library/tiny" are "tiny:latest"); and
+// not at all for llama.cpp, whose server answers a request for any model
+// with the one it loaded: its list is kept for /v1/models only.
 
 // ModelsConfig configures the reading of the endpoints' model lists.
 type ModelsConfig struct {
@@ -66,6 +72,8 @@ type Models struct {
 	List []Model
 	At   time.Time
 	ids  map[string]bool // List's ids, true for adapters: every pick asks (pods may list hundreds)
+	// ollama holds List's ids in Ollama's canonical form (ollamaName).
+	ollama map[string]bool
 }
 
 // Serves reports whether the list names model (a served name or an
@@ -83,20 +91,34 @@ func (m *Models) Adapter(model string) bool { return m.ids[model] }
 func (e *Endpoint) Models() *Models { return e.models.Load() }
 
 // Serves reports whether a request for model may go to e: model is empty,
-// e's list is not known, or it names model.
+// e's list is not known, e is a llama.cpp server (it serves any name), or
+// its list names model (for Ollama, in any of the spellings Ollama
+// accepts). Safe for concurrent use; it allocates only to canonicalise a
+// name an Ollama list does not hold as spelt.
 func (e *Endpoint) Serves(model string) bool {
 	if model == "" {
 		return true
 	}
 	m := e.models.Load()
-	return m == nil || m.Serves(model)
+	if m == nil || m.Serves(model) {
+		return true
+	}
+	switch e.Dialect() {
+	case DialectLlamaCpp:
+		return true
+	case DialectOllama:
+		return m.ollama[ollamaName(model)]
+	}
+	return false
 }
 
 // SetModels records e's model list (tests and other discovery sources).
 func (e *Endpoint) SetModels(list []Model) {
-	m := &Models{List: list, At: time.Now(), ids: make(map[string]bool, len(list))}
+	m := &Models{List: list, At: time.Now(), ids: make(map[string]bool, len(list)),
+		ollama: make(map[string]bool, len(list))}
 	for _, x := range list {
 		m.ids[x.ID] = x.Parent != nil
+		m.ollama[ollamaName(x.ID)] = true
 	}
 	e.models.Store(m)
 }
@@ -114,9 +136,15 @@ func (f *Fleet) modelsLoop() loopConfig {
 	}
 }
 
-// readModels reads e's /v1/models. A 404 or 405 (an engine without the
-// endpoint) makes the list unknown; other failures keep the last one.
+// readModels reads e's /v1/models, and what its engine says of itself
+// (readInfo). A 404 or 405 (an engine without the endpoint) makes the list
+// unknown; other failures keep the last one. Without health probes, which
+// detect dialects otherwise, it detects e's.
 func (f *Fleet) readModels(ctx context.Context, e *Endpoint) {
+	if f.o.Health.Disabled {
+		f.ensureDetected(ctx, e, nil)
+	}
+	f.readInfo(ctx, e)
 	ctx, cancel := context.WithTimeout(ctx, f.o.Models.Timeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, e.URL+"/v1/models", nil)
@@ -168,17 +196,25 @@ func (s *Set) Serves(model string) bool {
 }
 
 // Models returns the union of the model lists of s's routable serving
-// endpoints, by id, in the order first seen; ok is false when none of them
-// has a known list.
+// endpoints, by id (Ollama's by their canonical name, so four Ollama
+// servers listing "tiny:latest" give one entry, the first server's id), in
+// the order first seen; ok is false when none of them has a known list.
 func (s *Set) Models() (list []Model, ok bool) {
+	var keys []string
 	for _, e := range s.Serving {
 		m := e.Models()
 		if m == nil || !e.Routable() {
 			continue
 		}
 		ok = true
+		ollama := e.Dialect() == DialectOllama
 		for _, x := range m.List {
-			if !slices.ContainsFunc(list, func(y Model) bool { return y.ID == x.ID }) {
+			k := x.ID
+			if ollama {
+				k = "\x00ollama:" + ollamaName(x.ID) // never an exact id
+			}
+			if !slices.Contains(keys, k) {
+				keys = append(keys, k)
 				list = append(list, x)
 			}
 		}

@@ -24,8 +24,8 @@ var (
 	// ErrStatus: the endpoint answered a probe or scrape with a status
 	// other than 200.
 	ErrStatus = errors.New("discovery: unexpected status")
-	// ErrNoEngineMetrics: a /metrics text holds none of the vLLM or SGLang
-	// load metrics kvroute reads.
+	// ErrNoEngineMetrics: a /metrics text holds none of the vLLM, SGLang
+	// or llama.cpp load metrics kvroute reads.
 	ErrNoEngineMetrics = errors.New("discovery: no engine metrics")
 	// ErrTooLarge: a /metrics response exceeds ScrapeConfig.MaxBytes.
 	ErrTooLarge = errors.New("discovery: metrics response too large")
@@ -101,23 +101,26 @@ func (c ScrapeConfig) validate() error {
 // (several engines or data-parallel ranks, several models). It is immutable
 // once published.
 type EngineStats struct {
-	// Engine is "vllm" or "sglang".
+	// Engine is "vllm", "sglang" or "llamacpp".
 	Engine string `json:"engine"`
 	// Waiting is the requests queued in the engine, not yet scheduled
-	// (vllm:num_requests_waiting, sglang:num_queue_reqs).
+	// (vllm:num_requests_waiting, sglang:num_queue_reqs,
+	// llamacpp:requests_deferred).
 	Waiting int64 `json:"waiting"`
 	// Running is the requests in the engine's running batch
-	// (vllm:num_requests_running, sglang:num_running_reqs).
+	// (vllm:num_requests_running, sglang:num_running_reqs,
+	// llamacpp:requests_processing).
 	Running int64 `json:"running"`
 	// KVUsage is the KV-cache fill in [0, 1], the mean over the engine's
 	// series (vllm:kv_cache_usage_perc, before v0.10 vllm:gpu_cache_usage_perc;
-	// sglang:token_usage); 0 when not reported.
+	// sglang:token_usage); 0 when not reported (llama.cpp).
 	KVUsage float64 `json:"kv_usage"`
 	// KVCapacityTokens is the KV cache's size in tokens, Σ block_size ×
 	// num_gpu_blocks of vllm:cache_config_info; 0 when unknown (SGLang).
 	KVCapacityTokens int64 `json:"kv_capacity_tokens"`
 	// PromptTokens is the cumulative prompt tokens processed
-	// (vllm:prompt_tokens_total, sglang:prompt_tokens_total).
+	// (vllm:prompt_tokens_total, sglang:prompt_tokens_total,
+	// llamacpp:prompt_tokens_total).
 	PromptTokens float64 `json:"prompt_tokens_total"`
 	// PrefixQueries and PrefixHits are cumulative prefix-cache token
 	// counters (vllm:prefix_cache_queries_total and _hits_total; for SGLang
@@ -127,8 +130,9 @@ type EngineStats struct {
 	PrefixHits    float64 `json:"prefix_hits_total"`
 	// ITLSum and ITLCount are the engine's cumulative inter-token latency
 	// histogram (seconds, tokens): vllm:inter_token_latency_seconds, or
-	// vllm:time_per_output_token_seconds before it; SGLang's likewise. 0
-	// when not exported.
+	// vllm:time_per_output_token_seconds before it; SGLang's likewise;
+	// llama.cpp's llamacpp:tokens_predicted_seconds_total and
+	// llamacpp:tokens_predicted_total. 0 when not exported.
 	ITLSum   float64 `json:"inter_token_latency_seconds_sum,omitempty"`
 	ITLCount float64 `json:"inter_token_latency_seconds_count,omitempty"`
 	// StartTime is process_start_time_seconds (Unix seconds); 0 when absent.
@@ -196,6 +200,11 @@ const (
 	mSGLPrompt       = "sglang:prompt_tokens_total"
 	mSGLCached       = "sglang:cached_tokens_total"
 	mStartTime       = "process_start_time_seconds"
+	mLCPRunning      = "llamacpp:requests_processing"
+	mLCPWaiting      = "llamacpp:requests_deferred"
+	mLCPPrompt       = "llamacpp:prompt_tokens_total"
+	mLCPDecodeSec    = "llamacpp:tokens_predicted_seconds_total"
+	mLCPDecoded      = "llamacpp:tokens_predicted_total"
 	mVLLMLoRA        = "vllm:lora_requests_info"
 	// Inter-token latency histograms, newest name first; their _sum and
 	// _count samples are read.
@@ -217,6 +226,7 @@ func wanted(name []byte) bool {
 	case mVLLMRunning, mVLLMWaiting, mVLLMKVUsage, mVLLMGPUKVUsage, mVLLMCacheConfig,
 		mVLLMPrompt, mVLLMQueries, mVLLMHits, mVLLMLoRA,
 		mSGLRunning, mSGLWaiting, mSGLUsage, mSGLPrompt, mSGLCached, mStartTime,
+		mLCPRunning, mLCPWaiting, mLCPPrompt, mLCPDecodeSec, mLCPDecoded,
 		mVLLMITL + sumSuffix, mVLLMITL + countSuffix, mVLLMTPOT + sumSuffix, mVLLMTPOT + countSuffix,
 		mSGLITL + sumSuffix, mSGLITL + countSuffix, mSGLTPOT + sumSuffix, mSGLTPOT + countSuffix:
 		return true
@@ -298,6 +308,8 @@ func parseEngine(text, scratch []byte) (EngineStats, []byte, error) {
 	_, ns := sum(mSGLRunning)
 	_, nq := sum(mSGLWaiting)
 	_, nt := sum(mSGLUsage)
+	_, nl := sum(mLCPRunning)
+	_, nd := sum(mLCPWaiting)
 	switch {
 	case nv+nw+nu+ng > 0 || fams[mVLLMCacheConfig] != nil:
 		s.Engine = "vllm"
@@ -319,6 +331,16 @@ func parseEngine(text, scratch []byte) (EngineStats, []byte, error) {
 		s.PromptTokens, _ = sum(mSGLPrompt)
 		s.PrefixQueries = s.PromptTokens
 		s.PrefixHits, _ = sum(mSGLCached)
+	case nl+nd > 0:
+		// llama-server: no KV usage, no cache counters; its decode time
+		// over its decoded tokens is the inter-token latency.
+		s.Engine = "llamacpp"
+		s.Running, s.Waiting = count(mLCPRunning), count(mLCPWaiting)
+		s.PromptTokens, _ = sum(mLCPPrompt)
+		if c, n := sum(mLCPDecoded); n > 0 {
+			s.ITLSum, _ = sum(mLCPDecodeSec)
+			s.ITLCount = c
+		}
 	default:
 		return s, scratch, ErrNoEngineMetrics
 	}
@@ -446,11 +468,21 @@ type scrapeWorker struct {
 	filtered []byte
 }
 
-// scrape fetches and parses e's /metrics and publishes the result.
+// scrape fetches and parses e's /metrics and publishes the result. An
+// engine without /metrics (Ollama; llama-server without --metrics) is not
+// scraped, and its 404, 405 or 501 is no failure: the router's own
+// in-flight counts stand alone (metricsAbsent).
 func (w *scrapeWorker) scrape(ctx context.Context, e *Endpoint) {
 	f := w.f
 	start := time.Now()
-	err := w.fetch(ctx, e.URL+f.o.Scrape.Path)
+	if e.Dialect() == DialectOllama || start.UnixNano() < e.noMetricsUntil.Load() {
+		return
+	}
+	status, err := w.fetch(ctx, e.URL+f.o.Scrape.Path)
+	if status == http.StatusNotFound || status == http.StatusMethodNotAllowed || status == http.StatusNotImplemented {
+		f.metricsAbsent(e, status)
+		return
+	}
 	var s EngineStats
 	if err == nil {
 		s, w.filtered, err = parseEngine(w.body.Bytes(), w.filtered)
@@ -479,6 +511,10 @@ func (w *scrapeWorker) scrape(ctx context.Context, e *Endpoint) {
 		f.log.Info("engine metrics scrape recovered", zap.String("endpoint", e.URL), zap.Int("failed_scrapes", mem.failing))
 		mem.failing = 0
 	}
+	if e.noMetricsUntil.Load() != 0 {
+		e.noMetricsUntil.Store(0) // metrics turned on: say so again if they go
+	}
+	f.learnDialect(e, s.Engine)
 	s.At, s.Routed = now, e.InFlight()
 	restarted := mem.seen && (s.StartTime != 0 && mem.start != 0 && math.Abs(s.StartTime-mem.start) > 1e-3 ||
 		s.PromptTokens < mem.prompt || s.PrefixQueries < mem.queries)
@@ -499,6 +535,7 @@ func (w *scrapeWorker) scrape(ctx context.Context, e *Endpoint) {
 	if restarted {
 		f.m.restarts[r].Inc()
 		f.log.Info("engine restarted; forgetting its cache", zap.String("endpoint", e.URL))
+		e.detected.Store(false) // detect it again: it may be another engine
 		if f.o.OnRestart != nil {
 			f.o.OnRestart(e)
 		}
@@ -513,33 +550,58 @@ func (w *scrapeWorker) scrape(ctx context.Context, e *Endpoint) {
 	f.event("scrape", e)
 }
 
-// fetch GETs url into w.body.
-func (w *scrapeWorker) fetch(ctx context.Context, url string) error {
+// fetch GETs url into w.body; status is the answer's (0: none).
+func (w *scrapeWorker) fetch(ctx context.Context, url string) (status int, err error) {
 	f := w.f
 	ctx, cancel := context.WithTimeout(ctx, f.o.Scrape.Timeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	// The classic text format: no OpenMetrics, no protobuf.
 	req.Header.Set("Accept", "text/plain;version=0.0.4")
 	resp, err := f.client.Do(req)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
-		return fmt.Errorf("%w: %s", ErrStatus, resp.Status)
+		return resp.StatusCode, fmt.Errorf("%w: %s", ErrStatus, resp.Status)
 	}
 	w.body.Reset()
 	max := f.o.Scrape.MaxBytes
 	if _, err := w.body.ReadFrom(io.LimitReader(resp.Body, int64(max)+1)); err != nil {
-		return err
+		return resp.StatusCode, err
 	}
 	if w.body.Len() > max {
-		return fmt.Errorf("%w: over %d bytes", ErrTooLarge, max)
+		return resp.StatusCode, fmt.Errorf("%w: over %d bytes", ErrTooLarge, max)
 	}
-	return nil
+	return resp.StatusCode, nil
+}
+
+// metricsAbsent handles an engine that answered its /metrics with status
+// (404, 405, 501): it is left alone for metricsRecheck, or until it is
+// detected again; logged once, when first seen.
+func (f *Fleet) metricsAbsent(e *Endpoint, status int) {
+	now := time.Now()
+	if e.noMetricsUntil.Swap(now.Add(metricsRecheck).UnixNano()) == 0 {
+		f.log.Info("engine serves no metrics; routing on the router's own counts",
+			zap.String("endpoint", e.URL), zap.Stringer("dialect", e.Dialect()), zap.Int("status", status))
+	}
+	f.expire(e, now)
+	f.event("scrape-absent", e)
+}
+
+// learnDialect sets e's dialect from the engine its metrics name, when
+// neither detection nor the flag told it.
+func (f *Fleet) learnDialect(e *Endpoint, engine string) {
+	if e.Dialect() != DialectUnknown {
+		return
+	}
+	if d, err := ParseDialect(engine); err == nil && d != DialectUnknown {
+		e.SetDialect(d)
+		f.log.Info("engine dialect", zap.String("endpoint", e.URL), zap.Stringer("dialect", d), zap.String("from", "metrics"))
+	}
 }

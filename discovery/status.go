@@ -36,6 +36,17 @@ type EndpointStatus struct {
 	EjectedForSec float64 `json:"ejected_for_sec,omitempty"`
 	// DrainingSec is how long the endpoint has been draining.
 	DrainingSec float64 `json:"draining_sec,omitempty"`
+	// Dialect is the engine's dialect, detected or pinned ("unknown"
+	// until told).
+	Dialect Dialect `json:"dialect"`
+	// Info is what the engine said of itself (slots, context; see
+	// EngineInfo); absent when nothing.
+	Info *EngineInfo `json:"engine_info,omitempty"`
+	// Metrics is whether the engine's /metrics is read: "scraped" (a
+	// scrape succeeded), "absent" (404, 405 or 501: Ollama, llama-server
+	// without --metrics; the router's own counts stand alone) or
+	// "unknown".
+	Metrics string `json:"metrics"`
 	// Engine is the latest successful scrape, fresh or not; nil if none.
 	Engine *EngineStatus `json:"engine,omitempty"`
 	// Learned is what calibration has measured of the endpoint; nil if
@@ -77,6 +88,13 @@ func (f *Fleet) status(e *Endpoint, now time.Time) EndpointStatus {
 		Requests: e.Requests(), Failures: e.Failures.Load(),
 		ProbeFailures: e.probeFails.Load(), ProbeSuccesses: e.probeOKs.Load(),
 		ConsecutiveFailures: e.passiveFails.Load(), Learned: e.Costs(),
+		Dialect: e.Dialect(), Info: e.Info(), Metrics: "unknown",
+	}
+	switch {
+	case e.noMetricsUntil.Load() != 0 || e.Dialect() == DialectOllama:
+		s.Metrics = "absent"
+	case e.last.Load() != nil:
+		s.Metrics = "scraped"
 	}
 	f.ejectMu.Lock()
 	s.Ejections, s.CooldownSec = e.ejectLevel, e.cooldown.Seconds()
@@ -105,6 +123,7 @@ type fleetMetrics struct {
 	restartsVec             *prometheus.CounterVec
 	scrapeDurationVec       *prometheus.HistogramVec
 	endpoints               *prometheus.Desc
+	dialects                *prometheus.Desc
 
 	probeFailures, ejections, scrapeFailures, restarts [3]prometheus.Counter
 	scrapeDuration                                     [3]prometheus.Observer
@@ -130,6 +149,8 @@ func newFleetMetrics() *fleetMetrics {
 		}, []string{"pool"}),
 		endpoints: prometheus.NewDesc(metricPrefix+"endpoints",
 			"Endpoints by pool (role) and state (up, down, ejected, draining).", []string{"pool", "state"}, nil),
+		dialects: prometheus.NewDesc(metricPrefix+"endpoint_dialects",
+			"Endpoints of the current set by engine dialect (vllm, sglang, llamacpp, ollama, unknown).", []string{"dialect"}, nil),
 	}
 	for r := range 3 {
 		pool := roleOfIndex(r).String()
@@ -153,6 +174,7 @@ func (f *Fleet) Describe(ch chan<- *prometheus.Desc) {
 		c.Describe(ch)
 	}
 	ch <- f.m.endpoints
+	ch <- f.m.dialects
 }
 
 // Collect implements prometheus.Collector: the counters, and the endpoint
@@ -162,8 +184,15 @@ func (f *Fleet) Collect(ch chan<- prometheus.Metric) {
 		c.Collect(ch)
 	}
 	var n [3][4]int // role × state
+	var d [len(dialectNames)]int
 	for _, e := range f.pool.Load().Endpoints {
 		n[roleIndex(e.Role)][e.State()]++
+		if x := e.Dialect(); int(x) < len(d) {
+			d[x]++
+		}
+	}
+	for x, c := range d {
+		ch <- prometheus.MustNewConstMetric(f.m.dialects, prometheus.GaugeValue, float64(c), Dialect(x).String())
 	}
 	for _, e := range f.pool.Draining() {
 		n[roleIndex(e.Role)][StateDraining]++

@@ -29,22 +29,31 @@ import (
 // at or beyond it is seen warm, or one below it cold. Distances are tracked up to maxWarmKeys:
 // an engine that keeps more is, for routing, one that keeps them all.
 //
-// What it changes (Prefix.decide): a key beyond the endpoint's learned
-// count is cold there whatever the index remembers, and homes are sized so
-// that no endpoint homes more keys than it keeps while the fleet can keep
-// them all (homes.assign). Safe for concurrent use.
+// An endpoint that has not learned its own count yet takes the fleet's,
+// the least any endpoint learned (servers behind one router usually run
+// one configuration: four stock Ollama servers each keep one prompt), until
+// its own answers show it warm at that distance or beyond; so one
+// endpoint's misses teach the others, and the fleet pays for the lesson
+// once rather than once per server.
+//
+// What it changes (Prefix.decide): a key beyond the endpoint's count is
+// cold there whatever the index remembers, and homes are sized so that no
+// endpoint homes more keys than it keeps while the fleet can keep them all
+// (homes.assign). Safe for concurrent use.
 type warmth struct {
 	mu      sync.Mutex
 	eps     map[uint64]*keyStack
-	version atomic.Uint64 // moves whenever a learned count changes
-	learned atomic.Int64  // endpoints with a learned count
+	version atomic.Uint64 // moves whenever a count changes
+	fleet   atomic.Int64  // the least count an endpoint learned; 0: none
 }
 
 type keyStack struct {
 	keys []uint64 // most recently dispatched first; at most maxWarmKeys
 	// Decayed outcomes by distance: answers served warm, and all.
 	warm, all [maxWarmKeys]float64
-	kept      int // learned keys kept warm; 0: unknown (all)
+	// kept is the learned count (0: unknown); atLeast is one more than the
+	// deepest distance seen mostly warm, which no count may be below.
+	kept, atLeast int
 }
 
 const (
@@ -87,7 +96,7 @@ func (w *warmth) see(id, key uint64) int {
 }
 
 // outcome records that a request dispatched to id at distance dist (see)
-// found its key warm or not, and relearns id's count.
+// found its key warm or not, and relearns id's count and the fleet's.
 func (w *warmth) outcome(id uint64, dist int, warm bool) {
 	if dist < 0 || dist >= maxWarmKeys {
 		return
@@ -106,7 +115,7 @@ func (w *warmth) outcome(id uint64, dist int, warm bool) {
 	if warm {
 		s.warm[dist]++
 	}
-	kept := s.kept
+	kept, atLeast := s.kept, 0
 	for i := range s.all {
 		if s.all[i] < minWarmEvidence {
 			continue
@@ -115,53 +124,79 @@ func (w *warmth) outcome(id uint64, dist int, warm bool) {
 			kept = max(i, 1) // an engine keeps at least the prompt it just ran
 			break
 		}
+		atLeast = i + 1
 		if i >= kept {
 			kept = 0 // warm beyond the count: it keeps more
 		}
 	}
-	if kept != s.kept {
-		w.learned.Add(int64(min(kept, 1) - min(s.kept, 1)))
-		s.kept = kept
-		w.version.Add(1)
+	if kept == s.kept && atLeast == s.atLeast {
+		return
+	}
+	s.kept, s.atLeast = kept, atLeast
+	w.relearnFleet()
+}
+
+// keptOf is s's count: its own, else the fleet's unless s was seen warm
+// that deep; 0 when unknown. w.mu is held.
+func (w *warmth) keptOf(s *keyStack) int {
+	switch f := int(w.fleet.Load()); {
+	case s != nil && s.kept > 0:
+		return s.kept
+	case s != nil && s.atLeast > f:
+		return 0
+	default:
+		return f
 	}
 }
 
-// kept returns the keys endpoint id is learned to keep warm; 0 when
-// unknown (as many as the index says).
+// kept returns the keys endpoint id is taken to keep warm (its own count,
+// else the fleet's); 0 when unknown (as many as the index says).
 func (w *warmth) kept(id uint64) int {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if s := w.eps[id]; s != nil {
-		return s.kept
-	}
-	return 0
+	return w.keptOf(w.eps[id])
 }
 
 // holds reports whether endpoint id may still hold key: its count is
 // unknown, or key is among its last kept keys.
 func (w *warmth) holds(id, key uint64) bool {
-	if w.learned.Load() == 0 {
-		return true // the common case: nothing to look up
+	if w.fleet.Load() == 0 {
+		return true // the common case: nothing learned, nothing to look up
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	s := w.eps[id]
-	if s == nil || s.kept == 0 {
+	k := w.keptOf(s)
+	if k == 0 {
 		return true
 	}
+	if s == nil {
+		return false // nothing was sent there
+	}
 	d := slices.Index(s.keys, key)
-	return d >= 0 && d < s.kept
+	return d >= 0 && d < k
 }
 
 // forget drops endpoint id (it left, or its engine restarted).
 func (w *warmth) forget(id uint64) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if s := w.eps[id]; s != nil {
-		delete(w.eps, id)
-		if s.kept != 0 {
-			w.learned.Add(-1)
-			w.version.Add(1)
+	if _, ok := w.eps[id]; !ok {
+		return
+	}
+	delete(w.eps, id)
+	w.relearnFleet()
+}
+
+// relearnFleet sets the fleet's count, the least an endpoint learned, and
+// moves the version. w.mu is held.
+func (w *warmth) relearnFleet() {
+	fleet := 0
+	for _, o := range w.eps {
+		if o.kept > 0 && (fleet == 0 || o.kept < fleet) {
+			fleet = o.kept
 		}
 	}
+	w.fleet.Store(int64(fleet))
+	w.version.Add(1)
 }

@@ -25,8 +25,8 @@ func TestWarmthLearnsKeptPrompts(t *testing.T) {
 	if k := w.kept(ep); k != 1 {
 		t.Fatalf("kept %d, want 1", k)
 	}
-	if !w.holds(ep, 1) || w.holds(ep, 2) || !w.holds(8, 2) {
-		t.Fatalf("holds: last key %v, the one before %v, another endpoint's %v", w.holds(ep, 1), w.holds(ep, 2), w.holds(8, 2))
+	if !w.holds(ep, 1) || w.holds(ep, 2) {
+		t.Fatalf("holds: last key %v, the one before %v", w.holds(ep, 1), w.holds(ep, 2))
 	}
 	for range 200 {
 		w.outcome(ep, w.see(ep, 1), true)
@@ -42,8 +42,33 @@ func TestWarmthLearnsKeptPrompts(t *testing.T) {
 		t.Fatalf("kept %d after warm answers at distance 1, want 0 (unknown)", k)
 	}
 	w.forget(ep)
-	if w.learned.Load() != 0 || w.see(ep, 1) != -1 {
+	if w.fleet.Load() != 0 || w.see(ep, 1) != -1 {
 		t.Fatal("forget left state behind")
+	}
+}
+
+// An endpoint with no count of its own takes the fleet's (the least any
+// endpoint learned) until its own answers show it warm that deep.
+func TestWarmthFleetCount(t *testing.T) {
+	w := newWarmth()
+	w.see(2, 9) // endpoint 2 exists, nothing learned
+	for range 3 {
+		w.see(1, 5)
+		w.outcome(1, w.see(1, 6), false)
+		w.outcome(1, w.see(1, 5), false)
+	}
+	if k1, k2, k3 := w.kept(1), w.kept(2), w.kept(3); k1 != 1 || k2 != 1 || k3 != 1 {
+		t.Fatalf("kept %d, %d, %d; want 1 learned and 1 from the fleet twice", k1, k2, k3)
+	}
+	if w.holds(2, 8) || !w.holds(2, 9) || w.holds(3, 9) {
+		t.Fatal("the fleet's count is not applied to the endpoints without their own")
+	}
+	for range 3 {
+		w.see(2, 7)
+		w.outcome(2, w.see(2, 9), true) // warm at distance 1
+	}
+	if k := w.kept(2); k != 0 {
+		t.Fatalf("kept %d for an endpoint warm at distance 1, want 0 (unknown)", k)
 	}
 }
 

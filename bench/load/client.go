@@ -108,16 +108,23 @@ func newClient(baseURL string, api workload.API, timeout time.Duration) (*client
 		DisablePathNormalizing: true,
 		StreamResponseBody:     true,
 		// A pooled keep-alive connection the server had closed answers
-		// the request written on it with EOF before any byte: resend once
-		// on a new one. llama-server closes its connection after every
-		// streamed response without saying so (no Connection: close).
-		RetryIfErr: func(_ *fasthttp.Request, attempts int, err error) (bool, bool) {
-			return false, attempts < 2 && errors.Is(err, io.EOF)
+		// the request written on it with EOF before any byte: resend on
+		// the next one, and on a new one when the pool holds only dead
+		// ones. llama-server closes its connection after every streamed
+		// response without saying so (no Connection: close), so a burst
+		// can meet several; resending once failed 14 of 96 requests.
+		MaxIdemponentCallAttempts: maxStaleResends,
+		RetryIfErr: func(_ *fasthttp.Request, _ int, err error) (bool, bool) {
+			return false, errors.Is(err, io.EOF)
 		},
 	}
 	c.bufs.New = func() any { return &exchange{buf: make([]byte, 32<<10)} }
 	return c, nil
 }
+
+// maxStaleResends bounds the sends of one request over pooled connections
+// the server had closed (each is dropped when found).
+const maxStaleResends = 64
 
 // close closes every connection, idle or busy: reads blocked in a stream
 // return at once.

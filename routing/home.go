@@ -27,7 +27,7 @@ import (
 // are assigned in rounds on rendezvous order: in round r every unplaced key
 // proposes to its r-th rendezvous choice, and each endpoint accepts the
 // proposals with the highest rendezvous scores while it holds fewer than
-// ⌈LoadFactor × recurring keys / endpoints⌉ keys. No endpoint exceeds that
+// LoadFactor × recurring keys / endpoints (homeBound). No endpoint exceeds that
 // bound, and most keys stay on their rendezvous winner: plain rendezvous
 // hashing spreads 64 prefixes over 8 endpoints as unevenly as 4 to 13
 // (binomial), and an endpoint homing 13 long prefixes cannot cache them and
@@ -373,28 +373,41 @@ func (h *homes) place(key, first uint64, eps []*discovery.Endpoint, factor float
 
 // bounds returns how many of total recurring keys each endpoint of eps may
 // home: LoadFactor × the mean (homeBound), and no more than its engine is
-// learned to keep warm (kept) while the fleet so keeps them all; when it
-// cannot, the keys are spread as evenly as they can be (the mean, rounded
-// up), so that no engine thrashes more of them than another.
+// learned to keep warm (kept). When the capped endpoints leave keys over,
+// the others' bound rises until they hold every key (keys go where they
+// stay cached); when the fleet cannot keep them all, they are spread as
+// evenly as they can be (the mean, rounded up), so that no engine thrashes
+// more of them than another.
 func (h *homes) bounds(factor float64, total int, eps []*discovery.Endpoint) map[uint64]int {
-	b := homeBound(factor, total, len(eps))
 	out := make(map[uint64]int, len(eps))
-	room := 0
-	for _, e := range eps {
-		n := b
-		if h.kept != nil {
-			if k := h.kept(e.ID); k > 0 {
-				n = min(n, k)
-			}
+	caps := make([]int, len(eps))
+	if h.kept != nil {
+		for i, e := range eps {
+			caps[i] = h.kept(e.ID)
 		}
-		out[e.ID] = n
-		room += n
 	}
-	if room < total {
-		even := homeBound(1, total, len(eps))
-		for id := range out {
-			out[id] = even
+	for b := homeBound(factor, total, len(eps)); b <= total; b++ {
+		room, free := 0, false
+		for i, e := range eps {
+			n := b
+			if caps[i] > 0 && caps[i] < b {
+				n = caps[i]
+			} else {
+				free = true
+			}
+			out[e.ID] = n
+			room += n
 		}
+		if room >= total {
+			return out
+		}
+		if !free {
+			break // every endpoint is at its cap
+		}
+	}
+	even := homeBound(1, total, len(eps))
+	for _, e := range eps {
+		out[e.ID] = even
 	}
 	return out
 }
@@ -513,7 +526,12 @@ func (h *homes) forget(endpoint uint64) {
 }
 
 // homeBound is how many recurring keys an endpoint may home: LoadFactor ×
-// the mean, with total keys over n endpoints.
+// the mean, with total keys over n endpoints, to the nearest whole key, and
+// at least the mean rounded up (so that the endpoints hold every key). The
+// slack is a whole key or none: rounding LoadFactor × the mean up gave a
+// fleet of four endpoints and four keys a bound of two, and two keys shared
+// an endpoint while another had none.
 func homeBound(factor float64, total, n int) int {
-	return int(math.Ceil(factor * float64(total) / float64(max(n, 1))))
+	mean := float64(total) / float64(max(n, 1))
+	return max(int(math.Ceil(mean)), int(math.Floor(factor*mean+0.5)))
 }

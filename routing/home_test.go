@@ -144,6 +144,7 @@ func TestHomeBound(t *testing.T) {
 		want     int
 	}{
 		{1.1, 0, 8, 0}, {1.1, 64, 8, 9}, {1, 64, 8, 8}, {1.25, 100, 10, 13}, {1.1, 5, 0, 6},
+		{1.1, 4, 4, 1}, {1.1, 32, 8, 4}, {1.1, 9, 4, 3}, {1.5, 4, 4, 2},
 	} {
 		if got := homeBound(tc.factor, tc.total, tc.n); got != tc.want {
 			t.Errorf("homeBound(%v, %d, %d) = %d, want %d", tc.factor, tc.total, tc.n, got, tc.want)

@@ -355,6 +355,9 @@ type Term struct {
 	// "events" (its engine's KV events confirm and evict them) or
 	// "learned" (the router's own routing history).
 	CacheSource string `json:"cache_source,omitempty"`
+	// KeptPrompts is how many prefix keys the endpoint's engine is taken
+	// to keep warm (warmth: learned, or the fleet's); absent when unknown.
+	KeptPrompts int    `json:"kept_prompts,omitempty"`
 	Skipped     string `json:"skipped,omitempty"`
 }
 
@@ -422,6 +425,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 			if p.index.OnTruth(e.ID) {
 				t.CacheSource = "events"
 			}
+			t.KeptPrompts = p.warm.kept(e.ID)
 			*terms = append(*terms, t)
 		}
 		ch.add(c, hasHome && e.ID == homeID, prm.TieSec)

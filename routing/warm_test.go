@@ -1,6 +1,8 @@
 package routing
 
 import (
+	"fmt"
+	"slices"
 	"testing"
 	"time"
 
@@ -72,28 +74,39 @@ func TestWarmthFleetCount(t *testing.T) {
 	}
 }
 
-// Homes follow what engines keep: four keys over four endpoints that each
-// keep one get one each (the load factor alone allows two on one); eight
-// keys, more than the fleet keeps, are spread two by two.
+// Homes follow what engines keep: endpoints that keep one prompt home one
+// key each and the others take the rest; when the fleet cannot keep every
+// key, they are spread evenly.
 func TestHomesBoundedByKeptPrompts(t *testing.T) {
 	var eps []*discovery.Endpoint
 	for i := range 4 {
-		e, err := discovery.NewEndpoint("http://127.0.0.1:"+string(rune('1'+i))+"000", discovery.RoleMixed)
+		e, err := discovery.NewEndpoint(fmt.Sprintf("http://127.0.0.1:%d", 1000+i), discovery.RoleMixed)
 		if err != nil {
 			t.Fatal(err)
 		}
 		eps = append(eps, e)
 	}
-	for _, tc := range []struct{ keys, want int }{{4, 1}, {8, 2}} {
+	for _, tc := range []struct {
+		keys int
+		kept []int
+		want []int
+	}{
+		{4, []int{1, 1, 1, 1}, []int{1, 1, 1, 1}},
+		{8, []int{1, 1, 0, 0}, []int{1, 1, 3, 3}},
+		{8, []int{1, 1, 1, 1}, []int{2, 2, 2, 2}},
+		{8, []int{0, 0, 0, 0}, []int{2, 2, 2, 2}},
+	} {
 		h := newHomes(time.Hour, time.Now)
-		h.kept = func(uint64) int { return 1 }
+		h.kept = func(id uint64) int {
+			return tc.kept[slices.IndexFunc(eps, func(e *discovery.Endpoint) bool { return e.ID == id })]
+		}
 		for k := range tc.keys {
 			h.recur(uint64(1000 + k))
 		}
 		h.assign(eps, 1.1, time.Now())
-		for _, e := range eps {
-			if n := h.load[e.ID]; n != tc.want {
-				t.Errorf("%d keys: %s homes %d, want %d", tc.keys, e.URL, n, tc.want)
+		for i, e := range eps {
+			if n := h.load[e.ID]; n != tc.want[i] {
+				t.Errorf("%d keys, kept %v: endpoint %d homes %d, want %d", tc.keys, tc.kept, i, n, tc.want[i])
 			}
 		}
 	}

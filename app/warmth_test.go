@@ -35,8 +35,8 @@ func engineHits(t *testing.T, fleet *sim.Fleet) (hits, queries float64) {
 }
 
 // Four engines that each keep one prompt cached (one sequence slot, a KV
-// cache for one prompt) and report no cached tokens, as stock Ollama
-// servers do, behind the router with default flags; four prompt groups in
+// cache for one prompt) and report usage without cached tokens, as stock
+// Ollama servers do, behind the router with default flags; four prompt groups in
 // random order, one request at a time. The router learns from the times
 // to first token which answers were served warm and that each engine keeps
 // one prompt, and gives each group an engine of its own: the engines serve
@@ -57,7 +57,7 @@ func TestRouterLearnsEnginesThatKeepOnePrompt(t *testing.T) {
 	rng := rand.New(rand.NewPCG(3, 4))
 	send := func(group, i int) {
 		prompt := strings.Repeat(fmt.Sprintf("Group %d keeps its own long instructions here. ", group), 90) + fmt.Sprintf("Question %d?", i)
-		body := fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":4,"stream":true}`, cfg.Model, prompt)
+		body := fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":4,"stream":true,"stream_options":{"include_usage":true}}`, cfg.Model, prompt)
 		resp, err := testClient.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
 		if err != nil {
 			t.Fatal(err)

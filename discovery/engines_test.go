@@ -1,185 +1,56 @@
 package discovery
 
 import (
-	"compress/gzip"
+	"context"
+	"errors"
 	"io"
-	"net"
 	"net/http"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kvroute/kvroute/bench/localengine"
 )
 
 // The real engines of ../shared/engines (see their READMEs): llama.cpp's
-// llama-server and Ollama, each with a tiny random-weight Llama. Tests
-// decompress them into the module's bin/ (gitignored) and skip when the
-// directory is absent.
+// llama-server and Ollama, each with a tiny random-weight Llama, started
+// as kvbench starts them (bench/localengine: unpacked into the module's
+// bin/, one process group per server, ready and warm). The tests skip
+// when the directory is absent.
 
-// findUp returns dir/rel for the first of dir and its ancestors where it
-// exists, "" if none (as bench/llmd finds the llm-d simulator).
-func findUp(dir, rel string) string {
-	for {
-		p := filepath.Join(dir, rel)
-		if _, err := os.Stat(p); err == nil {
-			return p
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return ""
-		}
-		dir = parent
-	}
-}
-
-// engineFiles returns shared/engines and the module's bin/, skipping the
-// test when shared/engines is not above the working directory.
-func engineFiles(t *testing.T) (shared, bin string) {
+// startReal starts one server of s until the test ends and returns its
+// base URL.
+func startReal(t *testing.T, s localengine.Settings) string {
 	t.Helper()
-	wd, err := os.Getwd()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	f, err := localengine.Start(ctx, s, 1)
+	if errors.Is(err, localengine.ErrNoBinary) {
+		t.Skipf("the real %s is not at hand: %v", s.Engine, err)
+	}
 	if err != nil {
-		t.Fatal(err)
-	}
-	shared = findUp(wd, filepath.Join("shared", "engines"))
-	if shared == "" {
-		t.Skipf("no shared/engines above %s: the real llama-server and Ollama are not at hand", wd)
-	}
-	mod := findUp(wd, "go.mod")
-	if mod == "" {
-		t.Fatalf("no go.mod above %s", wd)
-	}
-	bin = filepath.Join(filepath.Dir(mod), "bin")
-	if err := os.MkdirAll(bin, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	return shared, bin
-}
-
-// gunzip decompresses gz to dst (mode perm) unless dst is at least as new
-// as gz; it writes a temporary file and renames it, so that concurrent
-// test binaries never run a half-written one.
-func gunzip(t *testing.T, gz, dst string, perm os.FileMode) {
-	t.Helper()
-	src, err := os.Stat(gz)
-	if err != nil {
-		t.Skipf("%s: %v", gz, err)
-	}
-	if d, err := os.Stat(dst); err == nil && !d.ModTime().Before(src.ModTime()) {
-		return
-	}
-	in, err := os.Open(gz)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer in.Close()
-	zr, err := gzip.NewReader(in)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmp, err := os.CreateTemp(filepath.Dir(dst), filepath.Base(dst)+".*")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer os.Remove(tmp.Name())
-	if _, err := io.Copy(tmp, zr); err != nil {
-		t.Fatal(err)
-	}
-	if err := errorsJoin(tmp.Chmod(perm), tmp.Close(), os.Rename(tmp.Name(), dst)); err != nil {
-		t.Fatal(err)
-	}
-}
-
-func errorsJoin(errs ...error) error {
-	for _, err := range errs {
-		if err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// freePort returns a loopback port nobody listens on right now.
-func freePort(t *testing.T) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
-}
-
-// startProcess runs cmd in its own process group until the test ends,
-// then kills the group (Ollama's serve spawns a runner child). Its output
-// goes to a file shown when the test fails.
-func startProcess(t *testing.T, cmd *exec.Cmd) {
-	t.Helper()
-	out, err := os.Create(filepath.Join(t.TempDir(), "engine.log"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd.Stdout, cmd.Stderr = out, out
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
-		_ = cmd.Wait()
-		if t.Failed() {
-			b, _ := os.ReadFile(out.Name())
-			t.Logf("%s output (tail):\n%s", filepath.Base(cmd.Path), tail(b, 2000))
+		if err := f.Close(); err != nil {
+			t.Errorf("stopping %s: %v", s.Engine, err)
 		}
-		out.Close()
 	})
+	return f.URLs()[0]
 }
-
-func tail(b []byte, n int) []byte { return b[max(0, len(b)-n):] }
 
 // startLlamaServer starts llama-server with the tiny model (with
 // --metrics when metrics) and returns its base URL.
 func startLlamaServer(t *testing.T, metrics bool) string {
-	t.Helper()
-	shared, bin := engineFiles(t)
-	exe, model := filepath.Join(bin, "llama-server"), filepath.Join(bin, "tiny.gguf")
-	gunzip(t, filepath.Join(shared, "llama.cpp", "llama-server.gz"), exe, 0o755)
-	gunzip(t, filepath.Join(shared, "llama.cpp", "tiny.gguf.gz"), model, 0o644)
-	port := freePort(t)
-	args := []string{"-m", model, "--alias", "tiny", "--host", "127.0.0.1", "--port", strconv.Itoa(port),
-		"-t", "1", "-c", "8192", "--cache-ram", "64"}
-	if metrics {
-		args = append(args, "--metrics")
-	}
-	startProcess(t, exec.Command(exe, args...))
-	return "http://127.0.0.1:" + strconv.Itoa(port)
+	cacheRAM := 64
+	return startReal(t, localengine.Settings{Engine: localengine.LlamaCpp, Metrics: metrics, CacheRAMMiB: &cacheRAM})
 }
 
 // startOllama starts `ollama serve` over the tiny model's store and
 // returns its base URL.
 func startOllama(t *testing.T) string {
-	t.Helper()
-	shared, bin := engineFiles(t)
-	exe, store := filepath.Join(bin, "ollama"), filepath.Join(bin, "ollama-store")
-	gunzip(t, filepath.Join(shared, "ollama", "ollama.gz"), exe, 0o755)
-	if _, err := os.Stat(filepath.Join(store, "manifests")); err != nil {
-		if err := os.MkdirAll(store, 0o755); err != nil {
-			t.Fatal(err)
-		}
-		tar := exec.Command("tar", "xzf", filepath.Join(shared, "ollama", "tiny-model.tar.gz"), "-C", store)
-		if out, err := tar.CombinedOutput(); err != nil {
-			t.Fatalf("unpacking the Ollama model store: %v: %s", err, out)
-		}
-	}
-	port := freePort(t)
-	cmd := exec.Command(exe, "serve")
-	cmd.Env = append(os.Environ(), "HOME="+bin, "OLLAMA_MODELS="+store, "OLLAMA_HOST=127.0.0.1:"+strconv.Itoa(port),
-		"OLLAMA_KEEP_ALIVE=-1", "OLLAMA_FLASH_ATTENTION=0", "OLLAMA_NUM_PARALLEL=1")
-	startProcess(t, cmd)
-	return "http://127.0.0.1:" + strconv.Itoa(port)
+	return startReal(t, localengine.Settings{Engine: localengine.Ollama})
 }
 
 // realOptions probes every 50 ms (the engines are real processes on a
@@ -248,7 +119,8 @@ func TestRealOllama(t *testing.T) {
 			t.Errorf("Serves(%q) = %v, want %v", m, !want, want)
 		}
 	}
-	// The first request loads the model; /api/ps then states its context.
+	// A request loads the model (the warm-up did); /api/ps then states
+	// its context.
 	resp, err := http.Post(url+"/v1/completions", "application/json",
 		strings.NewReader(`{"model":"TINY","prompt":"hello","max_tokens":2}`))
 	if err != nil {

@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -11,11 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-	"go.uber.org/zap"
-
 	"github.com/kvroute/kvroute/discovery"
-	"github.com/kvroute/kvroute/metrics"
 )
 
 // fakeOllama is a loopback server speaking Ollama's wire as seen on v0.24:
@@ -60,28 +55,12 @@ func TestOllamaModelNames(t *testing.T) {
 		s, n := fakeOllama(t)
 		backends, hits = append(backends, s.URL), append(hits, n)
 	}
-	f, err := discovery.New(discovery.Options{
+	h := startFleetProxyWith(t, "prefix", DefaultLimits(), discovery.Options{
 		Health: discovery.HealthConfig{Interval: 5 * time.Millisecond, Timeout: time.Second},
 		Scrape: discovery.ScrapeConfig{Interval: 5 * time.Millisecond, StaleAfter: time.Minute},
 		Models: discovery.ModelsConfig{Interval: 5 * time.Millisecond, Timeout: time.Second},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := f.AddStatic(discovery.RoleMixed, backends); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- f.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case <-done:
-		case <-time.After(guardWait):
-			t.Error("the Fleet did not stop")
-		}
-	})
+	}, backends...)
+	f, url := h.fleet, h.url
 	ready := func() bool {
 		for _, e := range f.Pool().Load().Endpoints {
 			if e.Dialect() != discovery.DialectOllama || e.Models() == nil {
@@ -95,10 +74,6 @@ func TestOllamaModelNames(t *testing.T) {
 			t.Fatalf("Ollama endpoints not detected: %+v", f.Endpoints())
 		}
 	}
-	reg := prometheus.NewRegistry()
-	srv := New(Options{Limits: DefaultLimits(), Picker: policyByName(t, "prefix"), Pool: f.Pool(),
-		Metrics: metrics.New(reg, Classes, nil), Logger: zap.NewNop(), BlockSize: 1024})
-	url := serveLoopback(t, srv)
 
 	for i, model := range []string{"tiny", "TINY", "tiny:latest", "library/tiny"} {
 		resp := post(t, url+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"hello %d","max_tokens":1}`, model, i))

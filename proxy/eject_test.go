@@ -38,11 +38,17 @@ type fleetHarness struct {
 // proxy in front of it under the policy named policy, until the test ends.
 func startFleetProxy(t *testing.T, policy string, lim Limits, p discovery.PassiveConfig, backends ...string) *fleetHarness {
 	t.Helper()
-	f, err := discovery.New(discovery.Options{
+	return startFleetProxyWith(t, policy, lim, discovery.Options{
 		Health:  discovery.HealthConfig{Disabled: true},
 		Scrape:  discovery.ScrapeConfig{Disabled: true},
 		Passive: p,
-	})
+	}, backends...)
+}
+
+// startFleetProxyWith is startFleetProxy with the Fleet's options o.
+func startFleetProxyWith(t *testing.T, policy string, lim Limits, o discovery.Options, backends ...string) *fleetHarness {
+	t.Helper()
+	f, err := discovery.New(o)
 	if err != nil {
 		t.Fatal(err)
 	}

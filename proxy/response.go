@@ -469,10 +469,10 @@ func (b *upstreamBody) CloseWithError(err error) error {
 		switch {
 		case b.scan && b.usage.CachedFound && b.usage.PromptFound:
 			computed = max(0, b.usage.Prompt-b.usage.Cached)
-		case b.learn && !b.usage.CachedFound:
-			// No cached tokens reported (Ollama): the policy reads them
-			// from the TTFT; the calibration keeps the policy's estimate,
-			// so that it does not fit its own inference.
+		case b.learn && s.silentCache(ep, b.usage.PromptFound):
+			// An engine that does not report cached tokens (Ollama): the
+			// policy reads them from the TTFT; the calibration keeps the
+			// policy's estimate, so that it does not fit its own inference.
 			s.opt.Learner.LearnTTFT(b.rec.decision, b.promptBytes, b.lease.TTFT(), b.lease.PredictTTFT)
 		}
 		b.lease.Complete(computed)
@@ -502,3 +502,17 @@ func (b *upstreamBody) CloseWithError(err error) error {
 type eofReader struct{}
 
 func (eofReader) Read([]byte) (int, error) { return 0, io.EOF }
+
+// silentCache reports whether ep's engine does not say what it served from
+// cache, for an answer without cached tokens: an answer that carried a
+// usage report (usage) without them shows it, and is remembered; an answer
+// without any usage report (a stream whose client did not ask for one)
+// says nothing of the engine, and the earlier answers decide.
+func (s *Server) silentCache(ep *discovery.Endpoint, usage bool) bool {
+	if usage {
+		s.uncached.Store(ep, true)
+		return true
+	}
+	_, ok := s.uncached.Load(ep)
+	return ok
+}

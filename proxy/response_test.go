@@ -11,6 +11,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvroute/kvroute/discovery"
 )
 
 // scriptedSSE is an endpoint on loopback that answers one request with a
@@ -112,5 +114,22 @@ func TestStreamWritesWhatArrivedAtOnce(t *testing.T) {
 	close(e.steps)
 	if last := readChunk(t, r); last != "" {
 		t.Fatalf("after the end: %q", last)
+	}
+}
+
+// An endpoint is taken not to report cached tokens only once an answer of
+// its carried a usage report without them; answers without any usage (a
+// client that did not ask for it) say nothing of the engine.
+func TestSilentCache(t *testing.T) {
+	s := &Server{}
+	ep, err := discovery.NewEndpoint("http://127.0.0.1:1", discovery.RoleMixed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.silentCache(ep, false) {
+		t.Fatal("silent before any usage report")
+	}
+	if !s.silentCache(ep, true) || !s.silentCache(ep, false) {
+		t.Fatal("a usage report without cached tokens was not remembered")
 	}
 }

@@ -92,9 +92,12 @@ type Server struct {
 	// before kvroute's upstream-idle timeout: their answers' connections
 	// are closed, not pooled (*discovery.Endpoint → true).
 	closesEarly sync.Map
-	pruned      atomic.Uint64
-	states      sync.Pool // *reqState
-	bodies      sync.Pool // *upstreamBody
+	// uncached holds the endpoints whose usage reports carry no cached
+	// tokens (silentCache; *discovery.Endpoint → true).
+	uncached sync.Map
+	pruned   atomic.Uint64
+	states   sync.Pool // *reqState
+	bodies   sync.Pool // *upstreamBody
 	// idPrefix makes generated request ids unique across router replicas.
 	idPrefix [8]byte
 	idSeq    atomic.Uint64

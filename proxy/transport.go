@@ -85,6 +85,7 @@ func (s *Server) prune(set *discovery.Set) {
 		if !present[k.(*discovery.Endpoint)] {
 			s.clients.Delete(k)
 			s.closesEarly.Delete(k)
+			s.uncached.Delete(k)
 			v.(*fasthttp.HostClient).CloseIdleConnections()
 		}
 		return true

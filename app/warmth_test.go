@@ -40,9 +40,13 @@ func engineHits(t *testing.T, fleet *sim.Fleet) (hits, queries float64) {
 // random order, one request at a time. The router learns from the times
 // to first token which answers were served warm and that each engine keeps
 // one prompt, and gives each group an engine of its own: the engines serve
-// nearly every prompt of the last half from cache. (Homed by load factor
-// alone, two of four groups share an engine as often as not, and each of
-// their requests evicts the other's prompt.)
+// nearly every prompt of the last half from cache. Each group gets its
+// engine from its first request on (homes.placeAlone): over the whole run
+// the engines miss about as often as they would for a client sending group g
+// to engine g. (Homed by load factor alone, two of four groups share an
+// engine as often as not, and each of their requests evicts the other's
+// prompt; placed by rendezvous alone, they did so until the router had
+// learned what the engines keep.)
 func TestRouterLearnsEnginesThatKeepOnePrompt(t *testing.T) {
 	cfg := sim.DefaultConfig()
 	cfg.NumGPUBlocks = 70 // 1,120 tokens: one prompt of ~1,040, and nothing of the one before
@@ -72,19 +76,29 @@ func TestRouterLearnsEnginesThatKeepOnePrompt(t *testing.T) {
 	}
 	const n = 160
 	var h0, q0 float64
+	misses := 0 // requests the engine served less than half from cache
 	for i := range n {
+		hb, qb := engineHits(t, fleet)
 		if i == n/2 {
-			h0, q0 = engineHits(t, fleet)
+			h0, q0 = hb, qb
 		}
 		send(rng.IntN(4), i)
+		if ha, qa := engineHits(t, fleet); 2*(ha-hb) < qa-qb {
+			misses++
+		}
 	}
 	h1, q1 := engineHits(t, fleet)
 	rate := (h1 - h0) / (q1 - q0)
-	t.Logf("engine hit rate over the last %d requests: %.2f", n/2, rate)
+	t.Logf("engine hit rate over the last %d requests: %.2f; %d of %d requests missed", n/2, rate, misses, n)
 	for _, e := range rt.Pool.Load().Endpoints {
 		t.Logf("%s: %d requests, keeps %d prompts (0: unknown)", e.URL, e.Requests(), rt.Prefix.Kept(e.ID))
 	}
 	if rate < 0.85 {
 		t.Errorf("engine hit rate %.2f over the last %d requests, want ≥ 0.85 (each group on an engine of its own)", rate, n/2)
+	}
+	// A client sending group g to engine g misses 4 times, once per group;
+	// so does a router that gives each new group an engine of its own.
+	if misses > 5 {
+		t.Errorf("%d of %d requests missed, want at most 5 (one per group, and one to spare)", misses, n)
 	}
 }

@@ -37,6 +37,20 @@ import (
 // one-off prompt has nothing to keep cached — and is homed where the
 // assignment would most likely put it if it recurred (place).
 //
+// That is for router replicas, which share the engines and so must agree.
+// A router alone (lookup's alone: no other router's requests show in the
+// engines' load) knows where each key went and makes homes sticky instead:
+// a new key goes to its rendezvous winner unless that endpoint already
+// homes more than the bound of the live keys, recurring or seen once, and
+// then to its next choice below it (bounded-load rendezvous); a key that
+// recurs keeps the endpoint its first request went to, and the assignment
+// moves a key only when its endpoint is over the bound. Four prompt groups
+// on four servers so get four homes from their first requests, as a client
+// sending group g to server g would, where rendezvous alone puts two of
+// them on one server three times in four; on engines that keep one prompt
+// each (a stock Ollama server) every such collision cost recomputes until
+// the homes moved.
+//
 // The assignment is recomputed when the recurring keys or the endpoints
 // change: at once while that is cheap (keys × endpoints up to 2^12),
 // otherwise at most once per 200 times the last computation took (under
@@ -70,6 +84,15 @@ type homes struct {
 	keptVersion func() uint64
 	keptSeen    uint64
 	bound       map[uint64]int // the assignment's bound per endpoint
+
+	// alone: homes are sticky (lookup's alone). once counts, per endpoint,
+	// the live keys seen once whose first request went there (homeKey.at),
+	// onceTotal all of them.
+	alone      bool
+	once       map[uint64]int
+	onceTotal  int
+	placeBound map[uint64]int // placeAlone's scratch
+	caps       []int          // boundsInto's scratch
 }
 
 type proposal struct{ key, endpoint, score uint64 }
@@ -81,6 +104,9 @@ type homeKey struct {
 	// (the home was busy), so its cache holds the key elsewhere and the home
 	// is cold as far as this router knows.
 	strayed bool
+	// at is the endpoint the key's first request went to (placed), where
+	// a router alone homes it.
+	at uint64
 	// The key's family (the requests sharing it, see family): the deepest
 	// match in the index of its last familyRing requests, and the two least
 	// deepest matches of its last two windows of familyWindow requests.
@@ -134,14 +160,27 @@ const maxHomes = 1 << 16
 const cheapRounds = 1 << 12
 
 func newHomes(ttl time.Duration, now func() time.Time) *homes {
-	h := &homes{recurring: make(map[uint64]struct{}), ttl: ttl, now: now}
+	h := &homes{recurring: make(map[uint64]struct{}), once: make(map[uint64]int), ttl: ttl, now: now}
 	h.lru, _ = simplelru.NewLRU(maxHomes, func(k uint64, v homeKey) {
 		if v.recurring {
 			delete(h.recurring, k)
 			h.dirty = true
+		} else {
+			h.uncount(v)
 		}
 	})
 	return h
+}
+
+// uncount takes a key seen once off its endpoint's count. h.mu is held.
+func (h *homes) uncount(v homeKey) {
+	if v.at != 0 {
+		h.once[v.at]--
+		h.onceTotal--
+		if h.once[v.at] <= 0 {
+			delete(h.once, v.at)
+		}
+	}
 }
 
 // prefixKey returns r's prefix key (see rendezvousKey), whether r has one
@@ -188,12 +227,14 @@ func rendezvousKey(hashes []uint64, minMatch int) uint64 {
 // not: replicas agree on the set, not on every endpoint's health) and
 // what is known of the key (homeKey). When see is set the request counts: it refreshes
 // the key, makes a key seen before recurring, and records a new one;
-// /debug/route leaves it unset. ok is false for an empty eps. A branch's
+// /debug/route leaves it unset. alone is set for a router whose requests
+// are all the engines see (homes are then sticky; see the type). ok is
+// false for an empty eps. A branch's
 // key (a conversation's, see family) is homed on its plain rendezvous
 // winner and never joins the balanced assignment: conversations begin and
 // end all the time, and every change of the recurring set may move homes,
 // each move a conversation's full recompute.
-func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, see, branch bool) (home uint64, k homeKey, ok bool) {
+func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, see, branch, alone bool) (home uint64, k homeKey, ok bool) {
 	if len(eps) == 0 {
 		return 0, homeKey{}, false
 	}
@@ -208,6 +249,7 @@ func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, se
 			v.recurring, changed = true, true
 			h.recurring[key] = struct{}{}
 			h.dirty = true
+			h.uncount(v)
 		}
 		if changed {
 			v.seen = now.Unix()
@@ -215,6 +257,9 @@ func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, se
 		} else {
 			h.lru.Get(key) // recency only
 		}
+	}
+	if alone != h.alone {
+		h.alone, h.dirty = alone, true
 	}
 	if h.keptVersion != nil {
 		if v := h.keptVersion(); v != h.keptSeen {
@@ -232,6 +277,9 @@ func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, se
 	}
 	if a, ok := h.assigned[key]; ok && v.recurring {
 		return a, v, true
+	}
+	if alone && v.at != 0 && slices.ContainsFunc(eps, func(e *discovery.Endpoint) bool { return e.ID == v.at }) {
+		return v.at, v, true
 	}
 	return h.place(key, first, eps, factor), v, true
 }
@@ -309,14 +357,24 @@ func (h *homes) family(key uint64, deepest, minMatch int, see bool) (shared int,
 	return shared, v.chained
 }
 
-// stray records that key's first request went elsewhere than its home.
-func (h *homes) stray(key uint64) {
+// placed records where the request of a key not yet recurring went: at,
+// the first time (its endpoint; a router alone homes it there), and
+// strayed, when it went elsewhere than its home although the key was cold
+// (the home was busy).
+func (h *homes) placed(key, at uint64, strayed bool) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if v, ok := h.lru.Peek(key); ok && !v.recurring {
-		v.strayed = true
-		h.lru.Add(key, v)
+	v, ok := h.lru.Peek(key)
+	if !ok || v.recurring || (v.at != 0 && (v.strayed || !strayed)) {
+		return
 	}
+	v.strayed = v.strayed || strayed
+	if v.at == 0 {
+		v.at = at
+		h.once[at]++
+		h.onceTotal++
+	}
+	h.lru.Add(key, v)
 }
 
 // recur makes key recurring (an engine reported it cached: it was seen
@@ -339,12 +397,18 @@ func (h *homes) recur(key uint64) {
 
 // place returns the home of a key that the assignment does not place (seen
 // once, or recurring since the last assignment), whose rendezvous winner is
-// first: where the assignment would put it if it recurred, so that it keeps
-// its home if it does. Its winner accepts it in the first round when fewer
-// than the bound of that round's proposals to it score higher; otherwise
-// it goes to its first choice that the assignment left below the bound
-// (later rounds are not rerun: a close guess).
+// first. Among replicas, it is where the assignment would put it if it
+// recurred, so that it keeps its home if it does: its winner accepts it in
+// the first round when fewer than the bound of that round's proposals to
+// it score higher; otherwise it goes to its first choice that the
+// assignment left below the bound (later rounds are not rerun: a close
+// guess). A router alone counts the live keys seen once as well, where
+// their first requests went: the key goes to its first choice below the
+// bound of all of them (bounded-load rendezvous), and stays there.
 func (h *homes) place(key, first uint64, eps []*discovery.Endpoint, factor float64) uint64 {
+	if h.alone {
+		return h.placeAlone(key, first, eps, factor)
+	}
 	if len(h.recurring) == 0 {
 		return first
 	}
@@ -371,6 +435,21 @@ func (h *homes) place(key, first uint64, eps []*discovery.Endpoint, factor float
 	return first
 }
 
+// placeAlone is place for a router alone: the key's first choice whose
+// live keys (homed recurring ones and those seen once) are below its bound
+// (bounds, over all of them and this one); the winner when none is.
+func (h *homes) placeAlone(key, first uint64, eps []*discovery.Endpoint, factor float64) uint64 {
+	total := len(h.recurring) + h.onceTotal + 1
+	h.placeBound = h.boundsInto(h.placeBound, factor, total, eps)
+	s := rendezvous(key, first)
+	for e, ok := first, true; ok; e, s, ok = choice(key, eps, s, true) {
+		if h.load[e]+h.once[e] < h.placeBound[e] {
+			return e
+		}
+	}
+	return first
+}
+
 // bounds returns how many of total recurring keys each endpoint of eps may
 // home: LoadFactor × the mean (homeBound), and no more than its engine is
 // learned to keep warm (kept). When the capped endpoints leave keys over,
@@ -379,13 +458,24 @@ func (h *homes) place(key, first uint64, eps []*discovery.Endpoint, factor float
 // evenly as they can be (the mean, rounded up), so that no engine thrashes
 // more of them than another.
 func (h *homes) bounds(factor float64, total int, eps []*discovery.Endpoint) map[uint64]int {
-	out := make(map[uint64]int, len(eps))
-	caps := make([]int, len(eps))
-	if h.kept != nil {
-		for i, e := range eps {
-			caps[i] = h.kept(e.ID)
-		}
+	return h.boundsInto(make(map[uint64]int, len(eps)), factor, total, eps)
+}
+
+// boundsInto is bounds, written into out (cleared; allocated when nil).
+func (h *homes) boundsInto(out map[uint64]int, factor float64, total int, eps []*discovery.Endpoint) map[uint64]int {
+	if out == nil {
+		out = make(map[uint64]int, len(eps))
 	}
+	clear(out)
+	caps := h.caps[:0]
+	for _, e := range eps {
+		n := 0
+		if h.kept != nil {
+			n = h.kept(e.ID)
+		}
+		caps = append(caps, n)
+	}
+	h.caps = caps
 	for b := homeBound(factor, total, len(eps)); b <= total; b++ {
 		room, free := 0, false
 		for i, e := range eps {
@@ -414,6 +504,14 @@ func (h *homes) bounds(factor float64, total int, eps []*discovery.Endpoint) map
 
 func descending(a, b uint64) int { return cmp.Compare(b, a) }
 
+// byEndpoint orders proposals by endpoint, the highest scores first.
+func byEndpoint(a, b proposal) int {
+	if c := cmp.Compare(a.endpoint, b.endpoint); c != 0 {
+		return c
+	}
+	return descending(a.score, b.score)
+}
+
 func sameSlice(a, b []*discovery.Endpoint) bool {
 	return len(a) == len(b) && (len(a) == 0 || &a[0] == &b[0])
 }
@@ -422,9 +520,11 @@ func sameSlice(a, b []*discovery.Endpoint) bool {
 // round r every unplaced key proposes to its r-th rendezvous choice, and
 // each endpoint accepts the highest-scoring proposals while it homes fewer
 // than the bound. It keeps each endpoint's first-round proposals (their
-// scores, highest first) for place.
+// scores, highest first) for place. A router alone first keeps every key where
+// it is (keepHomes); only the keys it cannot keep go through the rounds.
 func (h *homes) assign(eps []*discovery.Endpoint, factor float64, now time.Time) {
 	start := time.Now()
+	prev := h.assigned
 	h.assigned = make(map[uint64]uint64, len(h.recurring))
 	h.load = make(map[uint64]int, len(eps))
 	h.proposals = make(map[uint64][]uint64, len(eps))
@@ -433,6 +533,9 @@ func (h *homes) assign(eps []*discovery.Endpoint, factor float64, now time.Time)
 		pending = append(pending, proposal{key: k})
 	}
 	h.bound = h.bounds(factor, len(pending), eps)
+	if h.alone {
+		pending = h.keepHomes(pending, prev, eps)
+	}
 	for round := 0; len(pending) > 0; round++ {
 		n := 0
 		for _, p := range pending {
@@ -445,12 +548,7 @@ func (h *homes) assign(eps []*discovery.Endpoint, factor float64, now time.Time)
 			}
 		}
 		pending = pending[:n]
-		slices.SortFunc(pending, func(a, b proposal) int {
-			if c := cmp.Compare(a.endpoint, b.endpoint); c != 0 {
-				return c
-			}
-			return descending(a.score, b.score)
-		})
+		slices.SortFunc(pending, byEndpoint)
 		rejected := pending[:0]
 		for _, p := range pending {
 			if round == 0 {
@@ -468,6 +566,38 @@ func (h *homes) assign(eps []*discovery.Endpoint, factor float64, now time.Time)
 	h.pending = pending[:0]
 	h.eps, h.factor, h.dirty = eps, factor, false
 	h.last, h.cost = now, time.Since(start)
+}
+
+// keepHomes assigns the recurring keys of pending to where they are homed
+// (prev, the last assignment; else where their first request went) while
+// that endpoint of eps is below its bound, the highest rendezvous scores
+// first, and returns the keys left, to be assigned in rounds.
+func (h *homes) keepHomes(pending []proposal, prev map[uint64]uint64, eps []*discovery.Endpoint) []proposal {
+	in := make(map[uint64]bool, len(eps))
+	for _, e := range eps {
+		in[e.ID] = true
+	}
+	for i, p := range pending {
+		at, ok := prev[p.key]
+		if !ok {
+			v, _ := h.lru.Peek(p.key)
+			at = v.at
+		}
+		if in[at] {
+			pending[i] = proposal{key: p.key, endpoint: at, score: rendezvous(p.key, at)}
+		}
+	}
+	slices.SortFunc(pending, byEndpoint)
+	left := pending[:0]
+	for _, p := range pending {
+		if p.endpoint == 0 || h.load[p.endpoint] >= h.bound[p.endpoint] {
+			left = append(left, proposal{key: p.key})
+			continue
+		}
+		h.load[p.endpoint]++
+		h.assigned[p.key] = p.endpoint
+	}
+	return left
 }
 
 // choice returns the endpoint of eps with the highest rendezvous score for
@@ -512,8 +642,9 @@ func (h *homes) expire(now int64) {
 	}
 }
 
-// forget drops the keys homed on endpoint (it left the set, or its engine
-// restarted with an empty cache); they are homed afresh when seen again.
+// forget drops the keys homed on endpoint, and those seen once that went
+// there (it left the set, or its engine restarted with an empty cache);
+// they are homed afresh when seen again.
 func (h *homes) forget(endpoint uint64) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -521,6 +652,14 @@ func (h *homes) forget(endpoint uint64) {
 		if e == endpoint {
 			h.lru.Remove(k)
 			delete(h.assigned, k)
+		}
+	}
+	if h.once[endpoint] == 0 {
+		return
+	}
+	for _, k := range h.lru.Keys() {
+		if v, _ := h.lru.Peek(k); !v.recurring && v.at == endpoint {
+			h.lru.Remove(k)
 		}
 	}
 }

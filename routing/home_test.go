@@ -22,12 +22,12 @@ func TestHomesAreBalancedAndOrderFree(t *testing.T) {
 		h := newHomes(time.Hour, time.Now)
 		for range 2 {
 			for _, i := range order {
-				h.lookup(keys[i], eps, 1.1, true, false)
+				h.lookup(keys[i], eps, 1.1, true, false, false)
 			}
 		}
 		at, load := map[uint64]uint64{}, map[uint64]int{}
 		for _, k := range keys {
-			e, hk, ok := h.lookup(k, eps, 1.1, false, false)
+			e, hk, ok := h.lookup(k, eps, 1.1, false, false, false)
 			recurring := hk.recurring
 			if !ok || !recurring {
 				t.Fatalf("key %x: ok %v recurring %v", k, ok, recurring)
@@ -47,7 +47,7 @@ func TestHomesAreBalancedAndOrderFree(t *testing.T) {
 	}
 	plain := map[uint64]int{}
 	for _, k := range keys {
-		e, _, _ := newHomes(0, time.Now).lookup(k, eps, 1.1, false, false)
+		e, _, _ := newHomes(0, time.Now).lookup(k, eps, 1.1, false, false, false)
 		plain[e]++
 	}
 	most := func(m map[uint64]int) (n int) {
@@ -72,19 +72,19 @@ func TestNewKeyKeepsItsHome(t *testing.T) {
 	h := newHomes(time.Hour, time.Now)
 	for range 63 {
 		k := rng.Uint64()
-		h.lookup(k, eps, 1.1, true, false)
-		h.lookup(k, eps, 1.1, true, false)
+		h.lookup(k, eps, 1.1, true, false, false)
+		h.lookup(k, eps, 1.1, true, false, false)
 	}
 	moved := 0
 	for range 200 {
 		k := rng.Uint64()
-		first, hk, _ := h.lookup(k, eps, 1.1, false, false)
+		first, hk, _ := h.lookup(k, eps, 1.1, false, false, false)
 		recurring := hk.recurring
 		if recurring {
 			t.Fatal("an unseen key recurs")
 		}
-		h.lookup(k, eps, 1.1, true, false)
-		if home, _, _ := h.lookup(k, eps, 1.1, true, false); home != first {
+		h.lookup(k, eps, 1.1, true, false, false)
+		if home, _, _ := h.lookup(k, eps, 1.1, true, false, false); home != first {
 			moved++
 		}
 		h.lru.Remove(k) // the next key sees the same 63 recurring keys
@@ -101,7 +101,7 @@ func TestHomesExpireAndForget(t *testing.T) {
 	h := newHomes(time.Minute, func() time.Time { return now })
 	eps := testSet(t, 3).Mixed
 	see := func(k uint64) (uint64, bool) {
-		e, hk, _ := h.lookup(k, eps, 1.1, true, false)
+		e, hk, _ := h.lookup(k, eps, 1.1, true, false, false)
 		recurring := hk.recurring
 		return e, recurring
 	}
@@ -116,12 +116,12 @@ func TestHomesExpireAndForget(t *testing.T) {
 	now = now.Add(50 * time.Second)
 	see(2) // refreshes 2 only
 	now = now.Add(20 * time.Second)
-	if _, hk, _ := h.lookup(1, eps, 1.1, false, false); hk.recurring || h.len() != 1 {
+	if _, hk, _ := h.lookup(1, eps, 1.1, false, false, false); hk.recurring || h.len() != 1 {
 		t.Fatalf("key 1 outlived its TTL (recurring %v, %d recurring)", hk.recurring, h.len())
 	}
 	home, _ := see(2)
 	h.forget(home)
-	if _, hk, _ := h.lookup(2, eps, 1.1, false, false); hk.recurring || h.len() != 0 {
+	if _, hk, _ := h.lookup(2, eps, 1.1, false, false, false); hk.recurring || h.len() != 0 {
 		t.Fatalf("a forgotten endpoint kept its keys (recurring %v, %d)", hk.recurring, h.len())
 	}
 	// Without its old primary the key proposes to the next one.
@@ -132,7 +132,7 @@ func TestHomesExpireAndForget(t *testing.T) {
 		}
 	}
 	see(2)
-	if e, hk, _ := h.lookup(2, rest, 1.1, true, false); !hk.recurring || e == home {
+	if e, hk, _ := h.lookup(2, rest, 1.1, true, false, false); !hk.recurring || e == home {
 		t.Fatalf("after the endpoint left: home %x (recurring %v)", e, hk.recurring)
 	}
 }
@@ -149,5 +149,80 @@ func TestHomeBound(t *testing.T) {
 		if got := homeBound(tc.factor, tc.total, tc.n); got != tc.want {
 			t.Errorf("homeBound(%v, %d, %d) = %d, want %d", tc.factor, tc.total, tc.n, got, tc.want)
 		}
+	}
+}
+
+// A router alone homes each new key on its first choice below the bound of
+// the live keys, where its first request went, and keeps it there when it
+// recurs: four keys on four endpoints get four homes from their first
+// requests on, where rendezvous alone puts two on one endpoint most times.
+func TestAloneHomesSpreadAndStay(t *testing.T) {
+	eps := testSet(t, 4).Mixed
+	rng := rand.New(rand.NewPCG(9, 10))
+	shared := 0
+	for range 200 {
+		h := newHomes(time.Hour, time.Now)
+		keys := []uint64{rng.Uint64(), rng.Uint64(), rng.Uint64(), rng.Uint64()}
+		first := map[uint64]uint64{}
+		used := map[uint64]bool{}
+		for _, k := range keys {
+			e, _, _ := h.lookup(k, eps, 1.1, true, false, true)
+			h.placed(k, e, false)
+			first[k], used[e] = e, true
+		}
+		if len(used) != len(keys) {
+			t.Fatalf("four new keys on four endpoints got %d homes", len(used))
+		}
+		for range 3 {
+			for _, k := range keys {
+				if e, _, _ := h.lookup(k, eps, 1.1, true, false, true); e != first[k] {
+					t.Fatalf("key %x moved from %x to %x when it recurred", k, first[k], e)
+				}
+			}
+		}
+		plain := map[uint64]bool{}
+		for _, k := range keys {
+			e, _, _ := newHomes(0, time.Now).lookup(k, eps, 1.1, false, false, false)
+			plain[e] = true
+		}
+		if len(plain) < len(keys) {
+			shared++
+		}
+	}
+	t.Logf("rendezvous alone put two of the four keys on one endpoint in %d of 200 trials", shared)
+}
+
+// The keys seen once are counted where their first requests went until they
+// recur, expire or their endpoint is forgotten.
+func TestOnceCounts(t *testing.T) {
+	now := time.Unix(1_000_000, 0)
+	h := newHomes(time.Minute, func() time.Time { return now })
+	eps := testSet(t, 3).Mixed
+	for k := uint64(1); k <= 6; k++ {
+		e, _, _ := h.lookup(k, eps, 1.1, true, false, true)
+		h.placed(k, e, false)
+		h.placed(k, eps[0].ID, true) // strayed later: still counted where it went first
+	}
+	if h.onceTotal != 6 || h.once[eps[0].ID]+h.once[eps[1].ID]+h.once[eps[2].ID] != 6 {
+		t.Fatalf("6 keys seen once: total %d, per endpoint %v", h.onceTotal, h.once)
+	}
+	for _, e := range eps {
+		if h.once[e.ID] != 2 {
+			t.Errorf("endpoint %x homes %d of 6 keys seen once, want 2", e.ID, h.once[e.ID])
+		}
+	}
+	h.lookup(1, eps, 1.1, true, false, true) // recurs
+	if h.onceTotal != 5 {
+		t.Fatalf("a key that recurs is still counted once: total %d", h.onceTotal)
+	}
+	v, _ := h.lru.Peek(2)
+	h.forget(v.at)
+	if h.onceTotal != 3 || h.once[v.at] != 0 {
+		t.Fatalf("after forgetting an endpoint: total %d, its count %d", h.onceTotal, h.once[v.at])
+	}
+	now = now.Add(2 * time.Minute)
+	h.lookup(100, eps, 1.1, false, false, true)
+	if h.onceTotal != 0 || len(h.once) != 0 {
+		t.Fatalf("after the TTL: total %d, %v", h.onceTotal, h.once)
 	}
 }

@@ -253,8 +253,8 @@ func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 			d.distance = p.warm.see(d.Endpoint.ID, d.PrefixKey)
 		}
 	}
-	if (d.Reason == ReasonCold || d.branch) && !d.Home && d.PrefixKey != 0 {
-		p.homes.stray(d.PrefixKey)
+	if strayed := (d.Reason == ReasonCold || d.branch) && !d.Home; d.PrefixKey != 0 && d.Endpoint != nil && (d.unplaced || strayed) {
+		p.homes.placed(d.PrefixKey, d.Endpoint.ID, strayed)
 	}
 	return d
 }
@@ -386,7 +386,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	var hk homeKey
 	var hasHome bool
 	if keyed {
-		homeID, hk, hasHome = p.homes.lookup(key, group, prm.HomeLoadFactor, see, branch > 0)
+		homeID, hk, hasHome = p.homes.lookup(key, group, prm.HomeLoadFactor, see, branch > 0, !replicated)
 	}
 	bpt := p.BytesPerToken()
 	promptTokens := r.PromptTokens
@@ -458,6 +458,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	d.Home = target.e == ch.home.e
 	if keyed {
 		d.PrefixKey, d.branch = key, branch > 0
+		d.unplaced = !hk.recurring && hk.at == 0
 	}
 	return d
 }

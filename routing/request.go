@@ -126,6 +126,9 @@ type Decision struct {
 	// branch is true when PrefixKey is a conversation's own key (a branch
 	// of a chained family, see homes.family).
 	branch bool
+	// unplaced is true when PrefixKey is seen for the first time: Pick
+	// records where its request went (homes.placed).
+	unplaced bool
 	// distance is PrefixKey's distance at Endpoint when picked (warmth.see;
 	// -1: none or unknown).
 	distance int

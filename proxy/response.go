@@ -465,17 +465,24 @@ func (b *upstreamBody) CloseWithError(err error) error {
 		b.readErr, err = nil, ErrClientGone
 	}
 	if err == nil && b.readErr == nil {
-		computed := discovery.Uncomputed
+		computed, observe := discovery.Uncomputed, true
 		switch {
 		case b.scan && b.usage.CachedFound && b.usage.PromptFound:
 			computed = max(0, b.usage.Prompt-b.usage.Cached)
 		case b.learn && s.silentCache(ep, b.usage.PromptFound):
 			// An engine that does not report cached tokens (Ollama): the
 			// policy reads them from the TTFT; the calibration keeps the
-			// policy's estimate, so that it does not fit its own inference.
-			s.opt.Learner.LearnTTFT(b.rec.decision, b.promptBytes, b.lease.TTFT(), b.lease.PredictTTFT)
+			// policy's estimate, so that it does not fit its own inference,
+			// unless the TTFT contradicts it (a prompt taken for evicted
+			// was kept, or the reverse): fitted, such answers taught a
+			// prefill rate at the bound, and cold prompts looked free.
+			observe = !s.opt.Learner.LearnTTFT(b.rec.decision, b.promptBytes, b.lease.TTFT(), b.lease.PredictTTFT)
 		}
-		b.lease.Complete(computed)
+		if observe {
+			b.lease.Complete(computed)
+		} else {
+			b.lease.Release()
+		}
 	} else {
 		b.lease.Release()
 	}

@@ -31,10 +31,12 @@ type Picker = routing.Picker
 // tokens the policy had estimated. LearnTTFT learns from a streamed answer
 // whose usage did not say what was cached: from its time to first token
 // against the endpoint's predicted TTFT for a number of prompt tokens to
-// compute; false when it could not tell.
+// compute; it reports whether the TTFT contradicts d's estimate of the
+// tokens to compute (the answer then does not calibrate the endpoint's
+// costs).
 type Learner interface {
 	Learn(d routing.Decision, promptBytes, enginePromptTokens, engineCachedTokens int) (estimated int)
-	LearnTTFT(d routing.Decision, promptBytes int, ttft time.Duration, predict func(own int) time.Duration) bool
+	LearnTTFT(d routing.Decision, promptBytes int, ttft time.Duration, predict func(own int) time.Duration) (contradicts bool)
 }
 
 // Classes are the path-class labels of the metrics, indexed by routing.Kind.

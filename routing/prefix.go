@@ -285,7 +285,11 @@ func (p *Prefix) Learn(d Decision, promptBytes, enginePrompt, engineCached int) 
 	if d.PrefixKey != 0 && !d.branch && keyWarm {
 		p.homes.recur(d.PrefixKey)
 	}
-	if d.Endpoint != nil && d.PrefixKey != 0 {
+	if d.Endpoint != nil && d.PrefixKey != 0 && (keyWarm || !d.busy) {
+		// A miss counts only where nothing else of this router's ran:
+		// an engine with several slots computes a prompt afresh in a free
+		// one while the slot that keeps it is busy (Ollama with
+		// OLLAMA_NUM_PARALLEL), which says nothing of what it keeps.
 		p.warm.outcome(d.Endpoint.ID, d.distance, keyWarm)
 	}
 	estimated = min(d.MatchedBlocks*tokensPerBlock, max(enginePrompt, d.PromptTokens))
@@ -304,9 +308,13 @@ func (p *Prefix) Learn(d Decision, promptBytes, enginePrompt, engineCached int) 
 // are the TTFT beyond predict(0) at the rate predict implies, and the rest
 // of the prompt was cached. A warm prefix is an order of magnitude faster
 // than a cold prefill, so the key's blocks (a few hundred tokens) show
-// well above the noise. It reports false, learning nothing, when the TTFT
-// cannot tell: no prefix key, no costs measured yet.
-func (p *Prefix) LearnTTFT(d Decision, promptBytes int, ttft time.Duration, predict func(own int) time.Duration) bool {
+// well above the noise. It learns nothing when the TTFT cannot tell: no
+// prefix key, no costs measured yet. It reports whether the TTFT
+// contradicts the decision's estimate (the tokens computed differ from it
+// by more than half the prompt): the policy then took a kept prompt for
+// evicted or the reverse, and the answer, read with that estimate, is no
+// measure of the endpoint's costs.
+func (p *Prefix) LearnTTFT(d Decision, promptBytes int, ttft time.Duration, predict func(own int) time.Duration) (contradicts bool) {
 	if d.Endpoint == nil || d.PrefixKey == 0 || ttft <= 0 || d.PromptTokens <= 0 {
 		return false
 	}
@@ -314,11 +322,12 @@ func (p *Prefix) LearnTTFT(d Decision, promptBytes int, ttft time.Duration, pred
 	if base <= 0 || cold <= base {
 		return false
 	}
-	computed := float64(d.PromptTokens) * float64(ttft-base) / float64(cold-base)
-	cached := d.PromptTokens - min(max(int(computed), 0), d.PromptTokens)
-	p.Learn(d, promptBytes, 0, cached)
-	return true
+	computed := min(max(int(float64(d.PromptTokens)*float64(ttft-base)/float64(cold-base)), 0), d.PromptTokens)
+	p.Learn(d, promptBytes, 0, d.PromptTokens-computed)
+	return 2*abs(computed-d.Prefill) > d.PromptTokens
 }
+
+func abs(x int) int { return max(x, -x) }
 
 // Term is one endpoint's side of a decision, for /debug/route.
 type Term struct {
@@ -723,7 +732,7 @@ func (c candidate) beats(o candidate, tie float64) bool {
 
 func (c candidate) decision(reason string, promptTokens int) Decision {
 	return Decision{Endpoint: c.e, Reason: reason, Prefill: c.uncached, Loaded: c.loaded, MatchedBlocks: c.blocks,
-		Contended: c.load.pending > 0, PromptTokens: promptTokens}
+		Contended: c.load.pending > 0, busy: c.load.inFlight > 0, PromptTokens: promptTokens}
 }
 
 // Follow sets o's OnRemove, OnRestart and OnCapacity so that the policy

@@ -111,3 +111,63 @@ func TestHomesBoundedByKeptPrompts(t *testing.T) {
 		}
 	}
 }
+
+// A miss counts only where the endpoint ran nothing else of this router's:
+// an engine with several slots computes a prompt afresh in a free slot
+// while the one keeping it is busy (Ollama with OLLAMA_NUM_PARALLEL). A
+// hit counts either way.
+func TestWarmthIgnoresBusyMisses(t *testing.T) {
+	p := newTestPrefix(DefaultPrefixParams())
+	e := testSet(t, 1).Endpoints[0]
+	miss := func(busy bool) {
+		p.warm.see(e.ID, 2)
+		d := Decision{Endpoint: e, PrefixKey: 1, PromptTokens: 1000, Prefill: 1000, busy: busy}
+		d.distance = p.warm.see(e.ID, 1)
+		p.Learn(d, 4000, 1000, 0)
+	}
+	p.warm.see(e.ID, 1)
+	for range 4 {
+		miss(true)
+	}
+	if k := p.Kept(e.ID); k != 0 {
+		t.Fatalf("kept %d after misses while busy, want 0 (unknown)", k)
+	}
+	for range 4 {
+		miss(false)
+	}
+	if k := p.Kept(e.ID); k != 1 {
+		t.Fatalf("kept %d after misses while idle, want 1", k)
+	}
+}
+
+// A TTFT that says a prompt the policy took for evicted was served from
+// cache, or the reverse, contradicts the decision: the proxy then keeps the
+// answer out of the endpoint's costs.
+func TestLearnTTFTContradicts(t *testing.T) {
+	p := newTestPrefix(DefaultPrefixParams())
+	e := testSet(t, 1).Endpoints[0]
+	predict := func(own int) time.Duration { // 1,000 tokens: 450 ms
+		return 50*time.Millisecond + time.Duration(own)*400*time.Microsecond
+	}
+	unknown := func(int) time.Duration { return 0 }
+	cold := Decision{Endpoint: e, PrefixKey: 1, PromptTokens: 1000, Prefill: 1000, distance: -1}
+	warm := cold
+	warm.Prefill = 40
+	for _, tc := range []struct {
+		name    string
+		d       Decision
+		ttft    time.Duration
+		predict func(int) time.Duration
+		want    bool
+	}{
+		{"cold as estimated", cold, 460 * time.Millisecond, predict, false},
+		{"warm as estimated", warm, 70 * time.Millisecond, predict, false},
+		{"estimated cold, served warm", cold, 70 * time.Millisecond, predict, true},
+		{"estimated warm, computed", warm, 460 * time.Millisecond, predict, true},
+		{"no costs yet", cold, 70 * time.Millisecond, unknown, false},
+	} {
+		if got := p.LearnTTFT(tc.d, 4000, tc.ttft, tc.predict); got != tc.want {
+			t.Errorf("%s: contradicts %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}

@@ -358,6 +358,10 @@ type Term struct {
 	// LoRASlotWaitSec is the wait for a LoRA adapter slot included in
 	// WaitSec: the engine runs as many other adapters as it may at once.
 	LoRASlotWaitSec float64 `json:"lora_slot_wait_sec,omitempty"`
+	// EvictsSec is the recompute of the prompt the endpoint's engine would
+	// evict for this one (it keeps its learned count of others), which a
+	// spill there must save.
+	EvictsSec float64 `json:"evicts_sec,omitempty"`
 	WaitSec         float64 `json:"wait_sec"`
 	Rendezvous      uint64  `json:"rendezvous"`
 	// CacheSource says what the endpoint's matched blocks rest on:
@@ -424,6 +428,9 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 			matched = max(matched, branch)
 		}
 		c := k.candidate(e, matched, lower)
+		if keyed && p.warm.evicts(e.ID, key) {
+			c.evicts = float64(promptTokens) / c.rates.prefill
+		}
 		if eng := c.load.eng; eng != nil {
 			engines += eng.Running + eng.Waiting
 			foreign += eng.Foreign()
@@ -497,6 +504,9 @@ type candidate struct {
 	loaded   int     // cached tokens to load from a slower tier
 	blocks   int     // matched blocks that count (0 below MinMatchBlocks)
 	loraWait float64 // the wait for a LoRA adapter slot, included in wait
+	// evicts is the recompute of the prompt that sending the request here
+	// would evict (warmth.evicts; a prompt as long as this one), seconds.
+	evicts float64
 }
 
 // costing is what every candidate of one decision is costed with.
@@ -566,7 +576,7 @@ func (k *costing) waitsForLoRASlot(e *discovery.Endpoint, eng *discovery.EngineS
 func (c candidate) term() Term {
 	t := Term{Endpoint: c.e.URL, MatchedBlocks: c.blocks, Warm: c.warm, Idle: c.idle,
 		UncachedTokens: c.uncached, LoadedTokens: c.loaded, LoadTokensPerSec: c.rates.load, InFlightPrefill: c.load.pending, InFlightRequests: c.load.inFlight,
-		WaitSec: c.wait, LoRASlotWaitSec: c.loraWait, Rendezvous: c.score, Learned: c.load.costs,
+		WaitSec: c.wait, LoRASlotWaitSec: c.loraWait, EvictsSec: c.evicts, Rendezvous: c.score, Learned: c.load.costs,
 		PrefillTokensPerSec: c.rates.prefill, PendingTokensPerSec: c.rates.pending, DecodeCostSec: c.rates.decode,
 		QueueCostSec: c.rates.queue, SlotCostSec: c.rates.slot, BatchLimit: c.rates.limit}
 	if eng := c.load.eng; eng != nil {
@@ -698,7 +708,7 @@ func (ch *picks) target(established, presume bool, prm *PrefixParams) (candidate
 			spillTest -= float64(ch.home.uncached) / ch.home.rates.prefill
 		}
 	}
-	if ch.free.e != nil && spillTest > ch.free.wait*prm.SpillRatio+prm.SpillMarginSec+ch.free.stall() {
+	if ch.free.e != nil && spillTest > ch.free.wait*prm.SpillRatio+prm.SpillMarginSec+ch.free.stall()+ch.free.evicts {
 		if reason == ReasonWarm {
 			reason = ReasonSpill
 		}
@@ -709,7 +719,11 @@ func (ch *picks) target(established, presume bool, prm *PrefixParams) (candidate
 
 // stall is what computing the request's uncached tokens on c costs the
 // requests running there: each waits for that prefill (it shares their
-// steps), so a spill must save the request more than it costs them.
+// steps), so a spill must save the request more than it costs them, and
+// more than the recompute of a prompt it evicts (c.evicts): on engines
+// that keep a prompt or two, a key taken for cold at its busy home went to
+// an idle server, evicted the prompt kept there, and the next request of
+// that prompt missed in turn.
 func (c candidate) stall() float64 {
 	running := c.load.inFlight
 	if c.load.eng != nil {

@@ -37,9 +37,11 @@ import (
 // once rather than once per server.
 //
 // What it changes (Prefix.decide): a key beyond the endpoint's count is
-// cold there whatever the index remembers, and homes are sized so that no
+// cold there whatever the index remembers; homes are sized so that no
 // endpoint homes more keys than it keeps while the fleet can keep them all
-// (homes.assign). Safe for concurrent use.
+// (homes.assign); and a spill to an endpoint that keeps its count of other
+// keys costs the recompute of the one it evicts (evicts). Safe for
+// concurrent use.
 type warmth struct {
 	mu      sync.Mutex
 	eps     map[uint64]*keyStack
@@ -175,6 +177,24 @@ func (w *warmth) holds(id, key uint64) bool {
 	}
 	d := slices.Index(s.keys, key)
 	return d >= 0 && d < k
+}
+
+// evicts reports whether dispatching key to endpoint id would push out a
+// key its engine keeps: its count is known, that many keys went there
+// since, and key is not among them.
+func (w *warmth) evicts(id, key uint64) bool {
+	if w.fleet.Load() == 0 {
+		return false
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	s := w.eps[id]
+	k := w.keptOf(s)
+	if k == 0 || s == nil || len(s.keys) < k {
+		return false
+	}
+	d := slices.Index(s.keys, key)
+	return d < 0 || d >= k
 }
 
 // forget drops endpoint id (it left, or its engine restarted).

@@ -171,3 +171,36 @@ func TestLearnTTFTContradicts(t *testing.T) {
 		}
 	}
 }
+
+// On engines that keep one prompt each, a spill evicts the prompt kept
+// where it lands, and that prompt's next request recomputes it: a spill
+// must save more than that too. A home queued a little longer than the
+// recompute keeps its request; one queued far longer spills it.
+func TestSpillWeighsThePromptItEvicts(t *testing.T) {
+	set := testSet(t, 2)
+	p := newTestPrefix(DefaultPrefixParams())
+	sysA, sysB := system(50, 16384), system(51, 16384) // 4k tokens: 0.2 s to recompute
+	home := p.Pick(request(sysA+"a"), set).Endpoint
+	other := p.Pick(request(sysB+"a"), set).Endpoint
+	if other == home {
+		t.Fatal("two new prompts on two endpoints share one")
+	}
+	for _, e := range set.Endpoints { // both learned to keep one prompt
+		for range 3 {
+			p.warm.outcome(e.ID, 1, false)
+		}
+		if k := p.Kept(e.ID); k != 1 {
+			t.Fatalf("kept %d, want 1", k)
+		}
+	}
+	release := occupy(home, 1, 8_000) // 0.4 s queued: a spill saves less than it costs
+	if d := p.Pick(request(sysA+"b"), set); d.Endpoint != home || d.Reason != ReasonWarm {
+		release()
+		t.Fatalf("spilled onto the endpoint keeping another prompt for a 0.4 s queue: %+v", d)
+	}
+	release()
+	defer occupy(home, 1, 30_000)() // 1.5 s queued
+	if d := p.Pick(request(sysA+"c"), set); d.Endpoint != other || d.Reason != ReasonSpill {
+		t.Fatalf("did not spill a 1.5 s queue: %+v", d)
+	}
+}

@@ -361,9 +361,9 @@ type Term struct {
 	// EvictsSec is the recompute of the prompt the endpoint's engine would
 	// evict for this one (it keeps its learned count of others), which a
 	// spill there must save.
-	EvictsSec float64 `json:"evicts_sec,omitempty"`
-	WaitSec         float64 `json:"wait_sec"`
-	Rendezvous      uint64  `json:"rendezvous"`
+	EvictsSec  float64 `json:"evicts_sec,omitempty"`
+	WaitSec    float64 `json:"wait_sec"`
+	Rendezvous uint64  `json:"rendezvous"`
 	// CacheSource says what the endpoint's matched blocks rest on:
 	// "events" (its engine's KV events confirm and evict them) or
 	// "learned" (the router's own routing history).

@@ -204,3 +204,36 @@ func TestSpillWeighsThePromptItEvicts(t *testing.T) {
 		t.Fatalf("did not spill a 1.5 s queue: %+v", d)
 	}
 }
+
+// A router alone keeps its homes when learned counts fall: a count bounds
+// where new keys go and moves none (on Ollama servers with several slots
+// the counts rose and fell, and every change moved homes).
+func TestAloneHomesStayWhenCountsFall(t *testing.T) {
+	eps := testSet(t, 4).Mixed
+	h := newHomes(time.Hour, time.Now)
+	kept := []int{0, 0, 0, 0}
+	var version uint64
+	at := func(id uint64) int { return slices.IndexFunc(eps, func(e *discovery.Endpoint) bool { return e.ID == id }) }
+	h.kept = func(id uint64) int { return kept[at(id)] }
+	h.keptVersion = func() uint64 { return version }
+	homes := map[uint64]uint64{}
+	for k := uint64(1); k <= 8; k++ {
+		e, _, _ := h.lookup(k, eps, 1.1, true, false, true)
+		h.placed(k, e, false)
+		homes[k] = e
+	}
+	for k := uint64(1); k <= 8; k++ {
+		if e, hk, _ := h.lookup(k, eps, 1.1, true, false, true); !hk.recurring || e != homes[k] {
+			t.Fatalf("key %d: recurring %v, home %x, first sent to %x", k, hk.recurring, e, homes[k])
+		}
+	}
+	kept, version = []int{1, 1, 0, 0}, version+1
+	for k := uint64(1); k <= 8; k++ {
+		if e, _, _ := h.lookup(k, eps, 1.1, true, false, true); e != homes[k] {
+			t.Errorf("key %d moved from endpoint %d to %d when counts fell", k, at(homes[k]), at(e))
+		}
+	}
+	if e, _, _ := h.lookup(100, eps, 1.1, false, false, true); kept[at(e)] != 0 {
+		t.Errorf("a new key went to endpoint %d, which keeps one prompt and homes two", at(e))
+	}
+}

@@ -213,7 +213,9 @@ func TestAloneHomesStayWhenCountsFall(t *testing.T) {
 	h := newHomes(time.Hour, time.Now)
 	kept := []int{0, 0, 0, 0}
 	var version uint64
-	at := func(id uint64) int { return slices.IndexFunc(eps, func(e *discovery.Endpoint) bool { return e.ID == id }) }
+	at := func(id uint64) int {
+		return slices.IndexFunc(eps, func(e *discovery.Endpoint) bool { return e.ID == id })
+	}
 	h.kept = func(id uint64) int { return kept[at(id)] }
 	h.keptVersion = func() uint64 { return version }
 	homes := map[uint64]uint64{}

@@ -60,6 +60,12 @@ func (d Dialect) String() string {
 	return "unknown"
 }
 
+// Slotted reports whether the dialect's engines cache prompts per sequence
+// slot (llama.cpp's server, Ollama's runner): a request whose prompt's slot
+// is busy is computed afresh in another, where vLLM's and SGLang's paged
+// caches share the prompt's blocks between requests.
+func (d Dialect) Slotted() bool { return d == DialectLlamaCpp || d == DialectOllama }
+
 // MarshalText makes Dialect a JSON string.
 func (d Dialect) MarshalText() ([]byte, error) { return []byte(d.String()), nil }
 

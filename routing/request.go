@@ -126,7 +126,8 @@ type Decision struct {
 	// branch is true when PrefixKey is a conversation's own key (a branch
 	// of a chained family, see homes.family).
 	branch bool
-	// busy is true when the endpoint had requests of this router's in
+	// busy is true when the endpoint, whose engine caches prompts per
+	// slot (discovery.Dialect.Slotted), had requests of this router's in
 	// flight at pick time.
 	busy bool
 	// unplaced is true when PrefixKey is seen for the first time: Pick

@@ -118,7 +118,8 @@ func TestHomesBoundedByKeptPrompts(t *testing.T) {
 // hit counts either way.
 func TestWarmthIgnoresBusyMisses(t *testing.T) {
 	p := newTestPrefix(DefaultPrefixParams())
-	e := testSet(t, 1).Endpoints[0]
+	set := testSet(t, 1)
+	e := set.Endpoints[0]
 	miss := func(busy bool) {
 		p.warm.see(e.ID, 2)
 		d := Decision{Endpoint: e, PrefixKey: 1, PromptTokens: 1000, Prefill: 1000, busy: busy}
@@ -137,6 +138,18 @@ func TestWarmthIgnoresBusyMisses(t *testing.T) {
 	}
 	if k := p.Kept(e.ID); k != 1 {
 		t.Fatalf("kept %d after misses while idle, want 1", k)
+	}
+	// Busy is a slot engine's with requests in flight; a paged cache's
+	// misses under load are evictions and count.
+	defer occupy(e, 1, 0)()
+	for _, tc := range []struct {
+		dialect discovery.Dialect
+		busy    bool
+	}{{discovery.DialectOllama, true}, {discovery.DialectLlamaCpp, true}, {discovery.DialectVLLM, false}} {
+		e.SetDialect(tc.dialect)
+		if d := p.Pick(request(system(52, 4096)+"q"), set); d.busy != tc.busy {
+			t.Errorf("%s with a request in flight: busy %v, want %v", tc.dialect, d.busy, tc.busy)
+		}
 	}
 }
 

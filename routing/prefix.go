@@ -431,9 +431,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 			matched = max(matched, branch)
 		}
 		c := k.candidate(e, matched, lower)
-		if keyed && p.warm.evicts(e.ID, key) {
-			c.evicts = float64(promptTokens) / c.rates.prefill
-		}
+		c.evicts = p.evictCost(keyed, e.ID, key, promptTokens, c.rates.prefill)
 		if eng := c.load.eng; eng != nil {
 			engines += eng.Running + eng.Waiting
 			foreign += eng.Foreign()
@@ -480,6 +478,16 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		d.unplaced = !hk.recurring && hk.at == 0
 	}
 	return d
+}
+
+// evictCost is the recompute, at rate tokens a second, of the prompt that
+// dispatching key to endpoint id would evict (warmth.evicts), taken as long
+// as the request's own; 0 when it evicts none or the request has no key.
+func (p *Prefix) evictCost(keyed bool, id, key uint64, promptTokens int, rate float64) float64 {
+	if !keyed || !p.warm.evicts(id, key) {
+		return 0
+	}
+	return float64(promptTokens) / rate
 }
 
 // matchedBlocks returns the blocks matches credit endpoint id with, and

@@ -411,6 +411,9 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	}
 	k := costing{prm: prm, pinned: prm.pins(), key: key, model: r.Model, promptTokens: promptTokens,
 		tokensPerBlock: float64(p.blockBytes) / bpt}
+	if keyed {
+		k.warm = p.warm
+	}
 
 	var ch picks
 	var engines, foreign int64 // the fresh scrapes' requests, and those not this router's
@@ -422,16 +425,13 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 			continue
 		}
 		matched, lower := matchedBlocks(matches, e.ID)
-		if keyed && matched > 0 && !p.warm.holds(e.ID, key) {
-			matched, lower = 0, 0 // beyond what the engine keeps (warmth)
-		}
+		shared := 0
 		if hasHome && e.ID == homeID {
 			// Every replica sends the family's branches to their homes,
 			// which so hold the shared part too (or compute it once).
-			matched = max(matched, branch)
+			shared = branch
 		}
-		c := k.candidate(e, matched, lower)
-		c.evicts = p.evictCost(keyed, e.ID, key, promptTokens, c.rates.prefill)
+		c := k.candidate(e, matched, lower, shared)
 		if eng := c.load.eng; eng != nil {
 			engines += eng.Running + eng.Waiting
 			foreign += eng.Foreign()
@@ -480,16 +480,6 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	return d
 }
 
-// evictCost is the recompute, at rate tokens a second, of the prompt that
-// dispatching key to endpoint id would evict (warmth.evicts), taken as long
-// as the request's own; 0 when it evicts none or the request has no key.
-func (p *Prefix) evictCost(keyed bool, id, key uint64, promptTokens int, rate float64) float64 {
-	if !keyed || !p.warm.evicts(id, key) {
-		return 0
-	}
-	return float64(promptTokens) / rate
-}
-
 // matchedBlocks returns the blocks matches credit endpoint id with, and
 // how many of them it holds only on a slower tier.
 func matchedBlocks(matches []prefix.Match, id uint64) (blocks, lower int) {
@@ -529,12 +519,23 @@ type costing struct {
 	adapters       []string // scratch: the adapters holding an endpoint's slots
 	promptTokens   int
 	tokensPerBlock float64
+	warm           *warmth // what engines keep (warmth.at); nil: the request has no key
 }
 
 // candidate reads e's load and applies the wait model for the request's
-// prompt, of which e holds matched blocks, lower of them only on a slower
-// tier than the GPU (engine truth: they cost a load, not a recompute).
-func (k *costing) candidate(e *discovery.Endpoint, matched, lower int) candidate {
+// prompt, of which the index credits e with matched blocks, lower of them
+// only on a slower tier than the GPU (engine truth: they cost a load, not a
+// recompute). None of them count beyond what e's engine keeps (warmth),
+// and at least shared do (the family's shared part, at its home).
+func (k *costing) candidate(e *discovery.Endpoint, matched, lower, shared int) candidate {
+	holds, evicts := true, false
+	if k.warm != nil {
+		holds, evicts = k.warm.at(e.ID, k.key)
+	}
+	if !holds {
+		matched, lower = 0, 0
+	}
+	matched = max(matched, shared)
 	c := candidate{e: e, load: loadOf(e), score: rendezvous(k.key, e.ID), warm: matched >= k.prm.MinMatchBlocks}
 	if c.warm {
 		c.blocks = matched // a shorter match counts neither for warmth nor for cost
@@ -543,6 +544,9 @@ func (k *costing) candidate(e *discovery.Endpoint, matched, lower int) candidate
 	c.uncached = max(0, k.promptTokens-int(float64(c.blocks)*k.tokensPerBlock))
 	c.loaded = min(c.loaded, k.promptTokens-c.uncached)
 	c.rates = k.prm.ratesOf(c.load.costs, k.pinned)
+	if evicts {
+		c.evicts = float64(k.promptTokens) / c.rates.prefill // the evicted prompt, taken as long
+	}
 	c.wait, c.own, c.idle = k.prm.wait(c.load, c.rates, c.uncached, c.loaded)
 	if k.waitsForLoRASlot(e, c.load.eng) {
 		// The request waits, however free the batch, until one of the

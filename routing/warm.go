@@ -40,7 +40,7 @@ import (
 // cold there whatever the index remembers; homes are sized so that no
 // endpoint homes more keys than it keeps while the fleet can keep them all
 // (homes.assign); and a spill to an endpoint that keeps its count of other
-// keys costs the recompute of the one it evicts (evicts). Safe for
+// keys costs the recompute of the one it evicts (at). Safe for
 // concurrent use.
 type warmth struct {
 	mu      sync.Mutex
@@ -159,42 +159,27 @@ func (w *warmth) kept(id uint64) int {
 	return w.keptOf(w.eps[id])
 }
 
-// holds reports whether endpoint id may still hold key: its count is
-// unknown, or key is among its last kept keys.
-func (w *warmth) holds(id, key uint64) bool {
+// at reports whether endpoint id may still hold key (holds: its count is
+// unknown, or key is among its last kept keys) and whether dispatching key
+// there would push out a key its engine keeps (evicts: its count is known,
+// that many keys went there since, and key is not among them).
+func (w *warmth) at(id, key uint64) (holds, evicts bool) {
 	if w.fleet.Load() == 0 {
-		return true // the common case: nothing learned, nothing to look up
+		return true, false // the common case: nothing learned, nothing to look up
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	s := w.eps[id]
 	k := w.keptOf(s)
-	if k == 0 {
-		return true
-	}
-	if s == nil {
-		return false // nothing was sent there
-	}
-	d := slices.Index(s.keys, key)
-	return d >= 0 && d < k
-}
-
-// evicts reports whether dispatching key to endpoint id would push out a
-// key its engine keeps: its count is known, that many keys went there
-// since, and key is not among them.
-func (w *warmth) evicts(id, key uint64) bool {
-	if w.fleet.Load() == 0 {
-		return false
-	}
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	s := w.eps[id]
-	k := w.keptOf(s)
-	if k == 0 || s == nil || len(s.keys) < k {
-		return false
+	switch {
+	case k == 0:
+		return true, false
+	case s == nil:
+		return false, false // nothing was sent there
 	}
 	d := slices.Index(s.keys, key)
-	return d < 0 || d >= k
+	held := d >= 0 && d < k
+	return held, !held && len(s.keys) >= k
 }
 
 // forget drops endpoint id (it left, or its engine restarted).

@@ -27,8 +27,8 @@ func TestWarmthLearnsKeptPrompts(t *testing.T) {
 	if k := w.kept(ep); k != 1 {
 		t.Fatalf("kept %d, want 1", k)
 	}
-	if !w.holds(ep, 1) || w.holds(ep, 2) {
-		t.Fatalf("holds: last key %v, the one before %v", w.holds(ep, 1), w.holds(ep, 2))
+	if !holds(w, ep, 1) || holds(w, ep, 2) {
+		t.Fatalf("holds: last key %v, the one before %v", holds(w, ep, 1), holds(w, ep, 2))
 	}
 	for range 200 {
 		w.outcome(ep, w.see(ep, 1), true)
@@ -49,6 +49,12 @@ func TestWarmthLearnsKeptPrompts(t *testing.T) {
 	}
 }
 
+// holds is warmth.at's first answer.
+func holds(w *warmth, id, key uint64) bool {
+	h, _ := w.at(id, key)
+	return h
+}
+
 // An endpoint with no count of its own takes the fleet's (the least any
 // endpoint learned) until its own answers show it warm that deep.
 func TestWarmthFleetCount(t *testing.T) {
@@ -62,7 +68,7 @@ func TestWarmthFleetCount(t *testing.T) {
 	if k1, k2, k3 := w.kept(1), w.kept(2), w.kept(3); k1 != 1 || k2 != 1 || k3 != 1 {
 		t.Fatalf("kept %d, %d, %d; want 1 learned and 1 from the fleet twice", k1, k2, k3)
 	}
-	if w.holds(2, 8) || !w.holds(2, 9) || w.holds(3, 9) {
+	if holds(w, 2, 8) || !holds(w, 2, 9) || holds(w, 3, 9) {
 		t.Fatal("the fleet's count is not applied to the endpoints without their own")
 	}
 	for range 3 {

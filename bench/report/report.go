@@ -134,6 +134,7 @@ func Markdown(rep *scenario.Report) string {
 	f := sc.Fleet
 	if f.Local != nil {
 		b.WriteString(localMarkdown(rep))
+		b.WriteString(RoundsTable(rep))
 		return b.String()
 	}
 	fmt.Fprintf(&b, "%d simulated pods (%s, %d KV blocks × %d tokens = %s tokens per pod",
@@ -169,7 +170,79 @@ func Markdown(rep *scenario.Report) string {
 	if st := StageTable(rep.Runs); st != "" {
 		fmt.Fprintf(&b, "\nBy stage (offered rate in requests/s):\n\n%s", st)
 	}
+	b.WriteString(RoundsTable(rep))
 	return b.String()
+}
+
+// RoundsTable renders, when the report pooled several rounds, each
+// round's TTFT mean and p90 of every policy as a ratio to the reference
+// run of that round (fixed affinity, else the first policy), and the
+// median of those ratios; "" for a single round.
+func RoundsTable(rep *scenario.Report) string {
+	if len(rep.Rounds) < 2 || len(rep.Runs) == 0 {
+		return ""
+	}
+	ref := rep.Runs[0].Label
+	if run(rep.Runs, scenario.FixedAffinity) != nil {
+		ref = scenario.FixedAffinity
+	}
+	var labels []string
+	for _, r := range rep.Runs {
+		if r.Label != ref {
+			labels = append(labels, r.Label)
+		}
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "\nThe tables above pool %d rounds, each with its own seed, the policies in reverse order every other round. "+
+		"TTFT mean / p90 of each round as a ratio to %s's in the same round:\n\n| round (seed) | %s |\n|---|%s\n",
+		len(rep.Rounds), ref, strings.Join(labels, " | "), strings.Repeat("---:|", len(labels)))
+	means, p90s := make([][]float64, len(labels)), make([][]float64, len(labels))
+	for i, rd := range rep.Rounds {
+		base := roundRun(rd, ref)
+		fmt.Fprintf(&b, "| %d (%d) |", i+1, rd.Seed)
+		for j, l := range labels {
+			r := roundRun(rd, l)
+			if base == nil || r == nil || base.TTFTMean == 0 || base.TTFTP90 == 0 {
+				b.WriteString(" – |")
+				continue
+			}
+			m, p := r.TTFTMean/base.TTFTMean, r.TTFTP90/base.TTFTP90
+			means[j], p90s[j] = append(means[j], m), append(p90s[j], p)
+			fmt.Fprintf(&b, " %.2f× / %.2f× |", m, p)
+		}
+		b.WriteString("\n")
+	}
+	b.WriteString("| median |")
+	for j := range labels {
+		if len(means[j]) == 0 {
+			b.WriteString(" – |")
+			continue
+		}
+		fmt.Fprintf(&b, " %.2f× / %.2f× |", median(means[j]), median(p90s[j]))
+	}
+	b.WriteString("\n")
+	return b.String()
+}
+
+// roundRun returns label's figures in rd, nil if it did not run.
+func roundRun(rd scenario.Round, label string) *scenario.RoundRun {
+	for i := range rd.Runs {
+		if rd.Runs[i].Label == label {
+			return &rd.Runs[i]
+		}
+	}
+	return nil
+}
+
+// median is the middle of xs (the mean of the two middle ones for an even
+// count); xs is sorted in place.
+func median(xs []float64) float64 {
+	slices.Sort(xs)
+	n := len(xs)
+	if n%2 == 1 {
+		return xs[n/2]
+	}
+	return (xs[n/2-1] + xs[n/2]) / 2
 }
 
 // localMarkdown renders a scenario on real local servers: the setup, the

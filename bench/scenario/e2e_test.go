@@ -126,3 +126,49 @@ func TestNearIdenticalScenario(t *testing.T) {
 		t.Errorf("table has no near-miss line:\n%s", md)
 	}
 }
+
+// Rounds end to end: two rounds of two policies on bench/sim, each round
+// with its own seed and the policies' order reversed in the second; the
+// pooled runs hold both rounds' requests and engine counters, each
+// round's figures are kept, and the table gives each round's ratios and
+// their median.
+func TestRounds(t *testing.T) {
+	sc := scenario.Scenario{
+		Name: "tiny-rounds", Pods: 2, Seed: 3,
+		Sim: sim.Config{TimeScale: 5, NumGPUBlocks: 512, Seed: 1},
+		Workload: workload.Config{Kind: workload.KindSharedPrefix, Seed: 3, Groups: 4, PromptsPerGroup: 5,
+			SystemTokens: 256, QuestionTokens: 16, OutputTokens: 8},
+		Load:     load.Load{Arrival: load.ArrivalConstant, Rate: 40},
+		Policies: []string{scenario.FixedAffinity, "prefix"},
+	}
+	var log strings.Builder
+	rep, err := scenario.Run(context.Background(), sc, scenario.RunOptions{Rounds: 2, Log: &log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Runs) != 2 || len(rep.Rounds) != 2 {
+		t.Fatalf("%d pooled runs, %d rounds", len(rep.Runs), len(rep.Rounds))
+	}
+	if r0, r1 := rep.Rounds[0], rep.Rounds[1]; r0.Seed != 3 || r1.Seed != 4 ||
+		r0.Runs[0].Label != rep.Runs[0].Label || r1.Runs[0].Label != rep.Runs[1].Label {
+		t.Fatalf("rounds %+v", rep.Rounds)
+	}
+	for i, r := range rep.Runs {
+		per := rep.Rounds[0].Runs[i].Requests + rep.Rounds[1].Runs[1-i].Requests
+		if r.Summary.Completed != 40 || per != 40 || r.Engine == nil || r.Engine.PrefixQueries == 0 {
+			t.Fatalf("%s: completed %d (rounds' %d), engine %+v", r.Label, r.Summary.Completed, per, r.Engine)
+		}
+		for j := 1; j < len(r.Requests); j++ {
+			if r.Requests[j].Start < r.Requests[j-1].Start {
+				t.Fatalf("%s: request %d starts before the one sent before it", r.Label, j)
+			}
+		}
+	}
+	if !strings.Contains(log.String(), "(seed 4)") {
+		t.Errorf("log names no second seed:\n%s", log.String())
+	}
+	md := report.Markdown(rep)
+	if !strings.Contains(md, "pool 2 rounds") || !strings.Contains(md, "| 2 (4) |") || !strings.Contains(md, "| median |") {
+		t.Errorf("table without the rounds:\n%s", md)
+	}
+}

@@ -17,6 +17,7 @@ import (
 	"net"
 	"os"
 	"runtime"
+	"slices"
 	"strings"
 	"time"
 
@@ -189,6 +190,9 @@ type Report struct {
 	// NearMisses is, per policy, kvroute's near-identical prompt count and
 	// the workload's truth (only where either is not zero).
 	NearMisses map[string]NearMisses `json:"near_misses,omitempty"`
+	// Rounds are each round's own figures when there were several (Runs
+	// then pools them); Learned and NearMisses are the first round's.
+	Rounds []Round `json:"rounds,omitempty"`
 }
 
 // RunOptions tune Run.
@@ -202,12 +206,17 @@ type RunOptions struct {
 	// LLMDBinary is the llm-d simulator's path for scenarios on that
 	// engine ("": found by llmd.Binary).
 	LLMDBinary string
+	// Rounds runs every policy this many times (0 and 1: once); see Run.
+	Rounds int
 }
 
 // Run runs sc once per policy, each time on a fresh simulated fleet
 // behind a fresh in-process kvroute, with the same seeded workload, and
-// returns the report. When ctx ends it returns what finished with ctx's
-// error.
+// returns the report. With opt.Rounds > 1 it does that Rounds times, round
+// r with seed Seed+r and the policies in reverse order every other round
+// (so that a machine whose speed drifts favours none), and reports each
+// policy's rounds pooled (load.Merge) beside each round's own figures.
+// When ctx ends it returns what finished with ctx's error.
 func Run(ctx context.Context, sc Scenario, opt RunOptions) (*Report, error) {
 	if sc.Pods < 1 {
 		return nil, fmt.Errorf("%w: scenario %s: pods must be ≥ 1", ErrConfig, sc.Name)
@@ -220,47 +229,136 @@ func Run(ctx context.Context, sc Scenario, opt RunOptions) (*Report, error) {
 			return nil, fmt.Errorf("scenario %s: %w", sc.Name, err)
 		}
 	}
+	rounds := max(opt.Rounds, 1)
+	if rounds > 1 && len(sc.Load.Stages) > 0 {
+		return nil, fmt.Errorf("%w: scenario %s: rounds of a staged load cannot be pooled", ErrConfig, sc.Name)
+	}
+	rep := &Report{Scenario: sc, Machine: ThisMachine(), Started: time.Now()}
+	defer func() { rep.WallSeconds = time.Since(rep.Started).Seconds() }()
+	byPolicy := map[string][]*load.Result{}
+	var err error
+	for r := range rounds {
+		rsc := sc
+		rsc.Seed += uint64(r)
+		rsc.Workload.Seed += uint64(r)
+		rsc.Sim.Seed += uint64(r)
+		order := slices.Clone(pols)
+		if r%2 == 1 {
+			slices.Reverse(order)
+		}
+		var runs []*load.Result
+		runs, err = rep.runRound(ctx, rsc, order, opt, r == 0)
+		for _, res := range runs {
+			byPolicy[res.Label] = append(byPolicy[res.Label], res)
+		}
+		if rounds > 1 {
+			rep.Rounds = append(rep.Rounds, newRound(rsc.Seed, runs))
+		}
+		if err != nil {
+			break
+		}
+	}
+	for _, p := range pols {
+		if runs := byPolicy[p.Name]; len(runs) > 0 {
+			pooled, merr := load.Merge(runs, sc.SLO)
+			if merr != nil {
+				return rep, errors.Join(err, merr)
+			}
+			rep.Runs = append(rep.Runs, pooled)
+		}
+	}
+	return rep, err
+}
+
+// runRound runs sc once per policy of pols, in that order, and returns
+// the runs that finished. The first round also sets the report's
+// scenario (with its built workload) and ideal hit rate.
+func (rep *Report) runRound(ctx context.Context, sc Scenario, pols []Policy, opt RunOptions, first bool) ([]*load.Result, error) {
 	wl, err := sc.Workload.Build()
 	if err != nil {
 		return nil, fmt.Errorf("scenario %s: %w", sc.Name, err)
 	}
 	sc.Workload = wl.Config
-	rep := &Report{Scenario: sc, Machine: ThisMachine(), Started: time.Now()}
-	defer func() { rep.WallSeconds = time.Since(rep.Started).Seconds() }()
+	if first {
+		rep.Scenario.Workload = wl.Config
+	}
+	var runs []*load.Result
 	for _, p := range pols {
 		if opt.Log != nil {
 			front := "behind kvroute"
 			if p.Direct {
 				front = "sent to directly"
 			}
-			fmt.Fprintf(opt.Log, "%s: %s on %d pods%s %s\n", sc.Name, p.Name, sc.Pods, sc.profileNote(), front)
+			fmt.Fprintf(opt.Log, "%s: %s on %d pods%s %s (seed %d)\n", sc.Name, p.Name, sc.Pods, sc.profileNote(), front, sc.Seed)
 		}
 		res, seen, err := runPolicy(ctx, sc, wl, p, opt)
 		if res != nil {
-			rep.Runs = append(rep.Runs, res)
-			rep.IdealHitRate = res.IdealHitRate
-			rep.addNearMisses(p, wl, len(res.Requests), seen.nearMisses)
+			runs = append(runs, res)
+			if first {
+				rep.IdealHitRate = res.IdealHitRate
+				rep.addNearMisses(p, wl, len(res.Requests), seen.nearMisses)
+			}
 		}
-		if len(seen.learned) > 0 {
+		rep.logSeen(p, seen, opt, first)
+		if err != nil {
+			return runs, fmt.Errorf("scenario %s, policy %s: %w", sc.Name, p.Name, err)
+		}
+	}
+	return runs, nil
+}
+
+// logSeen records (first round only) and logs what p's routers learned
+// and indexed.
+func (rep *Report) logSeen(p Policy, seen routerState, opt RunOptions, first bool) {
+	name := rep.Scenario.Name
+	if len(seen.learned) > 0 {
+		if first {
 			if rep.Learned == nil {
 				rep.Learned = map[string][]Learned{}
 			}
 			rep.Learned[p.Name] = seen.learned
-			if opt.Log != nil {
-				fmt.Fprintf(opt.Log, "%s: %s learned %s\n", sc.Name, p.Name, describeLearned(seen.learned))
-			}
 		}
-		if opt.Log != nil && seen.index != "" {
-			fmt.Fprintf(opt.Log, "%s: %s %s\n", sc.Name, p.Name, seen.index)
-		}
-		if opt.Log != nil && seen.kvBatches > 0 {
-			fmt.Fprintf(opt.Log, "%s: %s was fed %d KV-event batches\n", sc.Name, p.Name, seen.kvBatches)
-		}
-		if err != nil {
-			return rep, fmt.Errorf("scenario %s, policy %s: %w", sc.Name, p.Name, err)
+		if opt.Log != nil {
+			fmt.Fprintf(opt.Log, "%s: %s learned %s\n", name, p.Name, describeLearned(seen.learned))
 		}
 	}
-	return rep, nil
+	if opt.Log != nil && seen.index != "" {
+		fmt.Fprintf(opt.Log, "%s: %s %s\n", name, p.Name, seen.index)
+	}
+	if opt.Log != nil && seen.kvBatches > 0 {
+		fmt.Fprintf(opt.Log, "%s: %s was fed %d KV-event batches\n", name, p.Name, seen.kvBatches)
+	}
+}
+
+// Round is one round's own figures (RunOptions.Rounds > 1), per policy in
+// the order they ran.
+type Round struct {
+	Seed uint64     `json:"seed"`
+	Runs []RoundRun `json:"runs"`
+}
+
+// RoundRun is one policy's figures in one round.
+type RoundRun struct {
+	Label      string  `json:"label"`
+	Requests   int     `json:"requests"`
+	Failed     int     `json:"failed"`
+	TTFTMean   float64 `json:"ttft_mean_ms"`
+	TTFTP90    float64 `json:"ttft_p90_ms"`
+	CachedRate float64 `json:"cached_rate"`
+	HitRate    float64 `json:"hit_rate,omitempty"`
+}
+
+func newRound(seed uint64, runs []*load.Result) Round {
+	rd := Round{Seed: seed}
+	for _, r := range runs {
+		s := &r.Summary
+		rr := RoundRun{Label: r.Label, Requests: s.Requests, Failed: s.Failed, TTFTMean: s.TTFT.Mean, TTFTP90: s.TTFT.P90, CachedRate: s.CachedRate}
+		if r.Engine != nil {
+			rr.HitRate = r.Engine.HitRate
+		}
+		rd.Runs = append(rd.Runs, rr)
+	}
+	return rd
 }
 
 // NearMisses compares kvroute's near-identical prompt detector with the

@@ -457,8 +457,8 @@ func localSharedPrefix(p Preset, name string, groups, perGroup int) Scenario {
 	return Scenario{
 		Name: name,
 		Description: fmt.Sprintf("Shared-prefix on real local servers: %d groups of a ~1,000-token prefix, %d prompts each (shuffled), "+
-			"a short question, 32 tokens out, open loop at %d req/s; fixed affinity (group g to server g mod n) is the reference.",
-			groups, perGroup, localRate),
+			"a short question, 32 tokens out, open Poisson loop; fixed affinity (group g to server g mod n) is the reference.",
+			groups, perGroup),
 		WorkingSet: sharedPrefixWorkingSet(w), Workload: w, Load: load.Load{Rate: localRate},
 	}
 }
@@ -473,8 +473,8 @@ func localMultiTurn(p Preset) Scenario {
 		TurnsMin: 4, TurnsMax: 6, UserMin: 40, UserMax: 60, AnswerMin: 16, AnswerMax: 32}
 	return Scenario{
 		Name: LocalMultiTurn,
-		Description: fmt.Sprintf("Multi-turn on real local servers: 16 conversations of 4–6 turns resend their history after a common ~1,000-token prefix, "+
-			"open loop at %d req/s; fixed affinity (conversation c to server c mod n) is the reference.", localRate),
+		Description: "Multi-turn on real local servers: 16 conversations of 4–6 turns resend their history after a common ~1,000-token prefix, " +
+			"open Poisson loop; fixed affinity (conversation c to server c mod n) is the reference.",
 		API: workload.APIChat, Workload: mt, Load: load.Load{Rate: localRate},
 	}
 }

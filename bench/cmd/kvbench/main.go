@@ -65,6 +65,7 @@ type options struct {
 	llmdBin   string
 	local     localFlags
 	localRate float64
+	rounds    int
 	profiles  []string
 	policies  []string
 	full      bool
@@ -125,6 +126,7 @@ func newFlags(o *options) *app.Flags {
 	sc.IntVar(&o.local.cacheRAM, "llamacpp-cache-ram", -1, "engine llamacpp: llama-server's --cache-ram, its host prompt cache in MiB (-1: its default, 8192; 0: none)")
 	sc.BoolVar(&o.local.metrics, "llamacpp-metrics", false, "engine llamacpp: llama-server's --metrics (its /metrics, which kvroute's scraper reads)")
 	sc.Float64Var(&o.localRate, "local-rate", 0, "local scenarios: offered rate in requests/s, open Poisson loop (0: 5)")
+	sc.IntVar(&o.rounds, "rounds", 1, "run every policy this many times, round r with seed --seed+r and the policies in reverse order every other round; the tables pool the rounds and add each round's TTFT ratios and their median")
 	sc.StringSliceVar(&o.policies, "policies", nil, "policies to compare (default all: "+strings.Join(policyNames(), ", ")+"; the demo, near-identical and lora their own; the matrix "+
 		strings.Join(matrixPolicyNames(), ", ")+"); opt in: "+strings.Join(names(scenario.OptInPolicies()), ", ")+
 		" ("+scenario.PrefixEvents+"* and "+scenario.LLMDPrecise+" fed by the pods' KV events; on "+scenario.EngineLLMD+" one router, no replicas)")

@@ -175,6 +175,9 @@ type cell struct{ engine, profile, scenario string }
 // scenarios runs the named built-in scenarios on each profile, then the
 // matrix if asked, and writes their results.
 func scenarios(ctx context.Context, o *options, stdout, stderr, progress io.Writer) error {
+	if o.rounds < 1 {
+		return fmt.Errorf("--rounds %d: want at least 1", o.rounds)
+	}
 	pl, err := newPlan(o)
 	if err != nil {
 		return err
@@ -223,7 +226,7 @@ func scenarios(ctx context.Context, o *options, stdout, stderr, progress io.Writ
 // comparison runs sc with pols (nil: the scenario's own), writes what
 // finished under dir and prints its tables.
 func comparison(ctx context.Context, o *options, sc scenario.Scenario, pols []scenario.Policy, dir string, stdout, stderr, progress io.Writer) (*scenario.Report, []string, error) {
-	rep, err := scenario.Run(ctx, sc, scenario.RunOptions{Policies: pols, Progress: progress, Log: stderr, LLMDBinary: o.llmdBin})
+	rep, err := scenario.Run(ctx, sc, scenario.RunOptions{Policies: pols, Progress: progress, Log: stderr, LLMDBinary: o.llmdBin, Rounds: o.rounds})
 	var files []string
 	if rep != nil && len(rep.Runs) > 0 {
 		var werr error

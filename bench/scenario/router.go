@@ -3,7 +3,9 @@ package scenario
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -16,6 +18,7 @@ import (
 
 	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 
 	"github.com/kvroute/kvroute/app"
 	"github.com/kvroute/kvroute/bench/peers"
@@ -260,24 +263,24 @@ func routerConfig(p Policy, backends []string, engines []sim.Config) app.Config 
 }
 
 // routerLog returns the benchmark router's logger: none, or with
-// KVBENCH_ACCESS_LOG set to a directory, every line of its log (the access
-// log included: each request's endpoint, reason, home, matched blocks,
-// prefix key, prompt and cached tokens) as JSON in a file of its own there,
-// named for the policy and the start time, for diagnosing decisions.
-func routerLog(cfg *app.Config, policy string) (*zap.Logger, error) {
+// KVBENCH_ACCESS_LOG set to a directory, every line of its log and its
+// access log (each request's endpoint, reason, home, matched blocks,
+// prefix key, prompt and cached tokens) as JSON in a file of its own
+// there, named for the policy and the start time, for diagnosing
+// decisions. Close the returned file (nil without one) after the router.
+func routerLog(cfg *app.Config, policy string) (*zap.Logger, io.Closer, error) {
 	dir := os.Getenv("KVBENCH_ACCESS_LOG")
 	if dir == "" {
-		return zap.NewNop(), nil
+		return zap.NewNop(), nil, nil
 	}
-	cfg.AccessLog, cfg.AccessLogSample = true, 1
-	zc := zap.NewProductionConfig()
-	zc.Sampling = nil
-	zc.OutputPaths = []string{filepath.Join(dir, fmt.Sprintf("%s-%d.log", policy, time.Now().UnixNano()))}
-	lg, err := zc.Build()
+	f, err := os.Create(filepath.Join(dir, fmt.Sprintf("%s-%d.log", policy, time.Now().UnixNano())))
 	if err != nil {
-		return nil, fmt.Errorf("KVBENCH_ACCESS_LOG: %w", err)
+		return nil, nil, fmt.Errorf("KVBENCH_ACCESS_LOG: %w", err)
 	}
-	return lg, nil
+	w := zapcore.Lock(f) // one writer for both logs: whole lines, never interleaved
+	cfg.AccessLog, cfg.AccessLogSample, cfg.AccessLogTo = true, 1, w
+	core := zapcore.NewCore(zapcore.NewJSONEncoder(zap.NewProductionEncoderConfig()), w, zap.InfoLevel)
+	return zap.New(core), f, nil
 }
 
 // routerShutdownGrace is how long a benchmark router's in-flight streams
@@ -296,6 +299,7 @@ type Router struct {
 	// batches it handed the picker.
 	subDone     chan struct{}
 	peerBatches atomic.Int64
+	logFile     io.Closer // KVBENCH_ACCESS_LOG's file, nil without
 }
 
 // countingSink counts the KV-event batches handed to a sink.
@@ -326,7 +330,7 @@ func (c countingSink) KVBatch(e *discovery.Endpoint, b *kvevents.Batch) {
 // same settings feeds it until Close.
 func StartRouter(p Policy, backends []string, engines []sim.Config) (*Router, error) {
 	cfg := routerConfig(p, backends, engines)
-	lg, err := routerLog(&cfg, p.Name)
+	lg, logFile, err := routerLog(&cfg, p.Name)
 	if err != nil {
 		return nil, err
 	}
@@ -348,7 +352,7 @@ func StartRouter(p Policy, backends []string, engines []sim.Config) (*Router, er
 	if err != nil {
 		return nil, err
 	}
-	r := &Router{rt: rt, done: make(chan error, 1)}
+	r := &Router{rt: rt, done: make(chan error, 1), logFile: logFile}
 	var sub *kvevents.Subscriber
 	if sink, ok := rt.Picker.(kvevents.Sink); ok && p.Events && rt.Prefix == nil {
 		pool := rt.Pool
@@ -497,6 +501,9 @@ func (r *Router) Close() error {
 	err := <-r.done
 	if r.subDone != nil {
 		<-r.subDone
+	}
+	if r.logFile != nil {
+		err = errors.Join(err, r.logFile.Close())
 	}
 	return err
 }

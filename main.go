@@ -90,6 +90,7 @@ func newFlags(c *config) *app.Flags {
 	backends.IntVar(&c.MaxInFlightPerEndpoint, "max-in-flight-per-endpoint", c.MaxInFlightPerEndpoint, "this router's requests in flight per endpoint before it counts as saturated (0: no cap but --max-conns-per-endpoint)")
 
 	healthFlags(health, c)
+	gossipFlags(g("Router replicas (gossip, --policy prefix)"), c)
 
 	pfx.IntVar(&c.PrefixBlockBytes, "prefix-block-bytes", c.PrefixBlockBytes, "bytes of the canonical prompt rendering per hashed block (1 KiB ≈ 256 tokens)")
 	pfx.IntVar(&c.NearMissBlocks, "near-miss-blocks", c.NearMissBlocks, "leading blocks of every prompt checked for near-identical prefixes (the same text up to whitespace, line endings or a byte-order mark, but other bytes: counted in kvroute_prompt_near_misses_total, sampled in the log; 0: off)")
@@ -157,6 +158,15 @@ func healthFlags(health *pflag.FlagSet, c *config) {
 	health.DurationVar(&c.ScrapeTimeout, "scrape-timeout", c.ScrapeTimeout, "timeout of one scrape")
 	health.DurationVar(&c.ModelsInterval, "models-interval", c.ModelsInterval, "read every endpoint's GET /v1/models this often, to send a request only to endpoints serving its model or LoRA adapter and to answer /v1/models with their union (0: never; every endpoint is presumed to serve every model)")
 	health.DurationVar(&c.EndpointDrainLimit, "endpoint-drain-limit", c.EndpointDrainLimit, "an endpoint that left DNS is dropped once idle, or after this long")
+}
+
+// gossipFlags binds the replicas' gossip flags.
+func gossipFlags(f *pflag.FlagSet, c *config) {
+	f.StringSliceVar(&c.Peers, "peers", c.Peers, "other kvroute replicas' gossip addresses, host:port (repeated or comma-separated; this replica's own may be among them): replicas send each other the placements they make, so that a prefix placed by any replica is a warm route for all (off when empty)")
+	f.StringVar(&c.GossipListen, "gossip-listen", c.GossipListen, "gossip listener, TCP and UDP (memberlist's port 7946), with --peers")
+	f.StringVar(&c.GossipAdvertise, "gossip-advertise", c.GossipAdvertise, "host:port the other replicas reach this one at (empty: the listen address, or a private address of this host when it listens on all)")
+	f.StringVar(&c.GossipKeyFile, "gossip-key-file", c.GossipKeyFile, "file of gossip keys, one base64 key of 16, 24 or 32 bytes a line (e.g. openssl rand -base64 32), the first used to send: gossip is encrypted and authenticated with them; required unless --gossip-listen is a loopback address")
+	f.DurationVar(&c.GossipSyncTimeout, "gossip-sync-timeout", c.GossipSyncTimeout, "with --peers, /readyz waits until this replica has met a peer, at most this long (the first replica of a fleet meets none)")
 }
 
 // parseConfig reads flags from args and the environment (getenv).

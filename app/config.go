@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvroute/kvroute/discovery"
 	"github.com/kvroute/kvroute/kvevents"
+	"github.com/kvroute/kvroute/peers"
 	"github.com/kvroute/kvroute/proxy"
 	"github.com/kvroute/kvroute/routing"
 )
@@ -104,6 +105,20 @@ type Config struct {
 	// tiers as held (false: the GPU's alone).
 	KVEventsTiers bool
 
+	// Gossip between router replicas (the prefix policy, package peers):
+	// on when Peers names other replicas' gossip addresses. It listens
+	// on GossipListen (advertised as GossipAdvertise when set), encrypted
+	// with GossipKeyFile's keys (required off loopback); a replica is
+	// not ready until it has met a peer or GossipSyncTimeout has passed.
+	Peers             []string
+	GossipListen      string
+	GossipAdvertise   string
+	GossipKeyFile     string
+	GossipSyncTimeout time.Duration
+	// GossipName is this replica's member name ("": the host name and a
+	// random suffix). Not a flag: the benchmark names its replicas.
+	GossipName string
+
 	PrefixBlockBytes     int
 	PrefixMaxBlocks      int
 	PrefixCapacityBlocks int
@@ -175,6 +190,9 @@ func DefaultConfig() Config {
 		KVEventsStaleAfter: 30 * time.Second,
 		TokenizeRate:       50,
 		KVEventsTiers:      true,
+
+		GossipListen:      ":7946", // memberlist's port
+		GossipSyncTimeout: 10 * time.Second,
 	}
 }
 
@@ -314,7 +332,7 @@ func (c *Config) validateDurations(bad func(string, ...any)) {
 		{"--eject-cooldown", c.EjectCooldown}, {"--eject-max-cooldown", c.EjectMaxCooldown},
 		{"--scrape-interval", c.ScrapeInterval}, {"--scrape-timeout", c.ScrapeTimeout},
 		{"--endpoint-drain-limit", c.EndpointDrainLimit}, {"--prefix-ttl", c.PrefixTTL}, {"--models-interval", c.ModelsInterval},
-		{"--shutdown-delay", c.ShutdownDelay},
+		{"--shutdown-delay", c.ShutdownDelay}, {"--gossip-sync-timeout", c.GossipSyncTimeout},
 	} {
 		if d.v < 0 {
 			bad("%s must not be negative, got %s", d.name, d.v)
@@ -355,4 +373,31 @@ func (c *Config) validateOther(bad func(string, ...any)) {
 			bad("--otlp-endpoint: %v", err)
 		}
 	}
+	c.validateGossip(bad)
+}
+
+// validateGossip checks the replicas' gossip: the key file, the
+// addresses, and no plaintext gossip off loopback.
+func (c *Config) validateGossip(bad func(string, ...any)) {
+	if len(c.Peers) == 0 {
+		return
+	}
+	var keys [][]byte
+	if c.GossipKeyFile != "" {
+		var err error
+		if keys, err = peers.ReadKeys(c.GossipKeyFile); err != nil {
+			bad("--gossip-key-file: %v", err)
+			return
+		}
+	}
+	if err := peers.Check(c.gossip(keys)); err != nil {
+		bad("--peers, --gossip-listen, --gossip-advertise: %v", err)
+	}
+}
+
+// gossip is the replicas' gossip configuration from c, with keys (the
+// index hooks are the router's).
+func (c *Config) gossip(keys [][]byte) peers.Config {
+	return peers.Config{Name: c.GossipName, Listen: c.GossipListen, Advertise: c.GossipAdvertise, Seeds: c.Peers, Keys: keys,
+		Fingerprint: peers.Fingerprint(c.PrefixBlockBytes, c.NormalizePrompts, proxy.HashVersion), SyncTimeout: c.GossipSyncTimeout}
 }

@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"runtime"
+	"slices"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -19,6 +20,7 @@ import (
 	"github.com/kvroute/kvroute/discovery"
 	"github.com/kvroute/kvroute/kvevents"
 	"github.com/kvroute/kvroute/metrics"
+	"github.com/kvroute/kvroute/peers"
 	"github.com/kvroute/kvroute/prefix"
 	"github.com/kvroute/kvroute/proxy"
 	"github.com/kvroute/kvroute/routing"
@@ -38,6 +40,8 @@ type Router struct {
 	Registry *prometheus.Registry
 	tracing  *sdktrace.TracerProvider // nil without --otlp-endpoint
 	truth    *kvevents.EngineTruth    // nil without KV events
+	// Mesh is the replicas' gossip, nil without --peers.
+	Mesh *peers.Mesh
 }
 
 // accessLogTo is where the access log goes: nowhere when it is off.
@@ -115,6 +119,15 @@ func New(cfg Config, logger *zap.Logger) (*Router, error) {
 				Bytes: s.Bytes, Evictions: s.Evictions, Expiries: s.Expiries, Homes: r.Prefix.Homes(), Foreign: r.Prefix.Foreign()}
 		})
 	}
+	if len(cfg.Peers) > 0 {
+		if r.Prefix == nil {
+			return nil, fmt.Errorf("--peers shares the prefix index between router replicas: it needs --policy prefix, not %q", cfg.Policy)
+		}
+		if r.Mesh, err = r.newMesh(logger); err != nil {
+			return nil, err
+		}
+		opt.Ready = r.Mesh.Ready
+	}
 	if cfg.kvEvents() {
 		if r.Prefix == nil {
 			return nil, fmt.Errorf("--kv-events-port and --kv-events-listen feed the prefix index: they need --policy prefix, not %q", cfg.Policy)
@@ -132,6 +145,37 @@ func New(cfg Config, logger *zap.Logger) (*Router, error) {
 	metrics.RegisterBuildInfo(r.Registry, cfg.Version, cfg.Revision, runtime.Version())
 	r.Server = proxy.New(opt)
 	return r, nil
+}
+
+// newMesh builds the replicas' gossip (--peers): peers' placements on the
+// router's endpoints merge into its prefix index, its own picks go out to
+// them, and its figures are exported.
+func (r *Router) newMesh(logger *zap.Logger) (*peers.Mesh, error) {
+	var keys [][]byte
+	if f := r.cfg.GossipKeyFile; f != "" {
+		var err error
+		if keys, err = peers.ReadKeys(f); err != nil {
+			return nil, err
+		}
+	}
+	pc := r.cfg.gossip(keys)
+	pc.Known = func(id uint64) bool {
+		return slices.ContainsFunc(r.Pool.Load().Endpoints, func(e *discovery.Endpoint) bool { return e.ID == id })
+	}
+	pc.Record = r.Prefix.Index().Record
+	pc.Logger = logger.Named("peers")
+	m, err := peers.New(pc)
+	if err != nil {
+		return nil, err
+	}
+	r.Prefix.OnPlaced(m.Placed)
+	metrics.RegisterPeers(r.Registry, func() metrics.PeersSample {
+		s := m.Stats()
+		return metrics.PeersSample{Members: s.Members, SentMessages: s.SentMessages, SentBytes: s.SentBytes,
+			ReceivedMessages: s.ReceivedMessages, ReceivedBytes: s.ReceivedBytes,
+			Merged: s.Merged, Unknown: s.Unknown, Mismatched: s.Mismatched, Dropped: s.Dropped, BadFormat: s.DecodeErrors}
+	})
+	return m, nil
 }
 
 // newFleet builds discovery from cfg: static lists and DNS sources per
@@ -187,7 +231,7 @@ func newFleet(cfg *Config, logger *zap.Logger, pfx *routing.Prefix) (*discovery.
 
 // AdminHandler returns the admin listener's handler: /metrics, /livez,
 // /readyz, /debug/pprof/, /debug/endpoints and, under the prefix policy,
-// /debug/route and /debug/prefix/params.
+// /debug/route and /debug/prefix/params; with --peers, /debug/peers.
 func (r *Router) AdminHandler() http.Handler {
 	mux := r.Server.AdminHandler(r.Registry)
 	mux.HandleFunc("GET /debug/endpoints", func(w http.ResponseWriter, _ *http.Request) {
@@ -222,6 +266,14 @@ func (r *Router) AdminHandler() http.Handler {
 		r.Server.HandleExplain(mux, r.Prefix)
 		r.Server.HandleParams(mux, r.Prefix)
 	}
+	if r.Mesh != nil {
+		mux.HandleFunc("GET /debug/peers", func(w http.ResponseWriter, _ *http.Request) {
+			w.Header().Set("Content-Type", "application/json")
+			enc := json.NewEncoder(w)
+			enc.SetIndent("", "  ")
+			_ = enc.Encode(r.Mesh.Status())
+		})
+	}
 	return mux
 }
 
@@ -242,7 +294,20 @@ func (r *Router) Run(ctx context.Context, api, admin net.Listener, drainTimeout 
 		defer func() { stopFleet(); <-truthDone }()
 	}
 
-	errc := make(chan error, 2)
+	errc := make(chan error, 3)
+	if r.Mesh != nil {
+		meshDone := make(chan struct{})
+		go func() {
+			defer close(meshDone)
+			if err := r.Mesh.Run(fctx); err != nil {
+				select {
+				case errc <- err:
+				default:
+				}
+			}
+		}()
+		defer func() { stopFleet(); <-meshDone }()
+	}
 	go func() { errc <- r.Server.Serve(api) }()
 	var adminSrv *http.Server
 	adminAddr := "none"

@@ -17,7 +17,8 @@ import (
 )
 
 // AdminHandler returns the admin listener's handler: /metrics (from g),
-// /livez, /readyz (503 while draining or with no endpoint), /debug/pprof/.
+// /livez, /readyz (503 while draining, with no endpoint, or while
+// Options.Ready says not yet), /debug/pprof/.
 // Later features add their /debug routes to the returned mux.
 func (s *Server) AdminHandler(g prometheus.Gatherer) *http.ServeMux {
 	mux := http.NewServeMux()
@@ -26,11 +27,17 @@ func (s *Server) AdminHandler(g prometheus.Gatherer) *http.ServeMux {
 		_, _ = w.Write([]byte("ok\n"))
 	})
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		var notReady error
+		if s.opt.Ready != nil {
+			notReady = s.opt.Ready()
+		}
 		switch {
 		case s.draining.Load():
 			http.Error(w, "draining", http.StatusServiceUnavailable)
 		case !anyRoutable(s.opt.Pool.Load()):
 			http.Error(w, "no usable endpoint", http.StatusServiceUnavailable)
+		case notReady != nil:
+			http.Error(w, notReady.Error(), http.StatusServiceUnavailable)
 		default:
 			_, _ = w.Write([]byte("ok\n"))
 		}

@@ -106,6 +106,12 @@ func DefaultLimits() Limits {
 	}
 }
 
+// HashVersion names how requests are rendered and hashed into blocks: bump
+// it whenever the same request would hash otherwise, so that router
+// replicas of different versions do not exchange placements that could
+// never match (the gossip's fingerprint).
+const HashVersion = "1"
+
 // Defaults of Options.BlockSize and Options.MaxBlocks.
 const (
 	// DefaultBlockBytes: 1 KiB of rendering ≈ 256 tokens.

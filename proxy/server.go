@@ -51,6 +51,10 @@ var Classes = []string{
 // Options configure a Server.
 type Options struct {
 	Limits
+	// Ready, when set, is asked by /readyz: an error keeps the router out
+	// of service with its message (the replicas' gossip until it has met
+	// a peer).
+	Ready   func() error
 	Picker  Picker
 	Pool    *discovery.Pool
 	Metrics *metrics.Metrics

@@ -450,6 +450,16 @@ func (h *homes) placeAlone(key, first uint64, eps []*discovery.Endpoint, factor 
 	return first
 }
 
+// hasRoom reports whether endpoint id homes fewer live keys than its bound
+// at the last placement of a new key (placeAlone): a router alone places
+// a new key nowhere else.
+func (h *homes) hasRoom(id uint64) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	b, ok := h.placeBound[id]
+	return !ok || h.load[id]+h.once[id] < b
+}
+
 // bounds returns how many of total recurring keys each endpoint of eps may
 // home: LoadFactor × the mean (homeBound), and no more than its engine is
 // learned to keep warm (kept). When the capped endpoints leave keys over,

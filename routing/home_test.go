@@ -226,3 +226,44 @@ func TestOnceCounts(t *testing.T) {
 		t.Fatalf("after the TTL: total %d, %v", h.onceTotal, h.once)
 	}
 }
+
+// A router alone places a prompt seen for the first time on slot engines
+// only where the homes stay balanced: with one endpoint idle and three
+// busy, new prompts go to the idle one only until it homes its share (two
+// of eight on four endpoints), then to their busy homes or another
+// endpoint below the bound. Before, every new prompt went to the idle
+// endpoint, and stayed there when it recurred (its cache follows it).
+// (On paged caches they still go where they wait least:
+// TestFasterEndpointTakesMoreLoad.)
+func TestFirstPlacementsKeepHomesBalanced(t *testing.T) {
+	set := testSet(t, 4)
+	eps := set.Mixed
+	for _, e := range eps {
+		e.SetDialect(discovery.DialectOllama)
+	}
+	p := newTestPrefix(DefaultPrefixParams())
+	for _, e := range eps[1:] {
+		defer occupy(e, 3, 4000)()
+	}
+	got := map[uint64]int{}
+	for i := range 8 {
+		if i == 7 {
+			if _, terms := p.Explain(request(system(100+i, 4*testBlock)), set); !terms[0].HomesFull {
+				t.Errorf("/debug/route does not say the idle endpoint is full: %+v", terms[0])
+			}
+		}
+		d := p.Pick(request(system(100+i, 4*testBlock)), set)
+		if d.Endpoint == nil || d.Reason != ReasonCold {
+			t.Fatalf("prompt %d: %+v", i, d)
+		}
+		got[d.Endpoint.ID]++
+	}
+	for _, e := range eps {
+		if got[e.ID] > 2 {
+			t.Errorf("%s homes %d of 8 new prompts, want at most 2: %v", e, got[e.ID], got)
+		}
+	}
+	if got[eps[0].ID] != 2 {
+		t.Errorf("the idle endpoint took %d new prompts, want 2 (its share)", got[eps[0].ID])
+	}
+}

@@ -101,6 +101,10 @@ type Prefix struct {
 	capMu     sync.Mutex
 	capTokens map[uint64]int // scraped KV capacity per endpoint, in tokens
 	capBPT    float64        // bpt the index capacities were sized with
+
+	// onPlaced, when set, is told every pick's endpoint and chain after
+	// the index recorded it (the replicas' gossip, OnPlaced).
+	onPlaced func(id uint64, hashes []uint64)
 }
 
 // Bytes per token: the rule of thumb for English (OpenAI: a token is about
@@ -249,6 +253,9 @@ func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 	d.distance = -1
 	if d.Endpoint != nil {
 		p.index.Record(d.Endpoint.ID, r.Hashes)
+		if p.onPlaced != nil {
+			p.onPlaced(d.Endpoint.ID, r.Hashes)
+		}
 		if d.PrefixKey != 0 {
 			d.distance = p.warm.see(d.Endpoint.ID, d.PrefixKey)
 		}
@@ -258,6 +265,12 @@ func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 	}
 	return d
 }
+
+// OnPlaced sets f to be told each pick's endpoint and chain after the
+// index recorded it (hashes is only valid during the call): the replicas'
+// gossip sends them to the other replicas, whose indexes record them too.
+// Set it before the policy serves.
+func (p *Prefix) OnPlaced(f func(id uint64, hashes []uint64)) { p.onPlaced = f }
 
 // Explain returns the decision Pick would make and its terms, without
 // recording anything.
@@ -373,8 +386,11 @@ type Term struct {
 	CacheSource string `json:"cache_source,omitempty"`
 	// KeptPrompts is how many prefix keys the endpoint's engine is taken
 	// to keep warm (warmth: learned, or the fleet's); absent when unknown.
-	KeptPrompts int    `json:"kept_prompts,omitempty"`
-	Skipped     string `json:"skipped,omitempty"`
+	KeptPrompts int `json:"kept_prompts,omitempty"`
+	// HomesFull: a router alone would not place a new prompt here (the
+	// endpoint homes its share of the prompts already; decide).
+	HomesFull bool   `json:"homes_full,omitempty"`
+	Skipped   string `json:"skipped,omitempty"`
 }
 
 // decide returns the decision; terms, when not nil, receives each
@@ -415,7 +431,18 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		k.warm = p.warm
 	}
 
-	var ch picks
+	// A router alone places a key seen for the first time on a slot
+	// engine (llama.cpp, Ollama: a few prompts cached per sequence slot)
+	// only where its homes stay balanced: at its home, or, when the home
+	// is busy, on another endpoint that homes fewer keys than its bound
+	// (homes.hasRoom) — never on one that has its share already, where
+	// the key would stay (its cache follows it) and load that endpoint
+	// above the others. (Eight groups on four Ollama servers with four
+	// slots each went 3-2-2-1 by such first picks.) A paged cache holds
+	// many prompts: there a new prompt goes where it waits least, and a
+	// faster engine takes more of them. Replicas place by the assignment.
+	firstAlone := keyed && hasHome && !replicated && !hk.recurring && hk.at == 0 && branch == 0
+	var ch, full picks         // full: the candidates firstAlone left out, should none be left
 	var engines, foreign int64 // the fresh scrapes' requests, and those not this router's
 	for _, e := range group {
 		if !Usable(r, e) {
@@ -436,19 +463,21 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 			engines += eng.Running + eng.Waiting
 			foreign += eng.Foreign()
 		}
+		fullHere := firstAlone && e.ID != homeID && e.Dialect().Slotted() && !p.homes.hasRoom(e.ID)
 		if terms != nil {
-			t := c.term()
-			t.CacheSource = "learned"
-			if p.index.OnTruth(e.ID) {
-				t.CacheSource = "events"
-			}
-			t.KeptPrompts = p.warm.kept(e.ID)
-			*terms = append(*terms, t)
+			*terms = append(*terms, p.term(c, fullHere))
+		}
+		if fullHere {
+			full.add(c, false, prm.TieSec)
+			continue
 		}
 		ch.add(c, hasHome && e.ID == homeID, prm.TieSec)
 	}
 	if see && engines > 0 {
 		p.learnForeign(float64(foreign) / float64(engines))
+	}
+	if ch.top.e == nil {
+		ch = full
 	}
 	if ch.top.e == nil {
 		return Decision{Reason: ReasonCold}
@@ -478,6 +507,19 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		d.unplaced = !hk.recurring && hk.at == 0
 	}
 	return d
+}
+
+// term is candidate c's side of a decision for /debug/route; full when a
+// new key could not be placed there (its homes are at the bound).
+func (p *Prefix) term(c candidate, full bool) Term {
+	t := c.term()
+	t.CacheSource = "learned"
+	if p.index.OnTruth(c.e.ID) {
+		t.CacheSource = "events"
+	}
+	t.KeptPrompts = p.warm.kept(c.e.ID)
+	t.HomesFull = full
+	return t
 }
 
 // matchedBlocks returns the blocks matches credit endpoint id with, and

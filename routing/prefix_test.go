@@ -63,6 +63,32 @@ func TestNewPromptRecordedWholeAtThePick(t *testing.T) {
 	}
 }
 
+// OnPlaced is told each pick's endpoint and whole chain after the index
+// recorded it (the replicas' gossip); Explain tells it nothing. Another
+// policy's index merging what it was told sees the prompt warm there.
+func TestOnPlaced(t *testing.T) {
+	set := testSet(t, 4)
+	p, other := newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams())
+	var got []uint64
+	var at uint64
+	p.OnPlaced(func(id uint64, hashes []uint64) {
+		at, got = id, append(got[:0], hashes...)
+		other.Index().Record(id, hashes)
+	})
+	r := request(system(3, 8*testBlock))
+	p.Explain(r, set)
+	if got != nil {
+		t.Fatal("Explain told the hook")
+	}
+	d := p.Pick(r, set)
+	if at != d.Endpoint.ID || len(got) != len(r.Hashes) || got[7] != r.Hashes[7] {
+		t.Fatalf("hook told %x with %d hashes, want %s with %d", at, len(got), d.Endpoint, len(r.Hashes))
+	}
+	if f := other.Pick(request(system(3, 8*testBlock)+"?"), set); f.Endpoint != d.Endpoint || f.Reason != ReasonWarm {
+		t.Fatalf("the merging policy picked %+v, want warm on %s", f, d.Endpoint)
+	}
+}
+
 // dispatch picks for r and leases the endpoint as the proxy does; the
 // caller releases the lease.
 func dispatch(p *Prefix, r *Request, set *discovery.Set) (Decision, discovery.Lease) {

@@ -35,6 +35,9 @@ var Options = []goleak.Option{
 	// build their own), which exit once the peer's close is read;
 	// kvroute's data path is fasthttp.
 	goleak.IgnoreTopFunction("net/http.(*persistConn).readLoop"),
+	// memberlist's probe of a peer (the replicas' gossip) waits out its
+	// probe timeout, a second at most, after Shutdown, then exits.
+	goleak.IgnoreAnyFunction("github.com/hashicorp/memberlist.(*Memberlist).probeNode"),
 	goleak.IgnoreTopFunction("net/http.(*persistConn).writeLoop"),
 }
 

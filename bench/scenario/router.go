@@ -41,8 +41,12 @@ type Policy struct {
 	// Router is the policy's name in the router's table (Name if empty).
 	Router string
 	// Replicas > 1 runs that many independent routers with this policy,
-	// each given a random share of the traffic (no shared state).
+	// each given a random share of the traffic (no shared state but,
+	// with Gossip, their placements).
 	Replicas int
+	// Gossip: the replicas gossip their placements to each other
+	// (--peers, on loopback ports of their own).
+	Gossip bool
 	// Configure, if set, adjusts the router's configuration for this
 	// policy after the benchmark's defaults (e.g. a peer's own engine
 	// metrics refresh).
@@ -111,6 +115,8 @@ func optInPolicies() []Policy {
 			Configure: func(c *app.Config) { c.KVEventsTiers = false }},
 		{Name: PrefixEvents + "-3-replicas", Router: "prefix", Events: true, Replicas: 3,
 			About: "three independent kvroute replicas (prefix fed by KV events), a random third of the traffic each"},
+		{Name: PrefixGossip, Router: "prefix", Replicas: 3, Gossip: true,
+			About: "three kvroute replicas (prefix) gossiping their placements (--peers), a random third of the traffic each"},
 		{Name: LLMDPrecise, Events: true,
 			About: "llm-d precise prefix-cache scoring: prefix 2, KV 1, queue 1, max score, fed by KV events, tokenizing every request (emulated)"},
 	}
@@ -119,6 +125,10 @@ func optInPolicies() []Policy {
 // OptInPolicies returns the policies that run only where a scenario or the
 // caller names them (kvbench --policies).
 func OptInPolicies() []Policy { return optInPolicies() }
+
+// PrefixGossip is three replicas of the prefix policy that gossip their
+// placements (Policy.Gossip).
+const PrefixGossip = "prefix-3-replicas-gossip"
 
 // The opt-in policies fed by the engines' KV events (Policy.Events).
 const (

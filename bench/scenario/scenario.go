@@ -460,8 +460,12 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 		// router pods would.
 		pods := backends
 		backends = nil
+		gossip, err := gossipAddrs(p)
+		if err != nil {
+			return nil, seen, err
+		}
 		for i := 0; i < p.Replicas; i++ {
-			inner, err := StartRouter(p, pods, sc.simEngines(cfgs))
+			inner, err := StartRouter(gossipReplica(p, gossip, i), pods, sc.simEngines(cfgs))
 			if err != nil {
 				return nil, seen, err
 			}
@@ -550,6 +554,40 @@ func eventBackends(fleet engineFleet, zmq string, p *Policy) ([]string, error) {
 		out[i] = u + "#kv-events=" + port
 	}
 	return out, nil
+}
+
+// gossipAddrs returns a loopback gossip address for each of p's replicas
+// when they gossip (Policy.Gossip), none otherwise.
+func gossipAddrs(p Policy) ([]string, error) {
+	if !p.Gossip {
+		return nil, nil
+	}
+	addrs := make([]string, p.Replicas)
+	for i := range addrs {
+		a, err := freeLoopback()
+		if err != nil {
+			return nil, err
+		}
+		addrs[i] = a
+	}
+	return addrs, nil
+}
+
+// gossipReplica is p for its replica i: listening at addrs[i] and given
+// every replica's address as its peers, as a static deployment lists them
+// (p itself without gossip addresses).
+func gossipReplica(p Policy, addrs []string, i int) Policy {
+	if len(addrs) == 0 {
+		return p
+	}
+	configure := p.Configure
+	p.Configure = func(c *app.Config) {
+		if configure != nil {
+			configure(c)
+		}
+		c.Peers, c.GossipListen, c.GossipName = addrs, addrs[i], fmt.Sprintf("%s-%d", p.Name, i)
+	}
+	return p
 }
 
 // freeLoopback returns 127.0.0.1:port, a port free a moment ago.

@@ -1,0 +1,116 @@
+package app
+
+import (
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvroute/kvroute/bench/sim"
+	"github.com/kvroute/kvroute/peers"
+)
+
+// freeGossipAddr returns a loopback address with a free TCP port (its
+// UDP twin is free as a rule on loopback).
+func freeGossipAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// Two router replicas over one fleet, each given both gossip addresses as
+// --peers (as a static deployment lists them): they meet, a prompt sent
+// through one lands in the other's index on the same endpoint before the
+// other has routed anything, and the other's admin listener shows its
+// peer in /debug/peers and the merged placements in its metrics.
+func TestReplicasGossipPlacements(t *testing.T) {
+	fleet := startSimFleet(t, 2, sim.DefaultConfig())
+	addrs := []string{freeGossipAddr(t), freeGossipAddr(t)}
+	var rts []*Router
+	var urls []string
+	for i := range 2 {
+		cfg := DefaultConfig()
+		cfg.Backends, cfg.AccessLog = fleet.URLs(), false
+		cfg.Peers, cfg.GossipListen, cfg.GossipName = addrs, addrs[i], fmt.Sprintf("replica-%d", i)
+		if err := cfg.Validate(); err != nil {
+			t.Fatal(err)
+		}
+		rt, url := startRouter(t, cfg)
+		rts, urls = append(rts, rt), append(urls, url)
+	}
+	a, b := rts[0], rts[1]
+	deadline := time.Now().Add(15 * time.Second) // a deadlock guard, not a speed assertion
+	for a.Mesh.Members() != 1 || b.Mesh.Members() != 1 || b.Mesh.Ready() != nil {
+		if time.Now().After(deadline) {
+			t.Fatalf("replicas did not meet: %+v / %+v", a.Mesh.Status(), b.Mesh.Status())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	prompt := strings.Repeat("A system prompt both replicas should know about. ", 200)
+	body := fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, sim.DefaultConfig().Model, prompt)
+	resp, err := testClient.Post(urls[0]+"/v1/completions", "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	for b.Prefix.Index().Stats().Entries == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("b merged nothing: %+v", b.Mesh.Stats())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if ea, eb := a.Prefix.Index().Stats().Entries, b.Prefix.Index().Stats().Entries; ea != eb {
+		t.Errorf("index entries: %d where the request went, %d merged", ea, eb)
+	}
+
+	rec := httptest.NewRecorder()
+	b.AdminHandler().ServeHTTP(rec, httptest.NewRequest("GET", "/debug/peers", nil))
+	var st peers.Status
+	if err := json.Unmarshal(rec.Body.Bytes(), &st); err != nil || len(st.Members) != 1 || st.Members[0].Name != "replica-0" || st.Stats.Merged == 0 {
+		t.Fatalf("/debug/peers: %v %s", err, rec.Body)
+	}
+	rec = httptest.NewRecorder()
+	b.AdminHandler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	for _, want := range []string{"kvroute_peers 1", `kvroute_peer_placements_total{outcome="merged"}`} {
+		if !strings.Contains(rec.Body.String(), want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+}
+
+// Gossip configuration errors are reported by Validate with the flags:
+// plaintext off loopback, a bad peer, a bad key file, gossip without the
+// prefix policy.
+func TestGossipConfig(t *testing.T) {
+	for name, set := range map[string]func(*Config){
+		"plaintext off loopback": func(c *Config) { c.Peers, c.GossipListen = []string{"10.0.0.2:7946"}, ":7946" },
+		"bad peer":               func(c *Config) { c.Peers, c.GossipListen = []string{"kvroute-1"}, "127.0.0.1:7946" },
+		"missing key file":       func(c *Config) { c.Peers, c.GossipKeyFile = []string{"10.0.0.2:7946"}, "/nonexistent/key" },
+	} {
+		c := DefaultConfig()
+		c.Backends = []string{"http://127.0.0.1:9"}
+		set(&c)
+		if err := c.Validate(); err == nil {
+			t.Errorf("%s: validated", name)
+		}
+	}
+	c := DefaultConfig()
+	c.Backends, c.Policy, c.Peers, c.GossipListen = []string{"http://127.0.0.1:9"}, "round-robin", []string{"127.0.0.1:7947"}, "127.0.0.1:0"
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := New(c, nil); err == nil || !strings.Contains(err.Error(), "--policy prefix") {
+		t.Errorf("gossip under round-robin: %v", err)
+	}
+}

@@ -1,0 +1,532 @@
+package peers
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/hashicorp/memberlist"
+	"github.com/zeebo/xxh3"
+	"go.uber.org/zap"
+)
+
+// Config configures a Mesh.
+type Config struct {
+	// Name is this replica's name among its peers, unique ("": the host
+	// name and a random suffix, so that a pod restarted under a new
+	// address is a new member).
+	Name string
+	// Listen is the gossip address, host:port (TCP and UDP; port 0: any
+	// free port, see Addr).
+	Listen string
+	// Advertise is the host:port peers reach this replica at ("": the
+	// Listen address, or memberlist's pick of a private address when
+	// Listen's host is unspecified).
+	Advertise string
+	// Seeds are other replicas' gossip addresses, host:port, joined at
+	// the start and again whenever this replica finds itself alone; they
+	// may include its own.
+	Seeds []string
+	// Keys are the gossip keys (ReadKeys), the first the primary: every
+	// message is encrypted and authenticated (AES-GCM). None means
+	// plaintext, allowed only on loopback addresses.
+	Keys [][]byte
+	// Fingerprint is the hashing configuration (Fingerprint): replicas
+	// whose block hashes could never match ignore each other's messages.
+	Fingerprint uint32
+	// SyncTimeout bounds how long Ready waits for the first join when
+	// there are seeds (0: 10 s): the first replica of a fleet finds none.
+	SyncTimeout time.Duration
+	// Known reports whether id is one of this replica's endpoints: a
+	// peer's placement on an endpoint this replica does not route to is
+	// dropped.
+	Known func(id uint64) bool
+	// Record merges a peer's placement: endpoint id was sent a request
+	// whose chain (or a piece of it, first block first) is hashes. It is
+	// the prefix index's Record; hashes is only valid during the call.
+	Record func(id uint64, hashes []uint64)
+	// Logger receives memberlist's events and the mesh's (nil: none).
+	Logger *zap.Logger
+}
+
+// DefaultPort is memberlist's (and so the gossip listener's) default port.
+const DefaultPort = 7946
+
+const (
+	// flushEvery is how often placements go out: a burst's followers on
+	// another replica see the first placement within it, well under a
+	// cold prefill.
+	flushEvery = 10 * time.Millisecond
+	// maxPending bounds the hashes waiting for a flush (2 MB); beyond,
+	// placements are dropped and counted (later ones heal the loss).
+	maxPending = 256 << 10
+	// maxRecent bounds the chains remembered as sent this second.
+	maxRecent = 1 << 16
+	// inbox is the received messages waiting to be merged; beyond it
+	// they are dropped and counted (memberlist's receive loop never
+	// waits for the merge).
+	inbox = 4096
+	// rejoinEvery is how often a replica alone tries its seeds again.
+	rejoinEvery = 2 * time.Second
+	// defaultSyncTimeout is Config.SyncTimeout's default.
+	defaultSyncTimeout = 10 * time.Second
+)
+
+// Mesh is one replica's membership in its peers' gossip: it sends the
+// placements this replica makes to every other replica and merges theirs
+// into its index, so that a prefix placed by any replica is a warm route
+// for all of them. New validates; Run joins and runs until its context
+// ends. Safe for concurrent use.
+type Mesh struct {
+	cfg    Config
+	sender uint64 // xxh3 of the name
+
+	seeds  []string     // the seeds but this replica's own address (set by Run before start)
+	others atomic.Int64 // live members besides this one
+	joined atomic.Bool  // a peer was seen since the start
+	start  atomic.Int64 // Run's start, unix ns (0: not running)
+	ml     atomic.Pointer[memberlist.Memberlist]
+	bound  chan struct{} // closed once the listener is bound
+
+	mu      sync.Mutex
+	pending []pendingEntry // placements since the last flush
+	flat    []uint64       // their hashes
+	recent  map[uint64]int64
+	spare   []uint64 // the flush's buffer
+	spareP  []pendingEntry
+
+	in chan []byte
+
+	stats counters
+}
+
+type pendingEntry struct {
+	endpoint   uint64
+	start, end int
+}
+
+// counters are the mesh's traffic and merge counts (Stats).
+type counters struct {
+	sentMessages, sentBytes, receivedMessages, receivedBytes atomic.Int64
+	merged, unknown, mismatched, dropped, decodeErrors       atomic.Int64
+}
+
+// Stats are a Mesh's figures since it started.
+type Stats struct {
+	// Members is the live replicas besides this one.
+	Members int `json:"members"`
+	// Joined is whether a peer was ever seen.
+	Joined bool `json:"joined"`
+	// SentMessages and SentBytes count gossip messages sent (one per
+	// peer), ReceivedMessages and ReceivedBytes those received.
+	SentMessages     int64 `json:"sent_messages"`
+	SentBytes        int64 `json:"sent_bytes"`
+	ReceivedMessages int64 `json:"received_messages"`
+	ReceivedBytes    int64 `json:"received_bytes"`
+	// Merged counts peers' placements merged into the index; Unknown
+	// those on an endpoint this replica does not route to; Mismatched
+	// messages of a replica with another hashing configuration;
+	// Dropped placements or messages dropped for want of room;
+	// DecodeErrors messages refused as malformed.
+	Merged       int64 `json:"merged"`
+	Unknown      int64 `json:"unknown_endpoint"`
+	Mismatched   int64 `json:"mismatched"`
+	Dropped      int64 `json:"dropped"`
+	DecodeErrors int64 `json:"decode_errors"`
+}
+
+// Fingerprint is the hashing configuration's fingerprint: the block size,
+// whether prompts are normalised, and render, a version of the request
+// rendering that changes whenever hashes of the same request would.
+func Fingerprint(blockBytes int, normalize bool, render string) uint32 {
+	return uint32(xxh3.HashString("kvroute-peers/1 " + strconv.Itoa(blockBytes) + " " + strconv.FormatBool(normalize) + " " + render))
+}
+
+// New validates cfg (Check) and returns a mesh that is not running yet.
+func New(cfg Config) (*Mesh, error) {
+	if cfg.Record == nil || cfg.Known == nil {
+		return nil, errors.New("gossip: no index to merge into")
+	}
+	if err := Check(cfg); err != nil {
+		return nil, err
+	}
+	if cfg.Name == "" {
+		h, _ := os.Hostname()
+		var b [4]byte
+		_, _ = rand.Read(b[:])
+		cfg.Name = h + "-" + hex.EncodeToString(b[:])
+	}
+	if cfg.SyncTimeout <= 0 {
+		cfg.SyncTimeout = defaultSyncTimeout
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = zap.NewNop()
+	}
+	return &Mesh{cfg: cfg, sender: xxh3.HashString(cfg.Name), bound: make(chan struct{}),
+		recent: make(map[uint64]int64), in: make(chan []byte, inbox)}, nil
+}
+
+// Check validates cfg's addresses, and refuses plaintext gossip off
+// loopback: anyone who reached the port could join and claim placements.
+func Check(cfg Config) error {
+	host, _, err := splitHostPort(cfg.Listen)
+	if err != nil {
+		return fmt.Errorf("gossip listen address %q: %w", cfg.Listen, err)
+	}
+	if len(cfg.Keys) == 0 && !loopback(host) {
+		return fmt.Errorf("gossip on %q without a key: anyone who reaches the port could join and claim placements; "+
+			"give a key file (one base64 key of 16, 24 or 32 bytes a line, e.g. openssl rand -base64 32) or listen on a loopback address", cfg.Listen)
+	}
+	for _, s := range cfg.Seeds {
+		if _, _, err := splitHostPort(s); err != nil {
+			return fmt.Errorf("gossip peer %q: %w", s, err)
+		}
+	}
+	if cfg.Advertise != "" {
+		if _, _, err := splitHostPort(cfg.Advertise); err != nil {
+			return fmt.Errorf("gossip advertise address %q: %w", cfg.Advertise, err)
+		}
+	}
+	return nil
+}
+
+// splitHostPort splits a host:port whose port is a number (0 allowed).
+func splitHostPort(s string) (string, int, error) {
+	host, port, err := net.SplitHostPort(s)
+	if err != nil {
+		return "", 0, err
+	}
+	p, err := strconv.ParseUint(port, 10, 16)
+	if err != nil {
+		return "", 0, fmt.Errorf("port %q is not a number", port)
+	}
+	return host, int(p), nil
+}
+
+// loopback reports whether host is a loopback address or localhost.
+func loopback(host string) bool {
+	if host == "localhost" {
+		return true
+	}
+	a, err := netip.ParseAddr(host)
+	return err == nil && a.IsLoopback()
+}
+
+// Name is this replica's name among its peers.
+func (m *Mesh) Name() string { return m.cfg.Name }
+
+// Bound is closed once Run has bound the gossip listener.
+func (m *Mesh) Bound() <-chan struct{} { return m.bound }
+
+// Addr is the gossip address peers reach this replica at (after Bound).
+func (m *Mesh) Addr() string {
+	ml := m.ml.Load()
+	if ml == nil {
+		return ""
+	}
+	return ml.LocalNode().Address()
+}
+
+// Members is the live replicas besides this one.
+func (m *Mesh) Members() int { return int(m.others.Load()) }
+
+// Ready reports whether the replica may take traffic: once it has met a
+// peer, when it has no seeds but itself, or when SyncTimeout has passed
+// since Run started (the first replica of a fleet has no one to meet).
+// Once ready it stays so: a gossip outage never takes a router out of
+// service.
+func (m *Mesh) Ready() error {
+	if m.joined.Load() || len(m.cfg.Seeds) == 0 {
+		return nil
+	}
+	start := m.start.Load()
+	if start == 0 {
+		return errors.New("gossip: not started")
+	}
+	if len(m.seeds) == 0 || time.Since(time.Unix(0, start)) >= m.cfg.SyncTimeout {
+		return nil
+	}
+	return fmt.Errorf("gossip: joining peers %v (up to %s)", m.seeds, m.cfg.SyncTimeout)
+}
+
+// Stats returns the mesh's figures.
+func (m *Mesh) Stats() Stats {
+	c := &m.stats
+	return Stats{Members: m.Members(), Joined: m.joined.Load(),
+		SentMessages: c.sentMessages.Load(), SentBytes: c.sentBytes.Load(),
+		ReceivedMessages: c.receivedMessages.Load(), ReceivedBytes: c.receivedBytes.Load(),
+		Merged: c.merged.Load(), Unknown: c.unknown.Load(), Mismatched: c.mismatched.Load(),
+		Dropped: c.dropped.Load(), DecodeErrors: c.decodeErrors.Load()}
+}
+
+// Placed notes that this replica sent endpoint id a request whose chain is
+// hashes, for the next flush to its peers. It is on the request path: one
+// atomic load without peers; with them, a copy under a mutex. A chain
+// already queued for the same endpoint within the same second is not
+// queued again (a hot prefix costs one message a second, and the peers'
+// index refreshes it as often as its own would).
+func (m *Mesh) Placed(id uint64, hashes []uint64) {
+	if len(hashes) == 0 || m.others.Load() == 0 {
+		return
+	}
+	key := id ^ hashes[len(hashes)-1]
+	now := time.Now().Unix()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.recent[key] == now {
+		return
+	}
+	if len(m.flat)+len(hashes) > maxPending {
+		m.stats.dropped.Add(1)
+		return
+	}
+	if len(m.recent) >= maxRecent {
+		clear(m.recent)
+	}
+	m.recent[key] = now
+	start := len(m.flat)
+	m.flat = append(m.flat, hashes...)
+	m.pending = append(m.pending, pendingEntry{endpoint: id, start: start, end: len(m.flat)})
+}
+
+// Run joins the seeds and gossips until ctx ends, then leaves the mesh
+// (telling the peers at once) and shuts memberlist down.
+func (m *Mesh) Run(ctx context.Context) error {
+	ml, err := memberlist.Create(m.memberlistConfig())
+	if err != nil {
+		return fmt.Errorf("gossip: %w", err)
+	}
+	m.ml.Store(ml)
+	self := ml.LocalNode().Address()
+	for _, a := range m.cfg.Seeds {
+		if a != self {
+			m.seeds = append(m.seeds, a)
+		}
+	}
+	m.start.Store(time.Now().UnixNano())
+	close(m.bound)
+	m.cfg.Logger.Info("gossip listening", zap.String("name", m.cfg.Name), zap.String("addr", ml.LocalNode().Address()),
+		zap.Strings("peers", m.cfg.Seeds), zap.Bool("encrypted", len(m.cfg.Keys) > 0))
+	var wg sync.WaitGroup
+	wg.Go(func() { m.merge(ctx) })
+	wg.Go(func() { m.join(ctx, ml) })
+	t := time.NewTicker(flushEvery)
+	defer t.Stop()
+	for done := false; !done; {
+		select {
+		case <-ctx.Done():
+			done = true
+		case <-t.C:
+			m.others.Store(int64(max(ml.NumMembers()-1, 0)))
+			if m.others.Load() > 0 {
+				m.joined.Store(true)
+			}
+			m.flush(ml)
+		}
+	}
+	// Leave first (the peers learn at once), then shut down, which also
+	// ends a join still waiting on an unreachable seed.
+	err = errors.Join(ml.Leave(time.Second), ml.Shutdown())
+	wg.Wait()
+	return err
+}
+
+// join joins the seeds at the start and again every rejoinEvery while
+// this replica is alone.
+func (m *Mesh) join(ctx context.Context, ml *memberlist.Memberlist) {
+	if len(m.seeds) == 0 {
+		return
+	}
+	t := time.NewTicker(rejoinEvery)
+	defer t.Stop()
+	logged := false
+	for {
+		if ml.NumMembers() < 2 {
+			if _, err := ml.Join(m.seeds); err != nil && !logged && ml.NumMembers() < 2 {
+				m.cfg.Logger.Info("gossip: no peer reached yet; retrying", zap.Strings("peers", m.seeds), zap.Error(err))
+				logged = true
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// flush sends the placements queued since the last flush to every other
+// live member.
+func (m *Mesh) flush(ml *memberlist.Memberlist) {
+	m.mu.Lock()
+	if len(m.pending) == 0 {
+		m.mu.Unlock()
+		return
+	}
+	pending, flat := m.pending, m.flat
+	m.pending, m.flat = m.spareP[:0], m.spare[:0]
+	m.mu.Unlock()
+	ps := make([]placement, len(pending))
+	for i, p := range pending {
+		ps[i] = placement{endpoint: p.endpoint, hashes: flat[p.start:p.end]}
+	}
+	msgs := encodePlacements(nil, header{sender: m.sender, fingerprint: m.cfg.Fingerprint}, ps)
+	self := ml.LocalNode().Name
+	for _, n := range ml.Members() {
+		if n.Name == self {
+			continue
+		}
+		for _, b := range msgs {
+			if err := ml.SendBestEffort(n, b); err != nil {
+				m.stats.dropped.Add(1)
+				continue
+			}
+			m.stats.sentMessages.Add(1)
+			m.stats.sentBytes.Add(int64(len(b)))
+		}
+	}
+	m.mu.Lock()
+	m.spareP, m.spare = pending[:0], flat[:0]
+	m.mu.Unlock()
+}
+
+// merge decodes the peers' messages and merges their placements into the
+// index until ctx ends.
+func (m *Mesh) merge(ctx context.Context) {
+	var ps []placement
+	var flat []uint64
+	for {
+		var b []byte
+		select {
+		case <-ctx.Done():
+			return
+		case b = <-m.in:
+		}
+		ps, flat = m.apply(b, ps, flat)
+	}
+}
+
+// apply merges one message (ps and flat: reused buffers).
+func (m *Mesh) apply(b []byte, ps []placement, flat []uint64) ([]placement, []uint64) {
+	h, body, err := readHeader(b)
+	if err == nil && h.kind != kindPlacement {
+		err = fmt.Errorf("%w: kind %d", ErrBadMessage, h.kind)
+	}
+	if err != nil {
+		m.stats.decodeErrors.Add(1)
+		return ps, flat
+	}
+	if h.sender == m.sender {
+		return ps, flat
+	}
+	if h.fingerprint != m.cfg.Fingerprint {
+		m.stats.mismatched.Add(1)
+		return ps, flat
+	}
+	if ps, flat, err = decodePlacements(body, ps, flat); err != nil {
+		m.stats.decodeErrors.Add(1)
+		return ps, flat
+	}
+	for _, p := range ps {
+		if !m.cfg.Known(p.endpoint) {
+			m.stats.unknown.Add(1)
+			continue
+		}
+		m.cfg.Record(p.endpoint, p.hashes)
+		m.stats.merged.Add(1)
+	}
+	return ps, flat
+}
+
+// receive takes a message from memberlist's receive loop: copied, never
+// waited for.
+func (m *Mesh) receive(b []byte) {
+	m.stats.receivedMessages.Add(1)
+	m.stats.receivedBytes.Add(int64(len(b)))
+	c := make([]byte, len(b))
+	copy(c, b)
+	select {
+	case m.in <- c:
+	default:
+		m.stats.dropped.Add(1)
+	}
+}
+
+// memberlistConfig is memberlist's configuration for m: its LAN defaults
+// (failure detection within seconds), m's name and addresses, the keys,
+// and the delegate that carries the placements.
+func (m *Mesh) memberlistConfig() *memberlist.Config {
+	c := memberlist.DefaultLANConfig()
+	c.Name = m.cfg.Name
+	c.BindAddr, c.BindPort, _ = splitHostPort(m.cfg.Listen) // validated by New
+	if c.BindAddr == "" {
+		c.BindAddr = "0.0.0.0"
+	}
+	c.AdvertisePort = c.BindPort
+	if m.cfg.Advertise != "" {
+		c.AdvertiseAddr, c.AdvertisePort, _ = splitHostPort(m.cfg.Advertise)
+	}
+	if len(m.cfg.Keys) > 0 {
+		// Validated by ParseKeys: NewKeyring cannot fail on them.
+		c.Keyring, _ = memberlist.NewKeyring(m.cfg.Keys, m.cfg.Keys[0])
+		c.GossipVerifyIncoming, c.GossipVerifyOutgoing = true, true
+	}
+	c.Delegate = delegate{m}
+	c.LogOutput = logWriter{m.cfg.Logger.Named("memberlist")}
+	return c
+}
+
+// delegate is memberlist's hook into the mesh: user messages in, nothing
+// piggybacked on its gossip (placements go straight to each peer), no
+// node metadata or state exchange yet.
+type delegate struct{ m *Mesh }
+
+func (d delegate) NodeMeta(int) []byte               { return nil }
+func (d delegate) NotifyMsg(b []byte)                { d.m.receive(b) }
+func (d delegate) GetBroadcasts(int, int) [][]byte   { return nil }
+func (d delegate) LocalState(bool) []byte            { return nil }
+func (d delegate) MergeRemoteState(_ []byte, _ bool) {}
+
+// Status is a mesh's state for /debug/peers.
+type Status struct {
+	Name      string `json:"name"`
+	Addr      string `json:"addr"`
+	Encrypted bool   `json:"encrypted"`
+	// NotReady says why the replica is not ready yet ("": ready).
+	NotReady string   `json:"not_ready,omitempty"`
+	Seeds    []string `json:"seeds"`
+	// Members are the live replicas besides this one.
+	Members []Member `json:"members"`
+	Stats   Stats    `json:"stats"`
+}
+
+// Member is a live peer.
+type Member struct {
+	Name string `json:"name"`
+	Addr string `json:"addr"`
+}
+
+// Status returns the mesh's state.
+func (m *Mesh) Status() Status {
+	s := Status{Name: m.cfg.Name, Addr: m.Addr(), Encrypted: len(m.cfg.Keys) > 0, Seeds: m.cfg.Seeds, Members: []Member{}, Stats: m.Stats()}
+	if err := m.Ready(); err != nil {
+		s.NotReady = err.Error()
+	}
+	if ml := m.ml.Load(); ml != nil {
+		for _, n := range ml.Members() {
+			if n.Name != m.cfg.Name {
+				s.Members = append(s.Members, Member{Name: n.Name, Addr: n.Address()})
+			}
+		}
+	}
+	return s
+}

@@ -442,43 +442,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	// many prompts: there a new prompt goes where it waits least, and a
 	// faster engine takes more of them. Replicas place by the assignment.
 	firstAlone := keyed && hasHome && !replicated && !hk.recurring && hk.at == 0 && branch == 0
-	var ch, full picks         // full: the candidates firstAlone left out, should none be left
-	var engines, foreign int64 // the fresh scrapes' requests, and those not this router's
-	for _, e := range group {
-		if !Usable(r, e) {
-			if terms != nil {
-				*terms = append(*terms, skippedTerm(r, e))
-			}
-			continue
-		}
-		matched, lower := matchedBlocks(matches, e.ID)
-		shared := 0
-		if hasHome && e.ID == homeID {
-			// Every replica sends the family's branches to their homes,
-			// which so hold the shared part too (or compute it once).
-			shared = branch
-		}
-		c := k.candidate(e, matched, lower, shared)
-		if eng := c.load.eng; eng != nil {
-			engines += eng.Running + eng.Waiting
-			foreign += eng.Foreign()
-		}
-		fullHere := firstAlone && e.ID != homeID && e.Dialect().Slotted() && !p.homes.hasRoom(e.ID)
-		if terms != nil {
-			*terms = append(*terms, p.term(c, fullHere))
-		}
-		if fullHere {
-			full.add(c, false, prm.TieSec)
-			continue
-		}
-		ch.add(c, hasHome && e.ID == homeID, prm.TieSec)
-	}
-	if see && engines > 0 {
-		p.learnForeign(float64(foreign) / float64(engines))
-	}
-	if ch.top.e == nil {
-		ch = full
-	}
+	ch := p.gather(r, group, &k, matches, homeKeyed{id: homeID, ok: hasHome, branch: branch, first: firstAlone}, see, terms)
 	if ch.top.e == nil {
 		return Decision{Reason: ReasonCold}
 	}
@@ -507,6 +471,63 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		d.unplaced = !hk.recurring && hk.at == 0
 	}
 	return d
+}
+
+// homeKeyed is what gather needs of the request's home: the endpoint
+// (when ok), the family's shared blocks held there, and whether the key
+// is a router alone's first sight (decide's firstAlone).
+type homeKeyed struct {
+	id     uint64
+	ok     bool
+	branch int
+	first  bool
+}
+
+// gather costs every usable endpoint of group for r and returns the
+// candidates' picks; terms, when not nil, receives each endpoint's side.
+// For a router alone's first sight of a key, endpoints of slot engines
+// that home their share already are left out unless none is left; with
+// see, the engines' foreign share is learned from the fresh scrapes.
+func (p *Prefix) gather(r *Request, group []*discovery.Endpoint, k *costing, matches []prefix.Match, home homeKeyed, see bool, terms *[]Term) picks {
+	var ch, full picks         // full: the candidates left out, should none be left
+	var engines, foreign int64 // the fresh scrapes' requests, and those not this router's
+	for _, e := range group {
+		if !Usable(r, e) {
+			if terms != nil {
+				*terms = append(*terms, skippedTerm(r, e))
+			}
+			continue
+		}
+		matched, lower := matchedBlocks(matches, e.ID)
+		isHome := home.ok && e.ID == home.id
+		shared := 0
+		if isHome {
+			// Every replica sends the family's branches to their homes,
+			// which so hold the shared part too (or compute it once).
+			shared = home.branch
+		}
+		c := k.candidate(e, matched, lower, shared)
+		if eng := c.load.eng; eng != nil {
+			engines += eng.Running + eng.Waiting
+			foreign += eng.Foreign()
+		}
+		fullHere := home.first && !isHome && e.Dialect().Slotted() && !p.homes.hasRoom(e.ID)
+		if terms != nil {
+			*terms = append(*terms, p.term(c, fullHere))
+		}
+		if fullHere {
+			full.add(c, false, k.prm.TieSec)
+			continue
+		}
+		ch.add(c, isHome, k.prm.TieSec)
+	}
+	if see && engines > 0 {
+		p.learnForeign(float64(foreign) / float64(engines))
+	}
+	if ch.top.e == nil {
+		return full
+	}
+	return ch
 }
 
 // term is candidate c's side of a decision for /debug/route; full when a

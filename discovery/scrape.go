@@ -142,11 +142,16 @@ type EngineStats struct {
 	LoRA *LoRAStats `json:"lora,omitempty"`
 	// At is when the scrape completed.
 	At time.Time `json:"scraped_at"`
-	// Routed is this router's requests in flight at the endpoint when the
-	// scrape completed (Endpoint.InFlight): the engine's running and
-	// waiting requests beyond it are other clients' (other router
-	// replicas, clients bypassing kvroute), which the router's own
-	// counters cannot see. 0 when the stats did not come from the scraper.
+	// Routed is how many of this router's requests the engine may have
+	// counted: those in flight at the endpoint when the scrape began
+	// (Endpoint.InFlight) and those sent to it before the scrape
+	// completed. The engine's running and waiting requests beyond it are
+	// other clients' (other router replicas, clients bypassing kvroute),
+	// which the router's own counters cannot see. (Taken when the scrape
+	// completed, a request that ended during the scrape counted as
+	// another client's: a router alone sending one request at a time
+	// learned it shared the fleet and moved its homes.) 0 when the stats
+	// did not come from the scraper.
 	Routed int64 `json:"routed"`
 }
 
@@ -478,6 +483,7 @@ func (w *scrapeWorker) scrape(ctx context.Context, e *Endpoint) {
 	if e.Dialect() == DialectOllama || start.UnixNano() < e.noMetricsUntil.Load() {
 		return
 	}
+	routed, sent := e.InFlight(), e.Requests()
 	status, err := w.fetch(ctx, e.URL+f.o.Scrape.Path)
 	if status == http.StatusNotFound || status == http.StatusMethodNotAllowed || status == http.StatusNotImplemented {
 		f.metricsAbsent(e, status)
@@ -515,7 +521,7 @@ func (w *scrapeWorker) scrape(ctx context.Context, e *Endpoint) {
 		e.noMetricsUntil.Store(0) // metrics turned on: say so again if they go
 	}
 	f.learnDialect(e, s.Engine)
-	s.At, s.Routed = now, e.InFlight()
+	s.At, s.Routed = now, routed+int64(e.Requests()-sent)
 	restarted := mem.seen && (s.StartTime != 0 && mem.start != 0 && math.Abs(s.StartTime-mem.start) > 1e-3 ||
 		s.PromptTokens < mem.prompt || s.PrefixQueries < mem.queries)
 	// A restarted engine was forgotten (OnRestart): its capacity counts anew.

@@ -3,6 +3,7 @@ package discovery
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -183,6 +184,8 @@ type metricsPod struct {
 	mu     sync.Mutex
 	text   []byte
 	status int
+	// during, when set, runs while a request is being answered.
+	during func(r *http.Request)
 }
 
 func startMetricsPod(t *testing.T, text []byte) *metricsPod {
@@ -191,6 +194,9 @@ func startMetricsPod(t *testing.T, text []byte) *metricsPod {
 	p.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		p.mu.Lock()
 		defer p.mu.Unlock()
+		if p.during != nil {
+			p.during(r)
+		}
 		w.WriteHeader(p.status)
 		_, _ = w.Write(p.text)
 	}))
@@ -294,6 +300,69 @@ func TestScrape(t *testing.T) {
 		p.serve(http.StatusOK, base)
 		rec.until(t, "Engine() is back", func() bool { return e.Engine() != nil })
 	})
+}
+
+// TestScrapeRoutedIsEveryRequestTheEngineMayCount: the engine's count
+// is taken during the scrape, so this router's requests that end or begin
+// while it is answered may be in it; none of them is another client's
+// (Foreign). One that was counted and gone by the end of the scrape read
+// as another client's request: a router alone, one request at a time,
+// learned that it shared the fleet.
+func TestScrapeRoutedIsEveryRequestTheEngineMayCount(t *testing.T) {
+	running := func(n int) []byte {
+		return []byte(fmt.Sprintf("vllm:num_requests_running{engine=\"0\",model_name=\"m\"} %d\nvllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 0\n", n))
+	}
+	for _, tc := range []struct {
+		name        string
+		engine      int // requests the engine reports
+		ends, start bool
+		want        int64 // Foreign
+	}{
+		{name: "ours ended during the scrape", engine: 1, ends: true},
+		{name: "ours began during the scrape", engine: 1, start: true},
+		{name: "ours ended, another client's runs", engine: 2, ends: true, want: 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := startMetricsPod(t, running(tc.engine))
+			o := Options{Health: HealthConfig{Disabled: true},
+				Scrape: ScrapeConfig{Interval: time.Hour, StaleAfter: 2 * time.Hour, Jitter: 0.01}}
+			f, rec, eps := staticFleet(t, o, p.URL)
+			e := eps[0]
+			var ours Lease
+			if tc.ends {
+				ours = e.Acquire(0)
+			}
+			scraped := make(chan struct{})
+			p.mu.Lock()
+			p.during = func(r *http.Request) {
+				if r.URL.Path != "/metrics" || scraped == nil {
+					return
+				}
+				if tc.ends {
+					ours.Release()
+				} else if tc.start {
+					ours = e.Acquire(0)
+				}
+				close(scraped)
+				scraped = nil
+			}
+			p.mu.Unlock()
+			done := scraped
+			run(t, f)
+			recv(t, done, "the scrape")
+			rec.wait(t, 0, "scrape", e, 1)
+			s := e.Engine()
+			if s == nil || s.Running != int64(tc.engine) {
+				t.Fatalf("Engine() = %+v", s)
+			}
+			if got := s.Foreign(); got != tc.want {
+				t.Errorf("Foreign() = %d (Routed %d), want %d", got, s.Routed, tc.want)
+			}
+			if tc.start {
+				ours.Release()
+			}
+		})
+	}
 }
 
 // parseWhole is expfmt over a whole scrape, without kvroute's line filter.

@@ -40,7 +40,7 @@ bench: ## micro-benchmarks beside the code (hop latency, parsing, policies)
 FUZZTIME ?= 30s
 FUZZ_TARGETS := ./proxy:FuzzParse ./proxy:FuzzRender ./proxy:FuzzUsageScanner ./proxy:FuzzStreamTrack \
 	./discovery:FuzzParseEngine ./discovery:FuzzDNSAnswer ./kvevents:FuzzDecodeBatch \
-	./kvevents:FuzzZMTP ./prefix:FuzzHasher
+	./kvevents:FuzzZMTP ./prefix:FuzzHasher ./peers:FuzzDecode ./peers:FuzzDecodeState ./peers:FuzzDecodeLoad
 fuzz: ## every native fuzz target in turn, FUZZTIME (30s) each
 	@set -e; for t in $(FUZZ_TARGETS); do \
 	  pkg=$${t%%:*}; name=$${t#*:}; echo "== $$name ($$pkg, $(FUZZTIME))"; \
@@ -106,7 +106,7 @@ bench-proxy: build ## one hop's cost against nginx, HAProxy and a bare proxy, me
 	@command -v wrk >/dev/null && command -v nginx >/dev/null && command -v haproxy >/dev/null || \
 		apt-get install -y wrk nginx-light haproxy
 	$(GO) build -trimpath -o $(BIN)/kvhop ./bench/cmd/kvhop
-	./$(BIN)/kvhop --kvroute $(BIN)/kvroute --kv-events --out bench/results/proxy
+	./$(BIN)/kvhop --kvroute $(BIN)/kvroute --kv-events --gossip --out bench/results/proxy
 	./$(BIN)/kvhop --kvroute $(BIN)/kvroute --streams 9800 --out bench/results/proxy
 
 # Soak (issue #12): SOAK_DURATION of mixed traffic (shared-prefix,

@@ -554,6 +554,7 @@ func deployCheckKvroute(t *testing.T, b *deployBuild, w deployWorkload, leaf boo
 	deployCheckPodSecurity(fail, b, w, c)
 	// The admin token comes from a Secret that exists.
 	deployCheckAdminToken(t, fail, b, c, rawSecrets)
+	deployCheckGossip(fail, b, w, c, cfg, rawSecrets)
 	deployCheckClientService(fail, b, w, httpPort)
 	deployCheckPDB(fail, b, w)
 	if leaf {
@@ -594,11 +595,104 @@ func deployCheckArgs(t *testing.T, fail func(string, ...any), c corev1.Container
 		return nil
 	}
 	if leaf {
-		if err := cfg.Validate(); err != nil {
+		v := *cfg
+		if v.GossipKeyFile != "" { // mounted from a Secret the operator creates (deployCheckGossip)
+			v.GossipKeyFile = filepath.Join(t.TempDir(), "key")
+			if err := os.WriteFile(v.GossipKeyFile, []byte("MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=\n"), 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := v.Validate(); err != nil {
 			fail("kvroute rejects its configuration (args %q):\n%v", c.Args, err)
 		}
 	}
 	return cfg
+}
+
+// deployCheckGossip: the replicas gossip (--peers-service) through a
+// headless Service of the build that selects their pods, publishes them
+// before they are ready (a replica is ready only once it has met its
+// peers) and carries the gossip port over TCP and UDP to container ports
+// of that number; the key file is mounted from a Secret that the build or
+// an example under deploy/ defines, with that key.
+func deployCheckGossip(fail func(string, ...any), b *deployBuild, w deployWorkload, c corev1.Container, cfg *config, rawSecrets []*corev1.Secret) {
+	if cfg.PeersService == "" {
+		fail("args do not set --peers-service: replicas would not share their placements")
+		return
+	}
+	name, port, err := net.SplitHostPort(cfg.PeersService)
+	if err != nil {
+		fail("--peers-service=%s: want NAME:PORT", cfg.PeersService)
+		return
+	}
+	var svc *corev1.Service
+	for _, s := range b.Services {
+		if s.Name == name {
+			svc = s
+		}
+	}
+	switch {
+	case svc == nil:
+		fail("--peers-service names Service %q, which the build lacks", name)
+		return
+	case svc.Spec.ClusterIP != corev1.ClusterIPNone:
+		fail("Service %s is not headless: DNS would give one virtual IP, not the replicas", name)
+	case !svc.Spec.PublishNotReadyAddresses:
+		fail("Service %s must publish not-ready addresses: a replica is not ready before it has met its peers", name)
+	case !deploySelects(svc.Spec.Selector, w.Template.Labels):
+		fail("Service %s does not select the kvroute pods", name)
+	}
+	for _, proto := range []corev1.Protocol{corev1.ProtocolTCP, corev1.ProtocolUDP} {
+		ok := false
+		for _, sp := range svc.Spec.Ports {
+			if strconv.Itoa(int(sp.Port)) != port || sp.Protocol != proto {
+				continue
+			}
+			cp, found := deployPortOf(c, sp.TargetPort)
+			ok = found && cp.Protocol == proto && strconv.Itoa(int(cp.ContainerPort)) == port
+		}
+		if !ok {
+			fail("Service %s: no %s port %s to a container port of that number (memberlist gossips over both)", name, proto, port)
+		}
+	}
+	if want := ":" + port; cfg.GossipListen != want && !strings.HasSuffix(cfg.GossipListen, want) {
+		fail("--gossip-listen %s is not the Service's port %s", cfg.GossipListen, port)
+	}
+	deployCheckSecretFile(fail, b, w, c, "--gossip-key-file", cfg.GossipKeyFile, rawSecrets)
+}
+
+// deployCheckSecretFile: path (flag's value) is a file of a volume mounted
+// from a Secret that the build or an example under deploy/ defines, with
+// the file's name as a key.
+func deployCheckSecretFile(fail func(string, ...any), b *deployBuild, w deployWorkload, c corev1.Container, flag, path string, rawSecrets []*corev1.Secret) {
+	if path == "" {
+		fail("args do not set %s", flag)
+		return
+	}
+	for _, m := range c.VolumeMounts {
+		rel, ok := strings.CutPrefix(path, strings.TrimSuffix(m.MountPath, "/")+"/")
+		if !ok {
+			continue
+		}
+		for _, v := range w.Template.Spec.Volumes {
+			if v.Name != m.Name || v.Secret == nil {
+				continue
+			}
+			for _, s := range append(slices.Clone(b.Secrets), rawSecrets...) {
+				if s.Name != v.Secret.SecretName {
+					continue
+				}
+				_, inData := s.Data[rel]
+				_, inString := s.StringData[rel]
+				if inData || inString {
+					return
+				}
+			}
+			fail("%s=%s: Secret %s has no key %s in the build or an example under deploy/", flag, path, v.Secret.SecretName, rel)
+			return
+		}
+	}
+	fail("%s=%s is not in a volume mounted from a Secret", flag, path)
 }
 
 // deployCheckRollout checks that the rollout is graceful: the args (flags)

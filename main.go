@@ -163,10 +163,11 @@ func healthFlags(health *pflag.FlagSet, c *config) {
 // gossipFlags binds the replicas' gossip flags.
 func gossipFlags(f *pflag.FlagSet, c *config) {
 	f.StringSliceVar(&c.Peers, "peers", c.Peers, "other kvroute replicas' gossip addresses, host:port (repeated or comma-separated; this replica's own may be among them): replicas send each other the placements they make, so that a prefix placed by any replica is a warm route for all (off when empty)")
-	f.StringVar(&c.GossipListen, "gossip-listen", c.GossipListen, "gossip listener, TCP and UDP (memberlist's port 7946), with --peers")
+	f.StringVar(&c.PeersService, "peers-service", c.PeersService, "headless Service of kvroute's own pods, NAME[:PORT] (port 7946 by default, or a named port's SRV records), resolved like --service: the replicas found there gossip as with --peers; use publishNotReadyAddresses, since a replica is not ready before it has met its peers")
+	f.StringVar(&c.GossipListen, "gossip-listen", c.GossipListen, "gossip listener, TCP and UDP (memberlist's port 7946), with --peers or --peers-service")
 	f.StringVar(&c.GossipAdvertise, "gossip-advertise", c.GossipAdvertise, "host:port the other replicas reach this one at (empty: the listen address, or a private address of this host when it listens on all)")
 	f.StringVar(&c.GossipKeyFile, "gossip-key-file", c.GossipKeyFile, "file of gossip keys, one base64 key of 16, 24 or 32 bytes a line (e.g. openssl rand -base64 32), the first used to send: gossip is encrypted and authenticated with them; required unless --gossip-listen is a loopback address")
-	f.DurationVar(&c.GossipSyncTimeout, "gossip-sync-timeout", c.GossipSyncTimeout, "with --peers, /readyz waits until this replica has met a peer, at most this long (the first replica of a fleet meets none)")
+	f.DurationVar(&c.GossipSyncTimeout, "gossip-sync-timeout", c.GossipSyncTimeout, "with --peers or --peers-service, /readyz waits until this replica has merged a peer's prefix index (it starts warm), at most this long (the first replica of a fleet meets none)")
 }
 
 // parseConfig reads flags from args and the environment (getenv).

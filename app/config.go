@@ -106,11 +106,14 @@ type Config struct {
 	KVEventsTiers bool
 
 	// Gossip between router replicas (the prefix policy, package peers):
-	// on when Peers names other replicas' gossip addresses. It listens
+	// on when Peers names other replicas' gossip addresses, or
+	// PeersService a headless Service of kvroute's pods (NAME[:PORT],
+	// resolved like Service, port 7946 by default). It listens
 	// on GossipListen (advertised as GossipAdvertise when set), encrypted
 	// with GossipKeyFile's keys (required off loopback); a replica is
 	// not ready until it has met a peer or GossipSyncTimeout has passed.
 	Peers             []string
+	PeersService      string
 	GossipListen      string
 	GossipAdvertise   string
 	GossipKeyFile     string
@@ -379,8 +382,13 @@ func (c *Config) validateOther(bad func(string, ...any)) {
 // validateGossip checks the replicas' gossip: the key file, the
 // addresses, and no plaintext gossip off loopback.
 func (c *Config) validateGossip(bad func(string, ...any)) {
-	if len(c.Peers) == 0 {
+	if !c.gossipOn() {
 		return
+	}
+	if c.PeersService != "" {
+		if err := discovery.CheckService(c.PeersService); err != nil {
+			bad("--peers-service: %v", err)
+		}
 	}
 	var keys [][]byte
 	if c.GossipKeyFile != "" {
@@ -393,6 +401,17 @@ func (c *Config) validateGossip(bad func(string, ...any)) {
 	if err := peers.Check(c.gossip(keys)); err != nil {
 		bad("--peers, --gossip-listen, --gossip-advertise: %v", err)
 	}
+}
+
+// gossipOn reports whether the replicas gossip (--peers or
+// --peers-service).
+func (c *Config) gossipOn() bool { return len(c.Peers) > 0 || c.PeersService != "" }
+
+// peersResolver is the lookup of --peers-service, with the DNS settings
+// of --service.
+func (c *Config) peersResolver() (*discovery.Resolver, error) {
+	return discovery.NewResolver(discovery.DNSConfig{Service: c.PeersService, ResolvConf: c.DNSResolvConf, Server: c.DNSServer},
+		peers.DefaultPort)
 }
 
 // gossip is the replicas' gossip configuration from c, with keys (the

@@ -80,7 +80,11 @@ func New(cfg Config, logger *zap.Logger) (*Router, error) {
 	m := metrics.New(r.Registry, proxy.Classes, func(yield func(metrics.EndpointSample)) {
 		for _, e := range r.Pool.Load().Endpoints {
 			s := metrics.EndpointSample{URL: e.URL, Role: e.Role.String(),
-				InFlight: e.InFlight(), PendingPrefill: e.PendingPrefill(), Requests: e.Requests(), Failures: e.Failures.Load(), KVUsage: -1}
+				InFlight: e.InFlight(), PendingPrefill: e.PendingPrefill(), Requests: e.Requests(), Failures: e.Failures.Load(), KVUsage: -1,
+				PeerInFlight: -1}
+			if r.Mesh != nil {
+				s.PeerInFlight = e.PeerInFlight()
+			}
 			if st := e.Engine(); st != nil {
 				s.KVUsage = st.KVUsage
 			}
@@ -119,9 +123,9 @@ func New(cfg Config, logger *zap.Logger) (*Router, error) {
 				Bytes: s.Bytes, Evictions: s.Evictions, Expiries: s.Expiries, Homes: r.Prefix.Homes(), Foreign: r.Prefix.Foreign()}
 		})
 	}
-	if len(cfg.Peers) > 0 {
+	if cfg.gossipOn() {
 		if r.Prefix == nil {
-			return nil, fmt.Errorf("--peers shares the prefix index between router replicas: it needs --policy prefix, not %q", cfg.Policy)
+			return nil, fmt.Errorf("--peers and --peers-service share the prefix index between router replicas: they need --policy prefix, not %q", cfg.Policy)
 		}
 		if r.Mesh, err = r.newMesh(logger); err != nil {
 			return nil, err
@@ -159,21 +163,42 @@ func (r *Router) newMesh(logger *zap.Logger) (*peers.Mesh, error) {
 		}
 	}
 	pc := r.cfg.gossip(keys)
+	if r.cfg.PeersService != "" {
+		res, err := r.cfg.peersResolver()
+		if err != nil {
+			return nil, err
+		}
+		pc.Lookup = res.Lookup
+	}
 	pc.Known = func(id uint64) bool {
 		return slices.ContainsFunc(r.Pool.Load().Endpoints, func(e *discovery.Endpoint) bool { return e.ID == id })
 	}
-	pc.Record = r.Prefix.Index().Record
+	idx := r.Prefix.Index()
+	pc.Record, pc.Export, pc.Import = idx.Record, idx.Export, idx.Import
+	pc.Load = func(yield func(id uint64, n int64)) {
+		for _, e := range r.Pool.Load().Endpoints {
+			yield(e.ID, e.InFlight())
+		}
+	}
+	pc.SetLoad = func(id uint64, n int64) {
+		eps := r.Pool.Load().Endpoints
+		if i := slices.IndexFunc(eps, func(e *discovery.Endpoint) bool { return e.ID == id }); i >= 0 {
+			eps[i].SetPeerInFlight(n)
+		}
+	}
 	pc.Logger = logger.Named("peers")
 	m, err := peers.New(pc)
 	if err != nil {
 		return nil, err
 	}
 	r.Prefix.OnPlaced(m.Placed)
+	r.Prefix.Meshed(m.Shared)
 	metrics.RegisterPeers(r.Registry, func() metrics.PeersSample {
 		s := m.Stats()
 		return metrics.PeersSample{Members: s.Members, SentMessages: s.SentMessages, SentBytes: s.SentBytes,
 			ReceivedMessages: s.ReceivedMessages, ReceivedBytes: s.ReceivedBytes,
-			Merged: s.Merged, Unknown: s.Unknown, Mismatched: s.Mismatched, Dropped: s.Dropped, BadFormat: s.DecodeErrors}
+			Merged: s.Merged, Unknown: s.Unknown, Mismatched: s.Mismatched, Dropped: s.Dropped, BadFormat: s.DecodeErrors,
+			States: s.States, Imported: s.Imported}
 	})
 	return m, nil
 }

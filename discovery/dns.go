@@ -63,6 +63,9 @@ type DNSConfig struct {
 	MinInterval time.Duration
 	// Timeout of one query to one nameserver. Default 2 s.
 	Timeout time.Duration
+
+	// defaultPort replaces DefaultServicePort (NewResolver).
+	defaultPort uint16
 }
 
 // Defaults of DNSConfig.
@@ -132,6 +135,10 @@ func newDNSSource(c DNSConfig) (*dnsSource, error) {
 	return d, nil
 }
 
+// CheckService reports whether spec is a valid NAME[:PORT] service spec
+// (ErrBadService wrapped when not), without looking it up.
+func CheckService(spec string) error { return (&dnsSource{}).parseService(spec) }
+
 // parseService splits NAME[:PORT].
 func (d *dnsSource) parseService(spec string) error {
 	name, port := spec, ""
@@ -149,6 +156,8 @@ func (d *dnsSource) parseService(spec string) error {
 	}
 	d.name = name
 	switch {
+	case port == "" && d.cfg.defaultPort != 0:
+		d.port = d.cfg.defaultPort
 	case port == "":
 		d.port = DefaultServicePort
 	case port[0] >= '0' && port[0] <= '9':
@@ -186,11 +195,36 @@ func (d *dnsSource) nameList(name string) []string {
 // resolve looks the service up once and returns its endpoints (sorted by
 // URL) and the smallest TTL of the records used.
 func (d *dnsSource) resolve(ctx context.Context) ([]*Endpoint, time.Duration, error) {
-	type target struct {
-		addr netip.Addr
-		port uint16
+	targets, ttl, err := d.targets(ctx)
+	if err != nil {
+		return nil, 0, err
 	}
-	var targets []target
+	eps := make([]*Endpoint, 0, len(targets))
+	for _, t := range targets {
+		u := d.cfg.Scheme + "://" + t.String() + d.cfg.BasePath
+		e, err := NewEndpoint(u, d.cfg.Role)
+		if err != nil {
+			continue // cannot happen for an address and a port
+		}
+		eps = append(eps, e)
+	}
+	if len(eps) == 0 {
+		return nil, 0, fmt.Errorf("%w: %s", ErrNoRecords, d.cfg.Service)
+	}
+	return eps, ttl, nil
+}
+
+// targets looks the service up once and returns its addresses and ports
+// (none with port 0) and the smallest TTL of the records used.
+func (d *dnsSource) targets(ctx context.Context) ([]netip.AddrPort, time.Duration, error) {
+	var targets []netip.AddrPort
+	add := func(addrs []netip.Addr, port uint16) {
+		for _, a := range addrs {
+			if port != 0 {
+				targets = append(targets, netip.AddrPortFrom(a, port))
+			}
+		}
+	}
 	var ttl uint32
 	if d.portName == "" {
 		addrs, t, err := d.lookupAddrs(ctx, d.nameList(d.name))
@@ -198,9 +232,7 @@ func (d *dnsSource) resolve(ctx context.Context) ([]*Endpoint, time.Duration, er
 			return nil, 0, err
 		}
 		ttl = t
-		for _, a := range addrs {
-			targets = append(targets, target{a, d.port})
-		}
+		add(addrs, d.port)
 	} else {
 		srvs, msg, t, err := d.lookupSRV(ctx, d.nameList("_"+d.portName+"._tcp."+d.name))
 		if err != nil {
@@ -220,27 +252,45 @@ func (d *dnsSource) resolve(ctx context.Context) ([]*Endpoint, time.Duration, er
 				}
 			}
 			ttl = min(ttl, t)
-			for _, a := range addrs {
-				targets = append(targets, target{a, srv.Port})
-			}
+			add(addrs, srv.Port)
 		}
 	}
-	eps := make([]*Endpoint, 0, len(targets))
-	for _, t := range targets {
-		if t.port == 0 {
-			continue
-		}
-		u := d.cfg.Scheme + "://" + netip.AddrPortFrom(t.addr, t.port).String() + d.cfg.BasePath
-		e, err := NewEndpoint(u, d.cfg.Role)
-		if err != nil {
-			continue // cannot happen for an address and a port
-		}
-		eps = append(eps, e)
-	}
-	if len(eps) == 0 {
+	if len(targets) == 0 {
 		return nil, 0, fmt.Errorf("%w: %s", ErrNoRecords, d.cfg.Service)
 	}
-	return eps, time.Duration(ttl) * time.Second, nil
+	return targets, time.Duration(ttl) * time.Second, nil
+}
+
+// Resolver looks a headless Service's pods up as a DNS source does (the
+// same resolver configuration, search path and SRV records for a named
+// port), for a caller other than the fleet: the router replicas' gossip
+// finds its peers with it. Safe for use by one goroutine at a time.
+type Resolver struct{ d *dnsSource }
+
+// NewResolver validates c (its Service, resolver and timeout; the
+// intervals are the caller's) for a service whose port, when the spec
+// names none, is port.
+func NewResolver(c DNSConfig, port uint16) (*Resolver, error) {
+	c.defaultPort = port
+	d, err := newDNSSource(c)
+	if err != nil {
+		return nil, err
+	}
+	return &Resolver{d}, nil
+}
+
+// Lookup returns the service's pods as host:port, ErrNoRecords wrapped
+// when it has none.
+func (r *Resolver) Lookup(ctx context.Context) ([]string, error) {
+	targets, _, err := r.d.targets(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]string, len(targets))
+	for i, t := range targets {
+		out[i] = t.String()
+	}
+	return out, nil
 }
 
 // lookupAddrs returns the addresses of the first name in names that has

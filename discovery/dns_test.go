@@ -448,3 +448,38 @@ func gather(t *testing.T, f *Fleet) []*dto.MetricFamily {
 	}
 	return mfs
 }
+
+// A Resolver looks a service up as a DNS source does, for the replicas'
+// gossip: the caller's default port when the spec has none, a named
+// port's SRV ports, the spec's own port; no records is ErrNoRecords.
+func TestResolverLookup(t *testing.T) {
+	srv := startDNS(t)
+	for _, tc := range []struct {
+		spec string
+		want []string
+	}{
+		{"vllm.ns.svc.cluster.local", []string{"10.0.0.1:7946", "10.0.0.2:7946"}},
+		{"vllm.ns.svc.cluster.local:9999", []string{"10.0.0.1:9999", "10.0.0.2:9999"}},
+		{"vllm.ns.svc.cluster.local:http", []string{"10.0.0.1:8000", "10.0.0.2:8001"}},
+	} {
+		r, err := NewResolver(fastDNS(srv, tc.spec), 7946)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := r.Lookup(t.Context())
+		slices.Sort(got)
+		if err != nil || !slices.Equal(got, tc.want) {
+			t.Errorf("%s: %v, %v; want %v", tc.spec, got, err, tc.want)
+		}
+	}
+	r, err := NewResolver(fastDNS(srv, "nothing.ns.svc.cluster.local"), 7946)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := r.Lookup(t.Context()); !errors.Is(err, ErrNoRecords) {
+		t.Errorf("a name without records: %v, %v", got, err)
+	}
+	if _, err := NewResolver(DNSConfig{Service: "bad name:", Server: srv.addr}, 7946); err == nil {
+		t.Error("a bad spec accepted")
+	}
+}

@@ -73,6 +73,9 @@ type Endpoint struct {
 	inFlight       atomic.Int64
 	pendingPrefill atomic.Int64
 	requests       atomic.Uint64
+	// peerInFlight is the other router replicas' requests in flight here,
+	// as their gossip last told (SetPeerInFlight).
+	peerInFlight atomic.Int64
 	// adapters counts the in-flight requests per LoRA adapter (Lease.
 	// ForAdapter); nil until the first.
 	adapterMu sync.Mutex

@@ -194,6 +194,14 @@ func (l *Lease) Take() Lease {
 // finished. One atomic load.
 func (e *Endpoint) InFlight() int64 { return e.inFlight.Load() }
 
+// PeerInFlight returns the other router replicas' requests in flight at e,
+// as their gossip last told (0 without). One atomic load.
+func (e *Endpoint) PeerInFlight() int64 { return e.peerInFlight.Load() }
+
+// SetPeerInFlight sets the other router replicas' requests in flight at e
+// (their gossip, summed over them).
+func (e *Endpoint) SetPeerInFlight(n int64) { e.peerInFlight.Store(max(n, 0)) }
+
 // PendingPrefill returns the prompt tokens of e's in-flight requests that
 // e has not computed yet (this router's requests before their first
 // response byte). One atomic load.

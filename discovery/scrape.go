@@ -153,6 +153,11 @@ type EngineStats struct {
 	// learned it shared the fleet and moved its homes.) 0 when the stats
 	// did not come from the scraper.
 	Routed int64 `json:"routed"`
+	// Peers is the other router replicas' requests in flight at the
+	// endpoint during the scrape, as their gossip told (the most at its
+	// start or end; 0 without gossip): the engine counts them, and the
+	// router counts them apart (Endpoint.PeerInFlight), fresher.
+	Peers int64 `json:"peers,omitempty"`
 }
 
 // LoRAStats is an engine's LoRA adapter slots, from the latest series of
@@ -170,9 +175,10 @@ type LoRAStats struct {
 }
 
 // Foreign returns the engine's running and waiting requests beyond this
-// router's own at the scrape (Routed): other clients' (other router
-// replicas, clients bypassing kvroute).
-func (s *EngineStats) Foreign() int64 { return max(0, s.Running+s.Waiting-s.Routed) }
+// router's own at the scrape (Routed) and its gossiping peers' (Peers):
+// other clients' (router replicas that do not gossip with this one,
+// clients bypassing kvroute).
+func (s *EngineStats) Foreign() int64 { return max(0, s.Running+s.Waiting-s.Routed-s.Peers) }
 
 // Age returns how old s is at now.
 func (s *EngineStats) Age(now time.Time) time.Duration { return now.Sub(s.At) }
@@ -483,7 +489,7 @@ func (w *scrapeWorker) scrape(ctx context.Context, e *Endpoint) {
 	if e.Dialect() == DialectOllama || start.UnixNano() < e.noMetricsUntil.Load() {
 		return
 	}
-	routed, sent := e.InFlight(), e.Requests()
+	routed, sent, peers := e.InFlight(), e.Requests(), e.PeerInFlight()
 	status, err := w.fetch(ctx, e.URL+f.o.Scrape.Path)
 	if status == http.StatusNotFound || status == http.StatusMethodNotAllowed || status == http.StatusNotImplemented {
 		f.metricsAbsent(e, status)
@@ -521,7 +527,7 @@ func (w *scrapeWorker) scrape(ctx context.Context, e *Endpoint) {
 		e.noMetricsUntil.Store(0) // metrics turned on: say so again if they go
 	}
 	f.learnDialect(e, s.Engine)
-	s.At, s.Routed = now, routed+int64(e.Requests()-sent)
+	s.At, s.Routed, s.Peers = now, routed+int64(e.Requests()-sent), max(peers, e.PeerInFlight())
 	restarted := mem.seen && (s.StartTime != 0 && mem.start != 0 && math.Abs(s.StartTime-mem.start) > 1e-3 ||
 		s.PromptTokens < mem.prompt || s.PrefixQueries < mem.queries)
 	// A restarted engine was forgotten (OnRestart): its capacity counts anew.

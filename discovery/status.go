@@ -17,11 +17,14 @@ type EndpointStatus struct {
 	Role   string   `json:"role"`
 	State  State    `json:"state"`
 	// Routable is what policies see: false when down, ejected or draining.
-	Routable        bool   `json:"routable"`
-	InFlight        int64  `json:"in_flight"`
-	InFlightPrefill int64  `json:"in_flight_prefill_tokens"`
-	Requests        uint64 `json:"requests"`
-	Failures        uint64 `json:"failures"`
+	Routable        bool  `json:"routable"`
+	InFlight        int64 `json:"in_flight"`
+	InFlightPrefill int64 `json:"in_flight_prefill_tokens"`
+	// PeerInFlight is the other router replicas' requests in flight
+	// (their gossip; omitted without).
+	PeerInFlight int64  `json:"peer_in_flight,omitempty"`
+	Requests     uint64 `json:"requests"`
+	Failures     uint64 `json:"failures"`
 	// ProbeFailures and ProbeSuccesses are the current runs of consecutive
 	// probe results.
 	ProbeFailures  int32 `json:"consecutive_probe_failures"`
@@ -84,7 +87,7 @@ func (f *Fleet) Endpoints() []EndpointStatus {
 func (f *Fleet) status(e *Endpoint, now time.Time) EndpointStatus {
 	s := EndpointStatus{
 		URL: e.URL, Role: e.Role.String(), State: e.State(), Routable: e.Routable(),
-		InFlight: e.InFlight(), InFlightPrefill: e.PendingPrefill(),
+		InFlight: e.InFlight(), InFlightPrefill: e.PendingPrefill(), PeerInFlight: e.PeerInFlight(),
 		Requests: e.Requests(), Failures: e.Failures.Load(),
 		ProbeFailures: e.probeFails.Load(), ProbeSuccesses: e.probeOKs.Load(),
 		ConsecutiveFailures: e.passiveFails.Load(), Learned: e.Costs(),

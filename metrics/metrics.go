@@ -27,6 +27,9 @@ type EndpointSample struct {
 	// requests that the endpoint has not answered yet.
 	PendingPrefill     int64
 	Requests, Failures uint64
+	// PeerInFlight is the other router replicas' requests in flight at
+	// the endpoint (their gossip); negative without gossip (not exported).
+	PeerInFlight int64
 	// KVUsage is the engine's scraped KV-cache usage (0–1); negative when
 	// not freshly scraped.
 	KVUsage float64
@@ -503,6 +506,8 @@ var (
 		"Requests in flight to the endpoint from this router.", []string{"endpoint", "role"}, nil)
 	descEndpointPending = prometheus.NewDesc(Namespace+"_endpoint_pending_prefill_tokens",
 		"Prompt tokens of this router's in-flight requests to the endpoint that it has not answered yet (its prefill queue as the router sees it).", []string{"endpoint", "role"}, nil)
+	descEndpointPeerInFlight = prometheus.NewDesc(Namespace+"_endpoint_peer_in_flight_requests",
+		"Requests in flight to the endpoint from the other router replicas, as their gossip last told (with --peers).", []string{"endpoint", "role"}, nil)
 	descEndpointRequests = prometheus.NewDesc(Namespace+"_endpoint_requests_total",
 		"Requests dispatched to the endpoint (attempts, retries included).", []string{"endpoint", "role"}, nil)
 	descEndpointFailures = prometheus.NewDesc(Namespace+"_endpoint_failures_total",
@@ -530,6 +535,7 @@ var (
 func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descEndpointInFlight
 	ch <- descEndpointPending
+	ch <- descEndpointPeerInFlight
 	ch <- descEndpointRequests
 	ch <- descEndpointFailures
 	ch <- descKVUsage
@@ -543,6 +549,9 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 	c.each(func(s EndpointSample) {
 		ch <- prometheus.MustNewConstMetric(descEndpointInFlight, prometheus.GaugeValue, float64(s.InFlight), s.URL, s.Role)
 		ch <- prometheus.MustNewConstMetric(descEndpointPending, prometheus.GaugeValue, float64(s.PendingPrefill), s.URL, s.Role)
+		if s.PeerInFlight >= 0 {
+			ch <- prometheus.MustNewConstMetric(descEndpointPeerInFlight, prometheus.GaugeValue, float64(s.PeerInFlight), s.URL, s.Role)
+		}
 		ch <- prometheus.MustNewConstMetric(descEndpointRequests, prometheus.CounterValue, float64(s.Requests), s.URL, s.Role)
 		ch <- prometheus.MustNewConstMetric(descEndpointFailures, prometheus.CounterValue, float64(s.Failures), s.URL, s.Role)
 		if s.KVUsage >= 0 {

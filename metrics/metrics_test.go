@@ -250,8 +250,8 @@ func checkRecordedHistograms(t *testing.T, mfs map[string]*dto.MetricFamily) {
 func TestEndpointCollector(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	samples := []EndpointSample{
-		{URL: "http://10.0.0.1:8000", Role: "mixed", InFlight: 3, Requests: 40, Failures: 2, KVUsage: 0.25},
-		{URL: "http://10.0.0.2:8000", Role: "prefill", InFlight: 0, Requests: 7, Failures: 0, KVUsage: 0.5,
+		{URL: "http://10.0.0.1:8000", Role: "mixed", InFlight: 3, Requests: 40, Failures: 2, KVUsage: 0.25, PeerInFlight: 5},
+		{URL: "http://10.0.0.2:8000", Role: "prefill", InFlight: 0, Requests: 7, Failures: 0, KVUsage: 0.5, PeerInFlight: -1,
 			Costs: &CostsSample{PrefillTokensPerSec: 20000, LoadTokensPerSec: 200000, FixedSec: 0.02, DecodeStepSec: 0.012, DecodeSec: 1.5,
 				BatchLimit: 64, TTFTSamples: 11, DecodeSamples: 12, StepSamples: 13, LimitSamples: 14}},
 	}
@@ -268,6 +268,12 @@ func TestEndpointCollector(t *testing.T) {
 	b := "endpoint=http://10.0.0.2:8000,role=prefill"
 	if v := sample(t, mfs, "kvroute_endpoint_in_flight_requests", a).GetGauge().GetValue(); v != 3 {
 		t.Errorf("in flight %v", v)
+	}
+	if v := sample(t, mfs, "kvroute_endpoint_peer_in_flight_requests", a).GetGauge().GetValue(); v != 5 {
+		t.Errorf("peers' in flight %v", v)
+	}
+	if n := len(mfs["kvroute_endpoint_peer_in_flight_requests"].GetMetric()); n != 1 {
+		t.Errorf("peers' in flight exported for %d endpoints, want the one with gossip", n)
 	}
 	if v := sample(t, mfs, "kvroute_endpoint_requests_total", a).GetCounter().GetValue(); v != 40 {
 		t.Errorf("requests %v", v)

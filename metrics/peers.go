@@ -8,6 +8,7 @@ type PeersSample struct {
 	SentMessages, SentBytes                         int64 // gossip messages sent (one per peer) and their bytes
 	ReceivedMessages, ReceivedBytes                 int64
 	Merged, Unknown, Mismatched, Dropped, BadFormat int64 // placements (or messages) by outcome
+	States, Imported                                int64 // peers' states merged (push/pull) and the claims they added
 }
 
 // RegisterPeers reports the replicas' gossip through read at each scrape.
@@ -17,8 +18,10 @@ func RegisterPeers(reg prometheus.Registerer, read func() PeersSample) {
 
 var (
 	descPeers        = prometheus.NewDesc(Namespace+"_peers", "Live router replicas this one gossips with (besides itself).", nil, nil)
-	descPeerMessages = prometheus.NewDesc(Namespace+"_peer_messages_total", "Gossip messages of placements, by direction (one per peer sent to).", []string{"direction"}, nil)
-	descPeerBytes    = prometheus.NewDesc(Namespace+"_peer_bytes_total", "Bytes of gossip messages of placements, by direction.", []string{"direction"}, nil)
+	descPeerMessages = prometheus.NewDesc(Namespace+"_peer_messages_total", "Gossip datagrams (placements and load), by direction (one per peer sent to).", []string{"direction"}, nil)
+	descPeerBytes    = prometheus.NewDesc(Namespace+"_peer_bytes_total", "Bytes of gossip datagrams (placements and load), by direction.", []string{"direction"}, nil)
+	descPeerStates   = prometheus.NewDesc(Namespace+"_peer_states_total", "Peers' whole states (their prefix index, at a join and every 30 s) merged into this replica's.", nil, nil)
+	descPeerImported = prometheus.NewDesc(Namespace+"_peer_state_claims_total", "Claims (a block on an endpoint) that peers' states added to this replica's prefix index.", nil, nil)
 	descPeerOutcomes = prometheus.NewDesc(Namespace+"_peer_placements_total", "Peers' placements (or whole messages, for mismatched, dropped and malformed) by what became of them: merged into the index, unknown_endpoint (not an endpoint of this replica), mismatched (another hashing configuration), dropped (no room), malformed.", []string{"outcome"}, nil)
 )
 
@@ -29,6 +32,8 @@ func (c *peersCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descPeerMessages
 	ch <- descPeerBytes
 	ch <- descPeerOutcomes
+	ch <- descPeerStates
+	ch <- descPeerImported
 }
 
 func (c *peersCollector) Collect(ch chan<- prometheus.Metric) {
@@ -47,4 +52,6 @@ func (c *peersCollector) Collect(ch chan<- prometheus.Metric) {
 	}{{"merged", s.Merged}, {"unknown_endpoint", s.Unknown}, {"mismatched", s.Mismatched}, {"dropped", s.Dropped}, {"malformed", s.BadFormat}} {
 		ch <- prometheus.MustNewConstMetric(descPeerOutcomes, prometheus.CounterValue, float64(o.v), o.name)
 	}
+	ch <- prometheus.MustNewConstMetric(descPeerStates, prometheus.CounterValue, float64(s.States))
+	ch <- prometheus.MustNewConstMetric(descPeerImported, prometheus.CounterValue, float64(s.Imported))
 }

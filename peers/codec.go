@@ -25,11 +25,35 @@ var ErrBadMessage = errors.New("bad peer message")
 // each entry a chain of block hashes (or a piece of one, first block
 // first) that the sender sent to the endpoint. Block hashes are random,
 // so they are written whole: neither varints nor compression would shrink
-// them.
+// them. A state message (kind 3, memberlist's push/pull over TCP, when a
+// replica joins and every PushPullInterval) carries the sender's whole
+// index, most recently used claims first:
+//
+//	count uvarint (0..maxStateEndpoints)
+//	count × { endpoint u64 | n uvarint | n × { hash u64 | age uvarint (s) } }
+//
+// with at most maxStateClaims claims in all. A load message (kind 2) is
+// the sender's own requests in flight per endpoint:
+//
+//	count uvarint (1..maxLoadEntries)
+//	count × { endpoint u64 | in flight uvarint (..maxInFlight) }
 const (
 	version       = 1
 	kindPlacement = 1
-	headerLen     = 16
+	kindLoad      = 2
+	kindState     = 3
+	// maxLoadEntries bounds a load message's endpoints (it fits
+	// maxDatagram); maxInFlight a count in it.
+	maxLoadEntries = 100
+	maxInFlight    = 1 << 16
+	// maxStateEndpoints and maxStateClaims bound a state message (about
+	// 1.2 MB at most; memberlist's push/pull takes up to 20 MB).
+	maxStateEndpoints = 4096
+	maxStateClaims    = 96 << 10
+	// maxAge bounds a claim's age in a state message (194 days; the
+	// index's TTL drops far younger ones).
+	maxAge    = 1 << 24
+	headerLen = 16
 	// maxDatagram bounds a message: one UDP packet under memberlist's
 	// 1,400-byte buffer with room for its encryption and framing.
 	maxDatagram = 1200
@@ -156,4 +180,125 @@ func decodePlacements(b []byte, ps []placement, flat []uint64) ([]placement, []u
 		ps = append(ps, placement{endpoint: s.endpoint, hashes: flat[s.start:s.end:s.end]})
 	}
 	return ps, flat, nil
+}
+
+// claims are one endpoint's claims in a state message: hashes, most
+// recently used first, and their ages in seconds.
+type claims struct {
+	endpoint uint64
+	hashes   []uint64
+	ages     []uint32
+}
+
+// encodeState returns a state message carrying cs (at most maxStateClaims
+// claims in all, and maxStateEndpoints endpoints: the rest are left out).
+func encodeState(h header, cs []claims) []byte {
+	h.kind = kindState
+	b := appendHeader(nil, h)
+	cs = cs[:min(len(cs), maxStateEndpoints)]
+	b = binary.AppendUvarint(b, uint64(len(cs)))
+	left := maxStateClaims
+	for _, c := range cs {
+		n := min(len(c.hashes), left)
+		left -= n
+		b = binary.LittleEndian.AppendUint64(b, c.endpoint)
+		b = binary.AppendUvarint(b, uint64(n))
+		for i, x := range c.hashes[:n] {
+			b = binary.LittleEndian.AppendUint64(b, x)
+			b = binary.AppendUvarint(b, uint64(min(c.ages[i], maxAge)))
+		}
+	}
+	return b
+}
+
+// decodeState reads a state message's body (after the header) whole, and
+// refuses it whole if any part is bad.
+func decodeState(b []byte) ([]claims, error) {
+	count, n := binary.Uvarint(b)
+	if n <= 0 || count > maxStateEndpoints {
+		return nil, fmt.Errorf("%w: state endpoint count", ErrBadMessage)
+	}
+	b = b[n:]
+	cs := make([]claims, 0, count)
+	total := uint64(0)
+	for range count {
+		if len(b) < 8 {
+			return nil, fmt.Errorf("%w: truncated state", ErrBadMessage)
+		}
+		c := claims{endpoint: binary.LittleEndian.Uint64(b)}
+		hn, n := binary.Uvarint(b[8:])
+		if n <= 0 || hn > maxStateClaims-total || hn > uint64(len(b))/9 {
+			return nil, fmt.Errorf("%w: state claim count", ErrBadMessage)
+		}
+		total += hn
+		b = b[8+n:]
+		c.hashes, c.ages = make([]uint64, 0, hn), make([]uint32, 0, hn)
+		for range hn {
+			if len(b) < 9 {
+				return nil, fmt.Errorf("%w: truncated claims", ErrBadMessage)
+			}
+			x := binary.LittleEndian.Uint64(b)
+			age, n := binary.Uvarint(b[8:])
+			if n <= 0 || age > maxAge {
+				return nil, fmt.Errorf("%w: claim age", ErrBadMessage)
+			}
+			c.hashes, c.ages = append(c.hashes, x), append(c.ages, uint32(age))
+			b = b[8+n:]
+		}
+		cs = append(cs, c)
+	}
+	if len(b) != 0 {
+		return nil, fmt.Errorf("%w: %d bytes after the state", ErrBadMessage, len(b))
+	}
+	return cs, nil
+}
+
+// loadEntry is one endpoint's requests in flight in a load message.
+type loadEntry struct {
+	endpoint uint64
+	inFlight int64
+}
+
+// encodeLoad appends to out the load messages carrying es (maxLoadEntries
+// endpoints each) and returns them.
+func encodeLoad(out [][]byte, h header, es []loadEntry) [][]byte {
+	h.kind = kindLoad
+	for len(es) > 0 {
+		n := min(len(es), maxLoadEntries)
+		b := appendHeader(make([]byte, 0, maxDatagram), h)
+		b = binary.AppendUvarint(b, uint64(n))
+		for _, e := range es[:n] {
+			b = binary.LittleEndian.AppendUint64(b, e.endpoint)
+			b = binary.AppendUvarint(b, uint64(min(max(e.inFlight, 0), maxInFlight)))
+		}
+		out, es = append(out, b), es[n:]
+	}
+	return out
+}
+
+// decodeLoad reads a load message's body (after the header) whole into
+// es (reused; returned), and refuses it whole if any part is bad.
+func decodeLoad(b []byte, es []loadEntry) ([]loadEntry, error) {
+	es = es[:0]
+	count, n := binary.Uvarint(b)
+	if n <= 0 || count == 0 || count > maxLoadEntries {
+		return es, fmt.Errorf("%w: load count", ErrBadMessage)
+	}
+	b = b[n:]
+	for range count {
+		if len(b) < 9 {
+			return es[:0], fmt.Errorf("%w: truncated load", ErrBadMessage)
+		}
+		ep := binary.LittleEndian.Uint64(b)
+		v, n := binary.Uvarint(b[8:])
+		if n <= 0 || v > maxInFlight {
+			return es[:0], fmt.Errorf("%w: in-flight count", ErrBadMessage)
+		}
+		es = append(es, loadEntry{ep, int64(v)})
+		b = b[8+n:]
+	}
+	if len(b) != 0 {
+		return es[:0], fmt.Errorf("%w: %d bytes after the load", ErrBadMessage, len(b))
+	}
+	return es, nil
 }

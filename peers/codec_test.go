@@ -1,6 +1,7 @@
 package peers
 
 import (
+	"encoding/binary"
 	"errors"
 	"slices"
 	"testing"
@@ -131,6 +132,160 @@ func FuzzDecode(f *testing.F) {
 			if !slices.Equal(back[e], hs) {
 				t.Fatalf("endpoint %x: %d hashes re-encoded to %d", e, len(hs), len(back[e]))
 			}
+		}
+	})
+}
+
+// ages returns n claim ages.
+func ages(n int, age uint32) []uint32 {
+	a := make([]uint32, n)
+	for i := range a {
+		a[i] = age + uint32(i)
+	}
+	return a
+}
+
+// A state message carries every endpoint's claims with their ages, and
+// at most maxStateClaims of them (the most recent of the last endpoints
+// given are left out).
+func TestStateRoundTrip(t *testing.T) {
+	in := []claims{{1, chain(1, 3), ages(3, 0)}, {2, nil, nil}, {3, chain(3, maxStateClaims), ages(maxStateClaims, 100)}}
+	b := encodeState(header{sender: 5, fingerprint: 6}, in)
+	h, body, err := readHeader(b)
+	if err != nil || h != (header{kindState, 5, 6}) {
+		t.Fatalf("header %+v, %v", h, err)
+	}
+	got, err := decodeState(body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 3 || !slices.Equal(got[0].hashes, in[0].hashes) || !slices.Equal(got[0].ages, in[0].ages) || len(got[1].hashes) != 0 {
+		t.Fatalf("decoded %+v", got[:2])
+	}
+	if n := len(got[2].hashes); n != maxStateClaims-3 || !slices.Equal(got[2].hashes, in[2].hashes[:n]) || !slices.Equal(got[2].ages, in[2].ages[:n]) {
+		t.Fatalf("last endpoint: %d claims back, want the first %d", n, maxStateClaims-3)
+	}
+	for name, b := range map[string][]byte{
+		"empty":                   {},
+		"too many":                binaryUvarint(maxStateEndpoints + 1),
+		"truncated":               body[:len(body)-3],
+		"trailing bytes":          append(append([]byte{}, body...), 0),
+		"claims beyond the bytes": append(append(binaryUvarint(1), 1, 0, 0, 0, 0, 0, 0, 0), binaryUvarint(1000)...),
+	} {
+		if cs, err := decodeState(b); !errors.Is(err, ErrBadMessage) || cs != nil {
+			t.Errorf("%s: %v, %d endpoints", name, err, len(cs))
+		}
+	}
+}
+
+func binaryUvarint(x uint64) []byte { return binary.AppendUvarint(nil, x) }
+
+// FuzzDecodeState: any bytes decode as a state or are refused with
+// ErrBadMessage, never a panic; what decodes is within the bounds and
+// encodes back to itself.
+func FuzzDecodeState(f *testing.F) {
+	_, body, _ := readHeader(encodeState(header{}, []claims{{1, chain(1, 20), ages(20, 7)}, {2, chain(2, 1), ages(1, 1<<20)}}))
+	f.Add(body)
+	f.Add([]byte{0})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		cs, err := decodeState(b)
+		if err != nil {
+			if !errors.Is(err, ErrBadMessage) {
+				t.Fatal(err)
+			}
+			return
+		}
+		total := 0
+		for _, c := range cs {
+			total += len(c.hashes)
+			if len(c.ages) != len(c.hashes) {
+				t.Fatalf("%d ages for %d hashes", len(c.ages), len(c.hashes))
+			}
+		}
+		if len(cs) > maxStateEndpoints || total > maxStateClaims {
+			t.Fatalf("%d endpoints, %d claims", len(cs), total)
+		}
+		_, again, _ := readHeader(encodeState(header{}, cs))
+		back, err := decodeState(again)
+		if err != nil || len(back) != len(cs) {
+			t.Fatalf("re-encoded: %v, %d endpoints of %d", err, len(back), len(cs))
+		}
+		for i := range cs {
+			if back[i].endpoint != cs[i].endpoint || !slices.Equal(back[i].hashes, cs[i].hashes) || !slices.Equal(back[i].ages, cs[i].ages) {
+				t.Fatalf("endpoint %d changed in a round trip", i)
+			}
+		}
+	})
+}
+
+// Load messages carry every endpoint's requests in flight, maxLoadEntries
+// a message, counts clamped to [0, maxInFlight]; bad ones are refused.
+func TestLoadRoundTrip(t *testing.T) {
+	var in []loadEntry
+	for i := range 250 {
+		in = append(in, loadEntry{uint64(i + 1), int64(i)})
+	}
+	in[7].inFlight, in[8].inFlight = -3, maxInFlight+10
+	msgs := encodeLoad(nil, header{sender: 1, fingerprint: 2}, in)
+	if len(msgs) != 3 {
+		t.Fatalf("%d messages for 250 endpoints", len(msgs))
+	}
+	var got []loadEntry
+	for _, b := range msgs {
+		if len(b) > maxDatagram {
+			t.Fatalf("message of %d bytes", len(b))
+		}
+		h, body, err := readHeader(b)
+		if err != nil || h.kind != kindLoad {
+			t.Fatalf("header %+v, %v", h, err)
+		}
+		es, err := decodeLoad(body, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, es...)
+	}
+	want := slices.Clone(in)
+	want[7].inFlight, want[8].inFlight = 0, maxInFlight
+	if !slices.Equal(got, want) {
+		t.Fatalf("load back differs")
+	}
+	_, body, _ := readHeader(msgs[2])
+	for name, b := range map[string][]byte{
+		"empty":          {},
+		"no entries":     {0},
+		"too many":       {maxLoadEntries + 1},
+		"truncated":      body[:len(body)-1],
+		"trailing bytes": append(append([]byte{}, body...), 0),
+	} {
+		if es, err := decodeLoad(b, nil); !errors.Is(err, ErrBadMessage) || len(es) != 0 {
+			t.Errorf("%s: %v, %d entries", name, err, len(es))
+		}
+	}
+}
+
+// FuzzDecodeLoad: any bytes decode as a load message or are refused with
+// ErrBadMessage, never a panic; what decodes is within the bounds and
+// encodes back to itself.
+func FuzzDecodeLoad(f *testing.F) {
+	_, body, _ := readHeader(encodeLoad(nil, header{}, []loadEntry{{1, 3}, {2, 0}, {3, 70000}})[0])
+	f.Add(body)
+	f.Fuzz(func(t *testing.T, b []byte) {
+		es, err := decodeLoad(b, nil)
+		if err != nil {
+			if !errors.Is(err, ErrBadMessage) {
+				t.Fatal(err)
+			}
+			return
+		}
+		if len(es) == 0 || len(es) > maxLoadEntries {
+			t.Fatalf("%d entries", len(es))
+		}
+		msgs := encodeLoad(nil, header{}, es)
+		_, again, _ := readHeader(msgs[0])
+		back, err := decodeLoad(again, nil)
+		if err != nil || len(msgs) != 1 || !slices.Equal(back, es) {
+			t.Fatalf("re-encoded: %v, %d messages", err, len(msgs))
 		}
 	})
 }

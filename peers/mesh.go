@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -36,6 +37,10 @@ type Config struct {
 	// the start and again whenever this replica finds itself alone; they
 	// may include its own.
 	Seeds []string
+	// Lookup, when set, finds more seeds each time the replica is alone:
+	// its peers' gossip addresses, host:port (a headless Service of
+	// kvroute's pods; discovery.Resolver), this replica's own among them.
+	Lookup func(ctx context.Context) ([]string, error)
 	// Keys are the gossip keys (ReadKeys), the first the primary: every
 	// message is encrypted and authenticated (AES-GCM). None means
 	// plaintext, allowed only on loopback addresses.
@@ -54,6 +59,21 @@ type Config struct {
 	// whose chain (or a piece of it, first block first) is hashes. It is
 	// the prefix index's Record; hashes is only valid during the call.
 	Record func(id uint64, hashes []uint64)
+	// Export and Import carry the index's state to a replica that joins
+	// (memberlist's push/pull, at the join and every 30 s after): Export
+	// yields up to max claims (endpoint, block hash, age in seconds),
+	// most recently used first; Import adds a peer's claims on one
+	// endpoint into its free room (prefix.Index's). Without them no state
+	// is exchanged.
+	Export func(max int, yield func(id, h uint64, age uint32))
+	Import func(id uint64, hashes []uint64, ages []uint32) int
+	// Load yields this replica's own requests in flight per endpoint
+	// (never the peers' it was told of), sent to the peers every tenth
+	// of a second when it changed; SetLoad is told, per endpoint, the
+	// peers' requests in flight there, summed (0 once none is fresh).
+	// Without them no load is exchanged.
+	Load    func(yield func(id uint64, inFlight int64))
+	SetLoad func(id uint64, peers int64)
 	// Logger receives memberlist's events and the mesh's (nil: none).
 	Logger *zap.Logger
 }
@@ -79,6 +99,10 @@ const (
 	rejoinEvery = 2 * time.Second
 	// defaultSyncTimeout is Config.SyncTimeout's default.
 	defaultSyncTimeout = 10 * time.Second
+	// sharedFor is how long a replica that lost its last peer still
+	// routes as one of several (Shared): every change of mode moves homes,
+	// and a peer restarting is back within it.
+	sharedFor = time.Minute
 )
 
 // Mesh is one replica's membership in its peers' gossip: it sends the
@@ -92,7 +116,9 @@ type Mesh struct {
 
 	seeds  []string     // the seeds but this replica's own address (set by Run before start)
 	others atomic.Int64 // live members besides this one
-	joined atomic.Bool  // a peer was seen since the start
+	joined atomic.Bool  // a peer's state was merged since the start
+	shared atomic.Bool  // Shared
+	alone  time.Time    // when the last peer left (Run's loop only)
 	start  atomic.Int64 // Run's start, unix ns (0: not running)
 	ml     atomic.Pointer[memberlist.Memberlist]
 	bound  chan struct{} // closed once the listener is bound
@@ -106,6 +132,8 @@ type Mesh struct {
 
 	in chan []byte
 
+	loads loads
+
 	stats counters
 }
 
@@ -118,13 +146,14 @@ type pendingEntry struct {
 type counters struct {
 	sentMessages, sentBytes, receivedMessages, receivedBytes atomic.Int64
 	merged, unknown, mismatched, dropped, decodeErrors       atomic.Int64
+	states, imported                                         atomic.Int64
 }
 
 // Stats are a Mesh's figures since it started.
 type Stats struct {
 	// Members is the live replicas besides this one.
 	Members int `json:"members"`
-	// Joined is whether a peer was ever seen.
+	// Joined is whether a peer's state was ever merged.
 	Joined bool `json:"joined"`
 	// SentMessages and SentBytes count gossip messages sent (one per
 	// peer), ReceivedMessages and ReceivedBytes those received.
@@ -142,6 +171,10 @@ type Stats struct {
 	Mismatched   int64 `json:"mismatched"`
 	Dropped      int64 `json:"dropped"`
 	DecodeErrors int64 `json:"decode_errors"`
+	// States counts peers' states merged (push/pull), Imported the
+	// claims they added to the index.
+	States   int64 `json:"states"`
+	Imported int64 `json:"imported_claims"`
 }
 
 // Fingerprint is the hashing configuration's fingerprint: the block size,
@@ -239,21 +272,29 @@ func (m *Mesh) Addr() string {
 // Members is the live replicas besides this one.
 func (m *Mesh) Members() int { return int(m.others.Load()) }
 
-// Ready reports whether the replica may take traffic: once it has met a
-// peer, when it has no seeds but itself, or when SyncTimeout has passed
-// since Run started (the first replica of a fleet has no one to meet).
+// Shared reports whether other replicas route to the same engines: a peer
+// is live, or was within the last minute. One atomic load.
+func (m *Mesh) Shared() bool { return m.shared.Load() }
+
+// Ready reports whether the replica may take traffic: once it has merged a
+// peer's state (memberlist's join merges it before the join returns), when
+// it has no seeds but itself, or when SyncTimeout has passed since Run
+// started (the first replica of a fleet has no one to meet).
 // Once ready it stays so: a gossip outage never takes a router out of
 // service.
 func (m *Mesh) Ready() error {
-	if m.joined.Load() || len(m.cfg.Seeds) == 0 {
+	if m.joined.Load() || len(m.cfg.Seeds) == 0 && m.cfg.Lookup == nil {
 		return nil
 	}
 	start := m.start.Load()
 	if start == 0 {
 		return errors.New("gossip: not started")
 	}
-	if len(m.seeds) == 0 || time.Since(time.Unix(0, start)) >= m.cfg.SyncTimeout {
+	if len(m.seeds) == 0 && m.cfg.Lookup == nil || time.Since(time.Unix(0, start)) >= m.cfg.SyncTimeout {
 		return nil
+	}
+	if m.cfg.Lookup != nil {
+		return fmt.Errorf("gossip: joining peers %v and those of the peers' service (up to %s)", m.seeds, m.cfg.SyncTimeout)
 	}
 	return fmt.Errorf("gossip: joining peers %v (up to %s)", m.seeds, m.cfg.SyncTimeout)
 }
@@ -265,7 +306,8 @@ func (m *Mesh) Stats() Stats {
 		SentMessages: c.sentMessages.Load(), SentBytes: c.sentBytes.Load(),
 		ReceivedMessages: c.receivedMessages.Load(), ReceivedBytes: c.receivedBytes.Load(),
 		Merged: c.merged.Load(), Unknown: c.unknown.Load(), Mismatched: c.mismatched.Load(),
-		Dropped: c.dropped.Load(), DecodeErrors: c.decodeErrors.Load()}
+		Dropped: c.dropped.Load(), DecodeErrors: c.decodeErrors.Load(),
+		States: c.states.Load(), Imported: c.imported.Load()}
 }
 
 // Placed notes that this replica sent endpoint id a request whose chain is
@@ -326,11 +368,8 @@ func (m *Mesh) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			done = true
 		case <-t.C:
-			m.others.Store(int64(max(ml.NumMembers()-1, 0)))
-			if m.others.Load() > 0 {
-				m.joined.Store(true)
-			}
-			m.flush(ml)
+			m.tick(ml)
+			m.sendLoad(ml, time.Now())
 		}
 	}
 	// Leave first (the peers learn at once), then shut down, which also
@@ -340,19 +379,53 @@ func (m *Mesh) Run(ctx context.Context) error {
 	return err
 }
 
-// join joins the seeds at the start and again every rejoinEvery while
-// this replica is alone.
+// tick counts the members, tells whether the fleet is shared, and
+// flushes the placements.
+func (m *Mesh) tick(ml *memberlist.Memberlist) {
+	others := max(ml.NumMembers()-1, 0)
+	m.others.Store(int64(others))
+	now := time.Now()
+	switch {
+	case others > 0:
+		m.alone = time.Time{}
+		m.shared.Store(true)
+	case m.alone.IsZero():
+		m.alone = now
+	case now.Sub(m.alone) >= sharedFor:
+		m.shared.Store(false)
+	}
+	m.flush(ml)
+}
+
+// join joins the seeds (and those Lookup finds) at the start and again
+// every rejoinEvery while this replica is alone. Once it has met a peer,
+// memberlist's gossip tells it of every other.
 func (m *Mesh) join(ctx context.Context, ml *memberlist.Memberlist) {
-	if len(m.seeds) == 0 {
+	if len(m.seeds) == 0 && m.cfg.Lookup == nil {
 		return
 	}
 	t := time.NewTicker(rejoinEvery)
 	defer t.Stop()
 	logged := false
+	self := ml.LocalNode().Address()
 	for {
 		if ml.NumMembers() < 2 {
-			if _, err := ml.Join(m.seeds); err != nil && !logged && ml.NumMembers() < 2 {
-				m.cfg.Logger.Info("gossip: no peer reached yet; retrying", zap.Strings("peers", m.seeds), zap.Error(err))
+			seeds, err := m.seeds, error(nil)
+			if m.cfg.Lookup != nil {
+				var found []string
+				found, err = m.cfg.Lookup(ctx)
+				seeds = slices.Clone(seeds)
+				for _, a := range found {
+					if a != self && !slices.Contains(seeds, a) {
+						seeds = append(seeds, a)
+					}
+				}
+			}
+			if len(seeds) > 0 {
+				_, err = ml.Join(seeds)
+			}
+			if err != nil && !logged && ml.NumMembers() < 2 && ctx.Err() == nil {
+				m.cfg.Logger.Info("gossip: no peer reached yet; retrying", zap.Strings("peers", seeds), zap.Error(err))
 				logged = true
 			}
 		}
@@ -379,7 +452,14 @@ func (m *Mesh) flush(ml *memberlist.Memberlist) {
 	for i, p := range pending {
 		ps[i] = placement{endpoint: p.endpoint, hashes: flat[p.start:p.end]}
 	}
-	msgs := encodePlacements(nil, header{sender: m.sender, fingerprint: m.cfg.Fingerprint}, ps)
+	m.sendAll(ml, encodePlacements(nil, header{sender: m.sender, fingerprint: m.cfg.Fingerprint}, ps))
+	m.mu.Lock()
+	m.spareP, m.spare = pending[:0], flat[:0]
+	m.mu.Unlock()
+}
+
+// sendAll sends msgs to every other live member, as UDP datagrams.
+func (m *Mesh) sendAll(ml *memberlist.Memberlist, msgs [][]byte) {
 	self := ml.LocalNode().Name
 	for _, n := range ml.Members() {
 		if n.Name == self {
@@ -394,16 +474,12 @@ func (m *Mesh) flush(ml *memberlist.Memberlist) {
 			m.stats.sentBytes.Add(int64(len(b)))
 		}
 	}
-	m.mu.Lock()
-	m.spareP, m.spare = pending[:0], flat[:0]
-	m.mu.Unlock()
 }
 
 // merge decodes the peers' messages and merges their placements into the
-// index until ctx ends.
+// index, and their load into the endpoints', until ctx ends.
 func (m *Mesh) merge(ctx context.Context) {
-	var ps []placement
-	var flat []uint64
+	var sc scratch
 	for {
 		var b []byte
 		select {
@@ -411,40 +487,53 @@ func (m *Mesh) merge(ctx context.Context) {
 			return
 		case b = <-m.in:
 		}
-		ps, flat = m.apply(b, ps, flat)
+		m.apply(b, &sc)
 	}
 }
 
-// apply merges one message (ps and flat: reused buffers).
-func (m *Mesh) apply(b []byte, ps []placement, flat []uint64) ([]placement, []uint64) {
+// scratch are merge's reused buffers.
+type scratch struct {
+	ps   []placement
+	flat []uint64
+	load []loadEntry
+}
+
+// apply merges one message.
+func (m *Mesh) apply(b []byte, sc *scratch) {
 	h, body, err := readHeader(b)
-	if err == nil && h.kind != kindPlacement {
+	switch {
+	case err != nil:
+		m.stats.decodeErrors.Add(1)
+		return
+	case h.sender == m.sender:
+		return
+	case h.fingerprint != m.cfg.Fingerprint:
+		m.stats.mismatched.Add(1)
+		return
+	}
+	switch h.kind {
+	case kindPlacement:
+		if sc.ps, sc.flat, err = decodePlacements(body, sc.ps, sc.flat); err != nil {
+			break
+		}
+		for _, p := range sc.ps {
+			if !m.cfg.Known(p.endpoint) {
+				m.stats.unknown.Add(1)
+				continue
+			}
+			m.cfg.Record(p.endpoint, p.hashes)
+			m.stats.merged.Add(1)
+		}
+	case kindLoad:
+		if sc.load, err = decodeLoad(body, sc.load); err == nil {
+			m.mergeLoad(h.sender, sc.load, time.Now())
+		}
+	default:
 		err = fmt.Errorf("%w: kind %d", ErrBadMessage, h.kind)
 	}
 	if err != nil {
 		m.stats.decodeErrors.Add(1)
-		return ps, flat
 	}
-	if h.sender == m.sender {
-		return ps, flat
-	}
-	if h.fingerprint != m.cfg.Fingerprint {
-		m.stats.mismatched.Add(1)
-		return ps, flat
-	}
-	if ps, flat, err = decodePlacements(body, ps, flat); err != nil {
-		m.stats.decodeErrors.Add(1)
-		return ps, flat
-	}
-	for _, p := range ps {
-		if !m.cfg.Known(p.endpoint) {
-			m.stats.unknown.Add(1)
-			continue
-		}
-		m.cfg.Record(p.endpoint, p.hashes)
-		m.stats.merged.Add(1)
-	}
-	return ps, flat
 }
 
 // receive takes a message from memberlist's receive loop: copied, never
@@ -487,14 +576,71 @@ func (m *Mesh) memberlistConfig() *memberlist.Config {
 
 // delegate is memberlist's hook into the mesh: user messages in, nothing
 // piggybacked on its gossip (placements go straight to each peer), no
-// node metadata or state exchange yet.
+// node metadata; the index's state in push/pull.
 type delegate struct{ m *Mesh }
 
-func (d delegate) NodeMeta(int) []byte               { return nil }
-func (d delegate) NotifyMsg(b []byte)                { d.m.receive(b) }
-func (d delegate) GetBroadcasts(int, int) [][]byte   { return nil }
-func (d delegate) LocalState(bool) []byte            { return nil }
-func (d delegate) MergeRemoteState(_ []byte, _ bool) {}
+func (d delegate) NodeMeta(int) []byte                  { return nil }
+func (d delegate) NotifyMsg(b []byte)                   { d.m.receive(b) }
+func (d delegate) GetBroadcasts(int, int) [][]byte      { return nil }
+func (d delegate) LocalState(bool) []byte               { return d.m.localState() }
+func (d delegate) MergeRemoteState(b []byte, join bool) { d.m.mergeState(b, join) }
+
+// localState is the index's claims as a state message (empty without
+// Export).
+func (m *Mesh) localState() []byte {
+	var cs []claims
+	if m.cfg.Export != nil {
+		m.cfg.Export(maxStateClaims, func(id, h uint64, age uint32) {
+			if n := len(cs); n == 0 || cs[n-1].endpoint != id {
+				cs = append(cs, claims{endpoint: id})
+			}
+			c := &cs[len(cs)-1]
+			c.hashes, c.ages = append(c.hashes, h), append(c.ages, age)
+		})
+	}
+	return encodeState(header{sender: m.sender, fingerprint: m.cfg.Fingerprint}, cs)
+}
+
+// mergeState imports a peer's state into the index: its claims on this
+// replica's endpoints, into their free room. A state merged at a join
+// makes the replica ready (it starts warm).
+func (m *Mesh) mergeState(b []byte, join bool) {
+	h, body, err := readHeader(b)
+	if err == nil && h.kind != kindState {
+		err = fmt.Errorf("%w: kind %d in a state", ErrBadMessage, h.kind)
+	}
+	var cs []claims
+	if err == nil {
+		cs, err = decodeState(body)
+	}
+	switch {
+	case err != nil:
+		m.stats.decodeErrors.Add(1)
+		m.cfg.Logger.Warn("gossip: a peer's state refused", zap.Error(err))
+		return
+	case h.sender == m.sender:
+		return
+	case h.fingerprint != m.cfg.Fingerprint:
+		m.stats.mismatched.Add(1)
+		return
+	}
+	imported := 0
+	for _, c := range cs {
+		if len(c.hashes) == 0 || m.cfg.Import == nil {
+			continue
+		}
+		if !m.cfg.Known(c.endpoint) {
+			m.stats.unknown.Add(1)
+			continue
+		}
+		imported += m.cfg.Import(c.endpoint, c.hashes, c.ages)
+	}
+	m.stats.states.Add(1)
+	m.stats.imported.Add(int64(imported))
+	if join && !m.joined.Swap(true) {
+		m.cfg.Logger.Info("gossip: joined; a peer's state merged", zap.Int("claims", imported))
+	}
+}
 
 // Status is a mesh's state for /debug/peers.
 type Status struct {

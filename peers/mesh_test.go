@@ -3,12 +3,14 @@ package peers
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvroute/kvroute/bench/leakcheck"
+	"github.com/kvroute/kvroute/prefix"
 )
 
 func TestMain(m *testing.M) { leakcheck.Run(m) }
@@ -45,6 +47,14 @@ func (r *recorder) chains(id uint64) [][]uint64 {
 // test's end, and returns it once bound.
 func start(t *testing.T, cfg Config, rec *recorder) *Mesh {
 	t.Helper()
+	m, _ := startStoppable(t, cfg, rec)
+	return m
+}
+
+// startStoppable is start, and returns a function that stops the mesh
+// before the test's end as well.
+func startStoppable(t *testing.T, cfg Config, rec *recorder) (*Mesh, func()) {
+	t.Helper()
 	cfg.Listen = "127.0.0.1:0"
 	if cfg.Fingerprint == 0 {
 		cfg.Fingerprint = Fingerprint(64, false, "test")
@@ -58,12 +68,13 @@ func start(t *testing.T, cfg Config, rec *recorder) *Mesh {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- m.Run(ctx) }()
-	t.Cleanup(func() {
+	stop := sync.OnceFunc(func() {
 		cancel()
 		if err := <-done; err != nil {
 			t.Logf("%s: %v", m.Name(), err)
 		}
 	})
+	t.Cleanup(stop)
 	select {
 	case <-m.Bound():
 	case err := <-done:
@@ -71,7 +82,7 @@ func start(t *testing.T, cfg Config, rec *recorder) *Mesh {
 	case <-time.After(waitTimeout):
 		t.Fatal("gossip listener not bound")
 	}
-	return m
+	return m, stop
 }
 
 // until waits for cond, failing the test after waitTimeout.
@@ -100,9 +111,8 @@ func TestPlacementsReachPeers(t *testing.T) {
 	}
 	b := start(t, Config{Name: "b", Seeds: []string{a.Addr()}}, rb)
 	until(t, "the replicas to meet", func() bool { return a.Members() == 1 && b.Members() == 1 })
-	if err := b.Ready(); err != nil {
-		t.Fatalf("joined but not ready: %v", err)
-	}
+	until(t, "b ready (a's state merged at the join)", func() bool { return b.Ready() == nil })
+	until(t, "both to route as one of several", func() bool { return a.Shared() && b.Shared() })
 	c := start(t, Config{Name: "c", Seeds: []string{a.Addr()}, Fingerprint: Fingerprint(128, false, "test")}, rc)
 	until(t, "the third replica to join", func() bool { return a.Members() == 2 && c.Members() == 2 })
 
@@ -135,6 +145,39 @@ func TestPlacementsReachPeers(t *testing.T) {
 		t.Fatalf("stats %+v", s)
 	}
 	t.Logf("a: %+v", s)
+}
+
+// A replica that joins starts warm: before it is ready it has merged a
+// peer's index (memberlist's push/pull), its claims on the endpoints this
+// replica routes to, into their free room; the peer merged the joiner's.
+func TestJoinPullsState(t *testing.T) {
+	newIndex := func() *prefix.Index {
+		return prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1000, TTL: time.Hour})
+	}
+	xa, xb := newIndex(), newIndex()
+	warm, known := chain(1, 40), chain(2, 10)
+	xa.Record(3, warm)
+	xa.Record(200, chain(3, 5)) // not an endpoint of b's
+	xb.Record(4, known)
+	cfg := func(name string, x *prefix.Index, seeds ...string) Config {
+		return Config{Name: name, Seeds: seeds, Export: x.Export, Import: x.Import, SyncTimeout: time.Hour}
+	}
+	a := start(t, cfg("a", xa), newRecorder())
+	b := start(t, cfg("b", xb, a.Addr()), newRecorder())
+	until(t, "b ready", func() bool { return b.Ready() == nil })
+	if got := xb.Match(warm, nil); len(got) != 1 || got[0].ID != 3 || got[0].Blocks != len(warm) {
+		t.Fatalf("b ready without a's claims: %+v", got)
+	}
+	if xb.Holds(200, chain(3, 5)[0]) {
+		t.Error("b imported claims on an endpoint it does not route to")
+	}
+	until(t, "a to merge b's state", func() bool {
+		got := xa.Match(known, nil)
+		return len(got) == 1 && got[0].ID == 4 && got[0].Blocks == len(known)
+	})
+	if s := b.Stats(); s.States == 0 || s.Imported != int64(len(warm)) || s.Unknown == 0 {
+		t.Errorf("b's stats %+v: want a state merged, %d claims imported, one endpoint unknown", s, len(warm))
+	}
 }
 
 // Keys: replicas sharing a key mesh and exchange placements; one with
@@ -182,4 +225,69 @@ func TestReadyAfterSyncTimeout(t *testing.T) {
 	if err := (&Mesh{cfg: Config{Seeds: []string{"x:1"}}}).Ready(); err == nil || errors.Is(err, ErrBadMessage) {
 		t.Fatalf("a mesh not started is ready: %v", err)
 	}
+}
+
+// loadBoard is a replica's endpoints' load: its own requests in flight
+// (Load) and what the peers told (SetLoad).
+type loadBoard struct {
+	mu         sync.Mutex
+	own, peers map[uint64]int64
+}
+
+func (l *loadBoard) Load(yield func(id uint64, n int64)) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for id, n := range l.own {
+		yield(id, n)
+	}
+}
+
+func (l *loadBoard) SetLoad(id uint64, n int64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.peers[id] = n
+}
+
+func (l *loadBoard) set(id uint64, n int64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.own[id] = n
+}
+
+func (l *loadBoard) peer(id uint64) int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.peers[id]
+}
+
+// Replicas tell each other their requests in flight per endpoint: each
+// sees the sum of the others' (never its own, nor what it was told passed
+// on), follows changes, ignores endpoints it does not route to, and drops
+// a replica's report once it is gone.
+func TestLoadReachesPeers(t *testing.T) {
+	boards := make([]*loadBoard, 3)
+	var ms []*Mesh
+	stops := make([]func(), 3)
+	for i := range boards {
+		boards[i] = &loadBoard{own: map[uint64]int64{}, peers: map[uint64]int64{}}
+		cfg := Config{Name: fmt.Sprintf("r%d", i), Load: boards[i].Load, SetLoad: boards[i].SetLoad}
+		if i > 0 {
+			cfg.Seeds = []string{ms[0].Addr()}
+		}
+		m, stop := startStoppable(t, cfg, newRecorder())
+		ms, stops[i] = append(ms, m), stop
+	}
+	until(t, "the replicas to meet", func() bool { return ms[0].Members() == 2 && ms[1].Members() == 2 && ms[2].Members() == 2 })
+	boards[0].set(3, 5)
+	boards[1].set(3, 2)
+	boards[1].set(200, 9) // not an endpoint of theirs
+	until(t, "r2 to see 7 in flight at endpoint 3", func() bool { return boards[2].peer(3) == 7 })
+	until(t, "r0 to see r1's 2", func() bool { return boards[0].peer(3) == 2 })
+	boards[0].set(3, 1)
+	until(t, "r2 to follow r0's change", func() bool { return boards[2].peer(3) == 3 })
+	if n := boards[2].peer(200); n != 0 {
+		t.Errorf("load on an unknown endpoint passed on: %d", n)
+	}
+	stops[1]()
+	until(t, "r1's report to lapse", func() bool { return boards[2].peer(3) == 1 && boards[0].peer(3) == 0 })
 }

@@ -90,6 +90,11 @@ type node struct {
 
 const none = int32(-1)
 
+// epochBack is how far before its creation an index's stamps count from:
+// a claim imported from an older router (Import) is stamped with its own
+// age, which the new index's clock must reach back to.
+const epochBack = 1 << 24 * time.Second // 194 days; stamps are uint32 seconds
+
 // NewIndex returns an empty Index.
 func NewIndex(c IndexConfig) *Index {
 	if c.Now == nil {
@@ -109,7 +114,7 @@ func NewIndex(c IndexConfig) *Index {
 		maxEntries: c.MaxEntries,
 		ttl:        c.TTL,
 		now:        c.Now,
-		epoch:      c.Now(),
+		epoch:      c.Now().Add(-epochBack),
 	}
 }
 
@@ -378,6 +383,80 @@ func (x *Index) Forget(id uint64) {
 	x.forget(id)
 }
 
+// Export calls yield with every claim the index holds that has not
+// expired, endpoint by endpoint, most recently used first, at most max
+// claims in all (shared evenly among the endpoints), with the claim's age
+// in whole seconds: the state a router replica that joins its peers
+// imports (Import). yield must not call the index.
+func (x *Index) Export(max int, yield func(id, h uint64, age uint32)) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if len(x.slotOf) == 0 || max <= 0 {
+		return
+	}
+	per := max / len(x.slotOf)
+	now := x.stamp()
+	for _, l := range x.slots {
+		if l == nil {
+			continue
+		}
+		k := 0
+		for n := l.head; n != none && k < per; n = l.nodes[n].next {
+			h := l.nodes[n].key
+			stamp := x.owners.slots[x.owners.find(h)].stamp
+			if x.expired(stamp, now) {
+				continue
+			}
+			yield(l.id, h, now-stamp)
+			k++
+		}
+	}
+}
+
+// Import adds claims of endpoint id that another router exported
+// (Export): hashes, most recently used first, each ages[i] seconds old.
+// They go behind the endpoint's own claims, into its free room only: an
+// import never evicts. A hash already held keeps its place, expired ones
+// are skipped, and a new hash is stamped as old as it is (its TTL runs
+// on from the exporter's). It returns how many claims it added.
+func (x *Index) Import(id uint64, hashes []uint64, ages []uint32) int {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	s := x.slot(id)
+	l := x.slots[s]
+	t := &x.owners
+	now := x.stamp()
+	added := 0
+	for i, h := range hashes {
+		if l.n >= x.capOf(l) {
+			break
+		}
+		age := ages[i]
+		if x.ttl > 0 && time.Duration(age)*time.Second > x.ttl {
+			continue
+		}
+		stamp := now - min(age, now)
+		at := t.find(h)
+		if at >= 0 && t.ownerOf(at, s) >= 0 {
+			continue
+		}
+		if at >= 0 && x.expired(t.slots[at].stamp, now) {
+			x.expire(at) // its other claims are gone: not revived by this one
+			at = -1
+		}
+		if at < 0 {
+			at = t.insert(h)
+			t.slots[at].stamp = stamp
+		} else {
+			t.slots[at].stamp = max(t.slots[at].stamp, stamp)
+		}
+		t.addOwner(at, ref{slot: s, node: l.pushTail(h)})
+		x.entries++
+		added++
+	}
+	return added
+}
+
 // IndexStats are an Index's size and counters.
 type IndexStats struct {
 	Endpoints int
@@ -544,6 +623,26 @@ func (l *lru) pushHead(key uint64) int32 {
 	if l.tail == none {
 		l.tail = n
 	}
+	l.n++
+	return n
+}
+
+// pushTail adds key behind every other entry (the next to be evicted).
+func (l *lru) pushTail(key uint64) int32 {
+	if l.head == none {
+		return l.pushHead(key)
+	}
+	var n int32
+	if l.free != none {
+		n = l.free
+		l.free = l.nodes[n].next
+	} else {
+		n = int32(len(l.nodes))
+		l.nodes = append(l.nodes, node{})
+	}
+	l.nodes[n] = node{key: key, prev: l.tail, next: none}
+	l.nodes[l.tail].next = n
+	l.tail = n
 	l.n++
 	return n
 }

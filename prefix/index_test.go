@@ -211,3 +211,86 @@ func TestMemoryPerEntry(t *testing.T) {
 	}
 	runtime.KeepAlive(x)
 }
+
+// A replica joining its peers imports their claims (Export, Import):
+// the most recent first, behind its own claims and into its free room only
+// (never evicting one of its own), each as old as the exporter had it, so
+// that it expires when it would have there; expired claims stay behind.
+func TestExportImport(t *testing.T) {
+	now := time.Unix(1000, 0)
+	clock := func() time.Time { return now }
+	a := NewIndex(IndexConfig{BlocksPerEndpoint: 100, TTL: time.Minute, Now: clock})
+	older, fresh, other := chain(1, 10), chain(2, 6), chain(3, 10)
+	a.Record(1, older)
+	now = now.Add(30 * time.Second)
+	a.Record(1, fresh)
+	a.Record(2, other)
+	type claim struct {
+		h   uint64
+		age uint32
+	}
+	exported := map[uint64][]claim{}
+	a.Export(1000, func(id, h uint64, age uint32) { exported[id] = append(exported[id], claim{h, age}) })
+	if n1, n2 := len(exported[1]), len(exported[2]); n1 != 16 || n2 != 10 {
+		t.Fatalf("exported %d and %d claims, want 16 and 10", n1, n2)
+	}
+	if c := exported[1][0]; c.h != fresh[0] || c.age != 0 {
+		t.Errorf("first claim exported %+v, want the most recent chain's first block, age 0", c)
+	}
+	if c := exported[1][len(exported[1])-1]; c.age != 30 {
+		t.Errorf("last claim exported %+v, want age 30", c)
+	}
+	limited := 0
+	a.Export(4, func(uint64, uint64, uint32) { limited++ })
+	if limited != 4 {
+		t.Errorf("Export(4) gave %d claims", limited)
+	}
+
+	// b starts later, with room for 12 blocks an endpoint, 5 of them its own.
+	b := NewIndex(IndexConfig{BlocksPerEndpoint: 12, TTL: time.Minute, Now: clock})
+	own := chain(4, 5)
+	b.Record(1, own)
+	imp := func(id uint64) int {
+		var hs []uint64
+		var ages []uint32
+		for _, c := range exported[id] {
+			hs, ages = append(hs, c.h), append(ages, c.age)
+		}
+		return b.Import(id, hs, ages)
+	}
+	if n := imp(1); n != 7 {
+		t.Errorf("imported %d claims on endpoint 1, want its 7 free blocks", n)
+	}
+	if n := imp(2); n != 10 {
+		t.Errorf("imported %d claims on endpoint 2, want 10", n)
+	}
+	for _, c := range []struct {
+		name  string
+		chain []uint64
+		id    uint64
+		want  int
+	}{
+		{"own chain kept", own, 1, 5},
+		{"recent chain imported", fresh, 1, 6},
+		{"older chain's first block in the room left", older, 1, 1},
+		{"other endpoint", other, 2, 10},
+	} {
+		if got := matches(t, b, c.chain)[c.id]; got != c.want {
+			t.Errorf("%s: %d blocks matched, want %d", c.name, got, c.want)
+		}
+	}
+	if n := imp(1); n != 0 {
+		t.Errorf("imported again: %d claims added", n)
+	}
+	if n := b.Import(3, []uint64{99}, []uint32{61}); n != 0 {
+		t.Errorf("an expired claim was imported")
+	}
+	// 31 s on, the claim 30 s old at the export is past the minute.
+	now = now.Add(31 * time.Second)
+	if got := matches(t, b, older); len(got) != 0 {
+		t.Errorf("claim past its TTL still matched: %v", got)
+	}
+	if got := matches(t, b, fresh)[1]; got != 6 {
+		t.Errorf("recent chain: %d blocks matched after 31 s, want 6", got)
+	}
+}

@@ -105,6 +105,9 @@ type Prefix struct {
 	// onPlaced, when set, is told every pick's endpoint and chain after
 	// the index recorded it (the replicas' gossip, OnPlaced).
 	onPlaced func(id uint64, hashes []uint64)
+	// meshed, when set, reports whether other router replicas share the
+	// engines (the replicas' gossip, Meshed).
+	meshed func() bool
 }
 
 // Bytes per token: the rule of thumb for English (OpenAI: a token is about
@@ -272,6 +275,12 @@ func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 // Set it before the policy serves.
 func (p *Prefix) OnPlaced(f func(id uint64, hashes []uint64)) { p.onPlaced = f }
 
+// Meshed sets f to report whether this router has live replicas (their
+// gossip): then it routes as one of several, whatever share of the
+// engines' requests it sees as others' (an engine without /metrics shows
+// none). Set it before the policy serves.
+func (p *Prefix) Meshed(f func() bool) { p.meshed = f }
+
 // Explain returns the decision Pick would make and its terms, without
 // recording anything.
 func (p *Prefix) Explain(r *Request, set *discovery.Set) (Decision, []Term) {
@@ -355,12 +364,14 @@ type Term struct {
 	UncachedTokens int    `json:"uncached_tokens"`
 	// LoadedTokens are the matched tokens held there only on a slower
 	// tier (engine truth's CPU or storage copies): loaded, not computed.
-	LoadedTokens     int      `json:"loaded_tokens,omitempty"`
-	InFlightPrefill  int64    `json:"in_flight_prefill_tokens"`
-	InFlightRequests int64    `json:"in_flight_requests"`
-	EngineWaiting    *int64   `json:"engine_waiting,omitempty"`
-	EngineRunning    *int64   `json:"engine_running,omitempty"`
-	EngineKVUsage    *float64 `json:"engine_kv_usage,omitempty"`
+	LoadedTokens     int   `json:"loaded_tokens,omitempty"`
+	InFlightPrefill  int64 `json:"in_flight_prefill_tokens"`
+	InFlightRequests int64 `json:"in_flight_requests"`
+	// PeerInFlight is the gossiping router replicas' requests in flight.
+	PeerInFlight  int64    `json:"peer_in_flight_requests,omitempty"`
+	EngineWaiting *int64   `json:"engine_waiting,omitempty"`
+	EngineRunning *int64   `json:"engine_running,omitempty"`
+	EngineKVUsage *float64 `json:"engine_kv_usage,omitempty"`
 	// The wait model's constants for this endpoint (learned, or the
 	// priors) and, when measured, what was learned with its sample counts.
 	PrefillTokensPerSec float64          `json:"prefill_tokens_per_sec"`
@@ -410,7 +421,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		deepest = max(deepest, m.Blocks)
 	}
 
-	replicated := p.Foreign() >= sharedFleet
+	replicated := p.Foreign() >= sharedFleet || p.meshed != nil && p.meshed()
 	key, keyed, branch := p.prefixKey(r, prm, deepest, replicated, see)
 	group := r.group(set)
 	// The key's home; established when the key recurs.
@@ -509,7 +520,7 @@ func (p *Prefix) gather(r *Request, group []*discovery.Endpoint, k *costing, mat
 		c := k.candidate(e, matched, lower, shared)
 		if eng := c.load.eng; eng != nil {
 			engines += eng.Running + eng.Waiting
-			foreign += eng.Foreign()
+			foreign += max(0, eng.Running+eng.Waiting-eng.Routed) // other replicas' too
 		}
 		fullHere := home.first && !isHome && e.Dialect().Slotted() && !p.homes.hasRoom(e.ID)
 		if terms != nil {
@@ -639,7 +650,7 @@ func (k *costing) waitsForLoRASlot(e *discovery.Endpoint, eng *discovery.EngineS
 		return false
 	}
 	active := e.AdaptersInFlight(k.adapters[:0])
-	if eng.Foreign() > 0 {
+	if eng.Foreign()+eng.Peers > 0 {
 		for _, a := range eng.LoRA.Running {
 			if !slices.Contains(active, a) {
 				active = append(active, a)
@@ -653,7 +664,7 @@ func (k *costing) waitsForLoRASlot(e *discovery.Endpoint, eng *discovery.EngineS
 // term is c's side of the decision, for /debug/route.
 func (c candidate) term() Term {
 	t := Term{Endpoint: c.e.URL, MatchedBlocks: c.blocks, Warm: c.warm, Idle: c.idle,
-		UncachedTokens: c.uncached, LoadedTokens: c.loaded, LoadTokensPerSec: c.rates.load, InFlightPrefill: c.load.pending, InFlightRequests: c.load.inFlight,
+		UncachedTokens: c.uncached, LoadedTokens: c.loaded, LoadTokensPerSec: c.rates.load, InFlightPrefill: c.load.pending, InFlightRequests: c.load.inFlight, PeerInFlight: c.load.peer,
 		WaitSec: c.wait, LoRASlotWaitSec: c.loraWait, EvictsSec: c.evicts, Rendezvous: c.score, Learned: c.load.costs,
 		PrefillTokensPerSec: c.rates.prefill, PendingTokensPerSec: c.rates.pending, DecodeCostSec: c.rates.decode,
 		QueueCostSec: c.rates.queue, SlotCostSec: c.rates.slot, BatchLimit: c.rates.limit}
@@ -803,7 +814,7 @@ func (ch *picks) target(established, presume bool, prm *PrefixParams) (candidate
 // an idle server, evicted the prompt kept there, and the next request of
 // that prompt missed in turn.
 func (c candidate) stall() float64 {
-	running := c.load.inFlight
+	running := c.load.inFlight + c.load.peer
 	if c.load.eng != nil {
 		running = max(running, c.load.eng.Running)
 	}
@@ -824,7 +835,7 @@ func (c candidate) beats(o candidate, tie float64) bool {
 
 func (c candidate) decision(reason string, promptTokens int) Decision {
 	return Decision{Endpoint: c.e, Reason: reason, Prefill: c.uncached, Loaded: c.loaded, MatchedBlocks: c.blocks,
-		Contended: c.load.pending > 0, busy: c.load.inFlight > 0 && c.e.Dialect().Slotted(), PromptTokens: promptTokens}
+		Contended: c.load.pending > 0, busy: c.load.inFlight+c.load.peer > 0 && c.e.Dialect().Slotted(), PromptTokens: promptTokens}
 }
 
 // Follow sets o's OnRemove, OnRestart and OnCapacity so that the policy

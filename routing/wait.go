@@ -5,13 +5,14 @@ import "github.com/kvroute/kvroute/discovery"
 // load is an endpoint's load at decision time, each counter read once.
 type load struct {
 	inFlight int64                  // this router's requests in flight
+	peer     int64                  // the gossiping replicas' requests in flight (their last report)
 	pending  int64                  // this router's prefill tokens not yet computed
 	eng      *discovery.EngineStats // the engine's own view; nil unless freshly scraped
 	costs    *discovery.Costs       // the endpoint's learned costs; nil until measured
 }
 
 func loadOf(e *discovery.Endpoint) load {
-	return load{inFlight: e.InFlight(), pending: e.PendingPrefill(), eng: e.Engine(), costs: e.Costs()}
+	return load{inFlight: e.InFlight(), peer: e.PeerInFlight(), pending: e.PendingPrefill(), eng: e.Engine(), costs: e.Costs()}
 }
 
 // rates are the wait model's constants for one endpoint: its learned costs
@@ -85,22 +86,36 @@ func (p *PrefixParams) wait(l load, r rates, uncached, loaded int) (wait, own fl
 	// When every endpoint queues, a spill just adds a recompute.
 	idle = queue <= p.SpillMarginSec && (r.limit == 0 || l.inFlight < r.limit)
 	eng := l.eng
-	if eng == nil {
+	if eng == nil && l.peer == 0 {
 		return own, own, idle
 	}
-	// The engine also runs other clients' requests (other router replicas,
-	// clients bypassing kvroute): those beyond this router's own at the
-	// time of the scrape. They are added to the router's own counters,
-	// which are exact and current, where the scrape is up to an interval
-	// old: taking the engine's whole count instead kept a drained endpoint
-	// looking busy for an interval, and traffic herded elsewhere meanwhile.
-	foreign := eng.Foreign()
-	inFlight := l.inFlight + foreign
+	// The engine also runs other clients' requests: the gossiping router
+	// replicas' (as they last told, within a tenth of a second) and, in
+	// the engine's view, those beyond all the routers' at the time of the
+	// scrape (clients bypassing kvroute, replicas that do not gossip).
+	// They are added to the router's own counters, which are exact and
+	// current, where the scrape is up to an interval old: taking the
+	// engine's whole count instead kept a drained endpoint looking busy
+	// for an interval, and traffic herded elsewhere meanwhile. The spill
+	// test reads own alone: every replica sees the same peers' load, and
+	// acting on it would make them all spill at once.
+	var foreign, waiting int64
+	if eng != nil {
+		foreign, waiting = eng.Foreign(), eng.Waiting
+	}
+	inFlight := l.inFlight + l.peer + foreign
 	if r.limit > 0 && inFlight >= r.limit {
 		slot = float64(inFlight-r.limit+1) * r.slot
 	}
-	queue += slot + float64(min(eng.Waiting, foreign))*r.queue
-	wait = queue + prefill + float64(inFlight)*r.decode + eng.KVUsage*p.KVCostSec
+	queue += slot + float64(min(waiting, foreign))*r.queue
+	wait = queue + prefill + float64(inFlight)*r.decode
+	if l.peer > 0 { // the peers' requests fill the batch too
+		idle = idle && (r.limit == 0 || inFlight < r.limit)
+	}
+	if eng == nil {
+		return wait, own, idle
+	}
+	wait += eng.KVUsage * p.KVCostSec
 	// A spilled prompt fills a nearly full cache by evicting the prefixes
 	// homed there, whose next requests then recompute.
 	idle = idle && eng.Waiting == 0 && eng.KVUsage < p.SpillMaxKVUsage

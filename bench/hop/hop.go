@@ -53,6 +53,9 @@ type Config struct {
 	// KVEvents adds the target EventsTarget (events.go): kvroute on engine
 	// truth, the backend publishing KV events and answering /tokenize.
 	KVEvents bool
+	// Gossip adds the target GossipTarget: kvroute gossiping with a
+	// second kvroute process (--peers), each placement sent to it.
+	Gossip bool
 	// Bare is the command that serves the bare proxy (BareTarget) when
 	// given "bare-proxy --listen ADDR --backend ADDR" (kvhop itself); empty:
 	// that target is not measured.
@@ -261,15 +264,22 @@ backend engines
   server e1 {{backend}} maxconn 10000
 `
 
+// GossipTarget is the target name of kvroute gossiping with a peer.
+const GossipTarget = "kvroute+gossip"
+
 // proxyProc is a proxy under test running in its own process.
 type proxyProc struct {
 	name  string
 	url   string
 	cmd   *exec.Cmd
-	admin string // kvroute's admin URL, for its profiles
+	admin string     // kvroute's admin URL, for its profiles
+	peer  *proxyProc // the kvroute it gossips with (GossipTarget)
 }
 
 func (p *proxyProc) stop() {
+	if p.peer != nil {
+		defer p.peer.stop()
+	}
 	if p.cmd != nil && p.cmd.Process != nil {
 		_ = p.cmd.Process.Signal(os.Interrupt)
 		done := make(chan struct{})
@@ -295,21 +305,8 @@ func startProxy(ctx context.Context, name, kvroute, bare, dir string, be *backen
 		return strings.NewReplacer("{{dir}}", dir, "{{backend}}", backend, "{{port}}", strconv.Itoa(port)).Replace(tmpl)
 	}
 	switch name {
-	case "kvroute", EventsTarget:
-		admin, err := freePort()
-		if err != nil {
-			return nil, err
-		}
-		args := []string{"--listen", fmt.Sprintf("127.0.0.1:%d", port),
-			"--admin-listen", fmt.Sprintf("127.0.0.1:%d", admin), "--backends", "http://" + backend, "--admin-token", profileToken}
-		if name == EventsTarget {
-			args = append(args, "--kv-events-port", strconv.Itoa(be.kv.port))
-		}
-		p, err := startProxyArgs(ctx, name, dir, port, kvroute, args...)
-		if p != nil {
-			p.admin = fmt.Sprintf("http://127.0.0.1:%d", admin)
-		}
-		return p, err
+	case "kvroute", EventsTarget, GossipTarget:
+		return startKvroute(ctx, name, kvroute, dir, port, be)
 	case BareTarget:
 		return startProxyArgs(ctx, name, dir, port, bare, "bare-proxy", "--listen", fmt.Sprintf("127.0.0.1:%d", port), "--backend", backend)
 	case "nginx":
@@ -326,6 +323,45 @@ func startProxy(ctx context.Context, name, kvroute, bare, dir string, be *backen
 		return startProxyArgs(ctx, name, dir, port, "haproxy", "-db", "-f", conf)
 	}
 	return &proxyProc{name: name, url: "http://" + backend}, nil
+}
+
+// startKvroute starts kvroute as the target name on port in front of be;
+// GossipTarget first starts the peer it gossips with.
+func startKvroute(ctx context.Context, name, kvroute, dir string, port int, be *backend) (*proxyProc, error) {
+	ports := make([]int, 5) // admin; with gossip, both gossip ports and the peer's API and admin
+	for i := range ports {
+		var err error
+		if ports[i], err = freePort(); err != nil {
+			return nil, err
+		}
+	}
+	args := func(port, admin int) []string {
+		return []string{"--listen", fmt.Sprintf("127.0.0.1:%d", port), "--admin-listen", fmt.Sprintf("127.0.0.1:%d", admin),
+			"--backends", "http://" + be.addr, "--admin-token", profileToken}
+	}
+	a := args(port, ports[0])
+	var peer *proxyProc
+	switch name {
+	case EventsTarget:
+		a = append(a, "--kv-events-port", strconv.Itoa(be.kv.port))
+	case GossipTarget:
+		peers := fmt.Sprintf("--peers=127.0.0.1:%d,127.0.0.1:%d", ports[1], ports[2])
+		var err error
+		if peer, err = startProxyArgs(ctx, name+"-peer", dir, ports[3], kvroute,
+			append(args(ports[3], ports[4]), peers, fmt.Sprintf("--gossip-listen=127.0.0.1:%d", ports[2]))...); err != nil {
+			return nil, err
+		}
+		a = append(a, peers, fmt.Sprintf("--gossip-listen=127.0.0.1:%d", ports[1]))
+	}
+	p, err := startProxyArgs(ctx, name, dir, port, kvroute, a...)
+	if err != nil {
+		if peer != nil {
+			peer.stop()
+		}
+		return nil, err
+	}
+	p.admin, p.peer = fmt.Sprintf("http://127.0.0.1:%d", ports[0]), peer
+	return p, nil
 }
 
 // startProxyArgs runs bin args as the proxy name listening on port, its
@@ -447,6 +483,9 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	if cfg.KVEvents && !slices.Contains(targets, EventsTarget) {
 		targets = slices.Insert(slices.Clone(targets), min(2, len(targets)), EventsTarget)
+	}
+	if cfg.Gossip && !slices.Contains(targets, GossipTarget) {
+		targets = slices.Insert(slices.Clone(targets), min(2, len(targets)), GossipTarget)
 	}
 	if cfg.Bare == "" {
 		targets = slices.DeleteFunc(slices.Clone(targets), func(t string) bool { return t == BareTarget })

@@ -117,6 +117,12 @@ func optInPolicies() []Policy {
 			About: "three independent kvroute replicas (prefix fed by KV events), a random third of the traffic each"},
 		{Name: PrefixGossip, Router: "prefix", Replicas: 3, Gossip: true,
 			About: "three kvroute replicas (prefix) gossiping their placements (--peers), a random third of the traffic each"},
+		{Name: "prefix-2-replicas-gossip", Router: "prefix", Replicas: 2, Gossip: true,
+			About: "two kvroute replicas (prefix) gossiping their placements (--peers), a random half of the traffic each"},
+		{Name: "prefix-8-replicas-gossip", Router: "prefix", Replicas: 8, Gossip: true,
+			About: "eight kvroute replicas (prefix) gossiping their placements (--peers), a random eighth of the traffic each"},
+		{Name: PrefixEvents + "-3-replicas-gossip", Router: "prefix", Events: true, Replicas: 3, Gossip: true,
+			About: "three kvroute replicas (prefix fed by KV events) gossiping their placements (--peers), a random third of the traffic each"},
 		{Name: LLMDPrecise, Events: true,
 			About: "llm-d precise prefix-cache scoring: prefix 2, KV 1, queue 1, max score, fed by KV events, tokenizing every request (emulated)"},
 	}
@@ -499,9 +505,16 @@ func (r *Router) Index() string {
 	if decisions == "" {
 		return "" // not the prefix policy
 	}
-	return fmt.Sprintf("decisions %s; estimates %s; index %.0f entries, %.0f evictions", decisions,
+	s := fmt.Sprintf("decisions %s; estimates %s; index %.0f entries, %.0f evictions", decisions,
 		count("kvroute_prefix_estimates_total", "outcome", "exact", "over", "under"),
 		sumBy(mfs, "kvroute_prefix_index_entries", "")[""], sumBy(mfs, "kvroute_prefix_index_evictions_total", "")[""])
+	if sent := sumBy(mfs, "kvroute_peer_bytes_total", "direction"); len(sent) > 0 {
+		s += fmt.Sprintf("; gossip sent %.0f messages, %.0f bytes; placements %s; states %.0f (%.0f claims)",
+			sumBy(mfs, "kvroute_peer_messages_total", "direction")["sent"], sent["sent"],
+			count("kvroute_peer_placements_total", "outcome", "merged", "unknown_endpoint", "mismatched", "dropped", "malformed"),
+			sumBy(mfs, "kvroute_peer_states_total", "")[""], sumBy(mfs, "kvroute_peer_state_claims_total", "")[""])
+	}
+	return s
 }
 
 // Close drains the router (in-flight streams get 10 s) and waits for it

@@ -40,9 +40,10 @@ func run(args []string) error {
 	dur := fs.Duration("duration", 5*time.Second, "length of one wrk measurement (whole seconds)")
 	events := fs.Int("events", 100, "SSE events per streamed answer")
 	only := fs.String("only", "", "comma-separated cases to run (NAME or NAME/CONNS, e.g. completion-1KiB/32); default all")
-	targets := fs.String("targets", "", "comma-separated targets (direct, kvroute, "+hop.BareTarget+", nginx, haproxy, "+hop.EventsTarget+"); default all but "+hop.EventsTarget)
+	targets := fs.String("targets", "", "comma-separated targets (direct, kvroute, "+hop.BareTarget+", nginx, haproxy, "+hop.EventsTarget+", "+hop.GossipTarget+"); default all but those two")
 	streams := fs.Int("streams", 0, "instead of the wrk run: hold this many SSE streams, then as many idle keep-alive connections, through kvroute and report its RSS per stream and per connection (two file descriptors each in kvroute)")
 	kvEvents := fs.Bool("kv-events", false, "also measure kvroute with engine truth on ("+hop.EventsTarget+"): the backend publishes KV events (≈ 3,500 a second) and answers /tokenize")
+	gossip := fs.Bool("gossip", false, "also measure kvroute gossiping its placements to a second kvroute process ("+hop.GossipTarget+", --peers)")
 	more := fs.String("kvroutes", "", "comma-separated further kvroute binaries, measured as kvroute-1, kvroute-2, ... (an A/B of builds)")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -69,7 +70,7 @@ func run(args []string) error {
 		return err
 	}
 	cfg := hop.Config{Kvroute: abs, Dir: work, Rounds: *rounds, Duration: *dur, Events: *events, Log: os.Stdout,
-		Only: list(*only), Targets: list(*targets), KVEvents: *kvEvents, Bare: self}
+		Only: list(*only), Targets: list(*targets), KVEvents: *kvEvents, Gossip: *gossip, Bare: self}
 	for _, b := range list(*more) {
 		a, err := filepath.Abs(b)
 		if err != nil {

@@ -1,0 +1,135 @@
+package peers
+
+import (
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/memberlist"
+)
+
+const (
+	// loadEvery is how often a replica sends its requests in flight when
+	// they changed; loadKeepalive when they did not.
+	loadEvery     = 100 * time.Millisecond
+	loadKeepalive = time.Second
+	// loadTTL is how long a peer's report stands without a new one (a
+	// replica gone without leaving stops counting after it).
+	loadTTL = 3 * time.Second
+	// maxLoadPeers bounds the peers whose load is kept.
+	maxLoadPeers = 64
+)
+
+// loads is the replicas' load exchange: what this replica last sent, and
+// what each peer last told per endpoint.
+type loads struct {
+	mu       sync.Mutex
+	sent     []loadEntry // the last digest sent (Run's loop only)
+	own      []loadEntry // the digest being built (Run's loop only)
+	sentAt   time.Time
+	checked  time.Time
+	byPeer   map[uint64]map[uint64]loadSeen
+	touched  []uint64
+	reported map[uint64]bool // endpoints given a peer sum that is not 0
+}
+
+type loadSeen struct {
+	n  int64
+	at time.Time
+}
+
+// sendLoad sends this replica's requests in flight to every other live
+// member, every loadEvery when they changed and every loadKeepalive
+// regardless, and drops the peers' reports older than loadTTL.
+func (m *Mesh) sendLoad(ml *memberlist.Memberlist, now time.Time) {
+	l := &m.loads
+	if now.Sub(l.checked) < loadEvery {
+		return
+	}
+	l.checked = now
+	m.expireLoad(now)
+	if m.cfg.Load == nil || m.others.Load() == 0 {
+		return
+	}
+	l.own = l.own[:0]
+	m.cfg.Load(func(id uint64, n int64) { l.own = append(l.own, loadEntry{id, n}) })
+	if slices.Equal(l.own, l.sent) && now.Sub(l.sentAt) < loadKeepalive {
+		return
+	}
+	l.sent, l.own, l.sentAt = l.own, l.sent, now
+	msgs := encodeLoad(nil, header{sender: m.sender, fingerprint: m.cfg.Fingerprint}, l.sent)
+	m.sendAll(ml, msgs)
+}
+
+// mergeLoad takes a peer's report of its requests in flight and tells
+// SetLoad the new sums of the endpoints it names.
+func (m *Mesh) mergeLoad(sender uint64, es []loadEntry, now time.Time) {
+	if m.cfg.SetLoad == nil {
+		return
+	}
+	l := &m.loads
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.byPeer == nil {
+		l.byPeer, l.reported = map[uint64]map[uint64]loadSeen{}, map[uint64]bool{}
+	}
+	peer, ok := l.byPeer[sender]
+	if !ok {
+		if len(l.byPeer) >= maxLoadPeers {
+			m.stats.dropped.Add(1)
+			return
+		}
+		peer = map[uint64]loadSeen{}
+		l.byPeer[sender] = peer
+	}
+	l.touched = l.touched[:0]
+	for _, e := range es {
+		if !m.cfg.Known(e.endpoint) {
+			continue
+		}
+		peer[e.endpoint] = loadSeen{e.inFlight, now}
+		l.touched = append(l.touched, e.endpoint)
+	}
+	m.publishLoad()
+}
+
+// expireLoad drops the peers' reports older than loadTTL and publishes
+// the sums they leave.
+func (m *Mesh) expireLoad(now time.Time) {
+	if m.cfg.SetLoad == nil {
+		return
+	}
+	l := &m.loads
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.touched = l.touched[:0]
+	for sender, peer := range l.byPeer {
+		for id, v := range peer {
+			if now.Sub(v.at) > loadTTL {
+				delete(peer, id)
+				l.touched = append(l.touched, id)
+			}
+		}
+		if len(peer) == 0 {
+			delete(l.byPeer, sender)
+		}
+	}
+	m.publishLoad()
+}
+
+// publishLoad tells SetLoad the peers' sum at each endpoint of
+// l.touched. l.mu is held.
+func (m *Mesh) publishLoad() {
+	l := &m.loads
+	for _, id := range l.touched {
+		var sum int64
+		for _, peer := range l.byPeer {
+			sum += peer[id].n
+		}
+		if sum == 0 && !l.reported[id] {
+			continue
+		}
+		l.reported[id] = sum != 0
+		m.cfg.SetLoad(id, sum)
+	}
+}

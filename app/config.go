@@ -121,6 +121,10 @@ type Config struct {
 	// GossipName is this replica's member name ("": the host name and a
 	// random suffix). Not a flag: the benchmark names its replicas.
 	GossipName string
+	// GossipNoLoad keeps the replicas' requests in flight out of the
+	// gossip (placements and state only). Not a flag: the benchmark
+	// measures what sharing the load does.
+	GossipNoLoad bool
 
 	PrefixBlockBytes     int
 	PrefixMaxBlocks      int

@@ -175,15 +175,17 @@ func (r *Router) newMesh(logger *zap.Logger) (*peers.Mesh, error) {
 	}
 	idx := r.Prefix.Index()
 	pc.Record, pc.Export, pc.Import = idx.Record, idx.Export, idx.Import
-	pc.Load = func(yield func(id uint64, n int64)) {
-		for _, e := range r.Pool.Load().Endpoints {
-			yield(e.ID, e.InFlight())
+	if !r.cfg.GossipNoLoad {
+		pc.Load = func(yield func(id uint64, n int64)) {
+			for _, e := range r.Pool.Load().Endpoints {
+				yield(e.ID, e.InFlight())
+			}
 		}
-	}
-	pc.SetLoad = func(id uint64, n int64) {
-		eps := r.Pool.Load().Endpoints
-		if i := slices.IndexFunc(eps, func(e *discovery.Endpoint) bool { return e.ID == id }); i >= 0 {
-			eps[i].SetPeerInFlight(n)
+		pc.SetLoad = func(id uint64, n int64) {
+			eps := r.Pool.Load().Endpoints
+			if i := slices.IndexFunc(eps, func(e *discovery.Endpoint) bool { return e.ID == id }); i >= 0 {
+				eps[i].SetPeerInFlight(n)
+			}
 		}
 	}
 	pc.Logger = logger.Named("peers")

@@ -221,28 +221,36 @@ type runner struct {
 
 // plan resolves the stages and the number of requests to send.
 func (r *runner) plan() {
-	l, w := r.cfg.Load, r.cfg.Workload
+	r.total, r.stages = r.cfg.Planned(), r.cfg.Load.Stages
+	if len(r.stages) == 0 {
+		r.stages = []Stage{{Rate: r.cfg.Load.Rate, Requests: r.total}}
+	}
+	r.q = newQueue(r.cfg.Workload, r.total)
+}
+
+// Planned returns how many requests Run will send: the stages' requests,
+// else Load.Requests, else every request of the workload once (a
+// multi-turn workload's turns at most); -1 when Load.Duration alone ends
+// the run of a single-turn workload.
+func (c Config) Planned() int {
+	l, w := c.Load, c.Workload
+	var n int
 	switch {
 	case len(l.Stages) > 0:
-		r.stages = l.Stages
-		r.total = 0
 		for _, s := range l.Stages {
-			r.total += s.Requests
+			n += s.Requests
 		}
 	case l.Requests > 0:
-		r.total = l.Requests
+		n = l.Requests
 	case l.Duration > 0 && !w.MultiTurn():
-		r.total = -1
+		return -1
 	default:
-		r.total = w.Requests()
+		n = w.Requests()
 	}
-	if w.MultiTurn() && r.total > w.Requests() {
-		r.total = w.Requests()
+	if w.MultiTurn() && n > w.Requests() {
+		n = w.Requests()
 	}
-	if len(r.stages) == 0 {
-		r.stages = []Stage{{Rate: l.Rate, Requests: r.total}}
-	}
-	r.q = newQueue(w, r.total)
+	return n
 }
 
 // expired reports whether Load.Duration has passed.

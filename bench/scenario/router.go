@@ -47,6 +47,10 @@ type Policy struct {
 	// Gossip: the replicas gossip their placements to each other
 	// (--peers, on loopback ports of their own).
 	Gossip bool
+	// Rolling replaces the replicas one at a time during the run, behind
+	// a Service of the scenario's own (rollout.go) instead of a
+	// random-policy kvroute.
+	Rolling bool
 	// Configure, if set, adjusts the router's configuration for this
 	// policy after the benchmark's defaults (e.g. a peer's own engine
 	// metrics refresh).
@@ -117,6 +121,11 @@ func optInPolicies() []Policy {
 			About: "three independent kvroute replicas (prefix fed by KV events), a random third of the traffic each"},
 		{Name: PrefixGossip, Router: "prefix", Replicas: 3, Gossip: true,
 			About: "three kvroute replicas (prefix) gossiping their placements (--peers), a random third of the traffic each"},
+		{Name: PrefixGossip + "-no-load", Router: "prefix", Replicas: 3, Gossip: true,
+			About:     "three kvroute replicas (prefix) gossiping their placements but not their requests in flight, a random third of the traffic each",
+			Configure: func(c *app.Config) { c.GossipNoLoad = true }},
+		{Name: PrefixGossip + "-rolling", Router: "prefix", Replicas: 3, Gossip: true, Rolling: true,
+			About: "three kvroute replicas (prefix) gossiping, a random third of the traffic each, replaced one at a time during the run (a rolling update)"},
 		{Name: "prefix-2-replicas-gossip", Router: "prefix", Replicas: 2, Gossip: true,
 			About: "two kvroute replicas (prefix) gossiping their placements (--peers), a random half of the traffic each"},
 		{Name: "prefix-8-replicas-gossip", Router: "prefix", Replicas: 8, Gossip: true,

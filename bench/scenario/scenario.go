@@ -190,8 +190,12 @@ type Report struct {
 	// NearMisses is, per policy, kvroute's near-identical prompt count and
 	// the workload's truth (only where either is not zero).
 	NearMisses map[string]NearMisses `json:"near_misses,omitempty"`
+	// Rollouts are, per policy with a rolling update of its replicas
+	// (Policy.Rolling), what the update did.
+	Rollouts map[string]*Rollout `json:"rollouts,omitempty"`
 	// Rounds are each round's own figures when there were several (Runs
-	// then pools them); Learned and NearMisses are the first round's.
+	// then pools them); Learned, NearMisses and Rollouts are the first
+	// round's.
 	Rounds []Round `json:"rounds,omitempty"`
 }
 
@@ -328,6 +332,17 @@ func (rep *Report) logSeen(p Policy, seen routerState, opt RunOptions, first boo
 	if opt.Log != nil && seen.kvBatches > 0 {
 		fmt.Fprintf(opt.Log, "%s: %s was fed %d KV-event batches\n", name, p.Name, seen.kvBatches)
 	}
+	if seen.rollout != nil {
+		if first {
+			if rep.Rollouts == nil {
+				rep.Rollouts = map[string]*Rollout{}
+			}
+			rep.Rollouts[p.Name] = seen.rollout
+		}
+		if opt.Log != nil {
+			fmt.Fprintf(opt.Log, "%s: %s %s\n", name, p.Name, seen.rollout)
+		}
+	}
 }
 
 // Round is one round's own figures (RunOptions.Rounds > 1), per policy in
@@ -398,6 +413,8 @@ type routerState struct {
 	// kvBatches is the KV-event batches the routers' policies were fed
 	// (Router.KVEventBatches).
 	kvBatches int
+	// rollout is what a rolling update did (Policy.Rolling), nil without.
+	rollout *Rollout
 }
 
 // runPolicy runs one policy of sc on a fresh fleet and router.
@@ -465,12 +482,22 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 			return nil, seen, err
 		}
 		for i := 0; i < p.Replicas; i++ {
-			inner, err := StartRouter(gossipReplica(p, gossip, i), pods, sc.simEngines(cfgs))
+			inner, err := StartRouter(gossipReplica(p, gossip, i, 0), pods, sc.simEngines(cfgs))
 			if err != nil {
 				return nil, seen, err
 			}
-			defer func() { err = errors.Join(err, inner.Close()) }()
 			replicas, backends = append(replicas, inner), append(backends, inner.URL)
+		}
+		// replicas are the live ones at the end (a rolling update
+		// replaces them): close those.
+		defer func() {
+			for _, r := range replicas {
+				err = errors.Join(err, r.Close())
+			}
+		}()
+		if p.Rolling {
+			res, err = runRolling(ctx, lc, p, pods, sc.simEngines(cfgs), replicas, gossip, &seen)
+			return res, seen, err
 		}
 		if front, err = policyNamed("random"); err != nil {
 			return nil, seen, err
@@ -485,20 +512,54 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 		replicas = []*Router{rt}
 		defer func() { seen.learned = rt.Learned() }()
 	}
-	defer func() {
-		var idx []string
-		for _, r := range replicas {
-			seen.nearMisses += r.NearMisses()
-			seen.kvBatches += r.KVEventBatches()
-			if s := r.Index(); s != "" {
-				idx = append(idx, s)
-			}
-		}
-		seen.index = strings.Join(idx, " | ")
-	}()
+	defer seen.read(replicas)
 	lc.BaseURL = rt.URL
 	res, err = load.Run(ctx, lc)
 	return res, seen, err
+}
+
+// runRolling runs lc through the Service in front of replicas (gossiping
+// at addrs) while a rolling update replaces each of them in turn
+// (Policy.Rolling), and records in seen what the replicas did; replicas
+// ends as the live ones.
+func runRolling(ctx context.Context, lc load.Config, p Policy, pods []string, engines []sim.Config, replicas []*Router, addrs []string, seen *routerState) (*load.Result, error) {
+	urls := make([]string, len(replicas))
+	for i, r := range replicas {
+		urls[i] = r.URL
+	}
+	svc, err := startService(urls)
+	if err != nil {
+		return nil, err
+	}
+	defer svc.Close()
+	ro := newRollout(p, pods, engines, svc, replicas, addrs)
+	rctx, stop := context.WithCancel(ctx)
+	rolled := make(chan error, 1)
+	total := lc.Planned()
+	go func() { rolled <- ro.run(rctx, total) }()
+	lc.BaseURL = svc.URL
+	res, err := load.Run(ctx, lc)
+	stop()
+	if rerr := <-rolled; rerr != nil && !errors.Is(rerr, context.Canceled) {
+		err = errors.Join(err, rerr)
+	}
+	rep, rerr := ro.finish(res, lc.TimeScale)
+	seen.rollout = rep
+	seen.read(replicas)
+	return res, errors.Join(err, rerr)
+}
+
+// read adds what replicas counted and indexed to s.
+func (s *routerState) read(replicas []*Router) {
+	var idx []string
+	for _, r := range replicas {
+		s.nearMisses += r.NearMisses()
+		s.kvBatches += r.KVEventBatches()
+		if i := r.Index(); i != "" {
+			idx = append(idx, i)
+		}
+	}
+	s.index = strings.Join(idx, " | ")
 }
 
 // eventsLayout readies the pods of a policy fed by KV events (p.Events):
@@ -573,10 +634,11 @@ func gossipAddrs(p Policy) ([]string, error) {
 	return addrs, nil
 }
 
-// gossipReplica is p for its replica i: listening at addrs[i] and given
+// gossipReplica is p for its replica i of generation gen (a rolling
+// update's replacements are generation 1): listening at addrs[i] and given
 // every replica's address as its peers, as a static deployment lists them
 // (p itself without gossip addresses).
-func gossipReplica(p Policy, addrs []string, i int) Policy {
+func gossipReplica(p Policy, addrs []string, i, gen int) Policy {
 	if len(addrs) == 0 {
 		return p
 	}
@@ -585,7 +647,7 @@ func gossipReplica(p Policy, addrs []string, i int) Policy {
 		if configure != nil {
 			configure(c)
 		}
-		c.Peers, c.GossipListen, c.GossipName = addrs, addrs[i], fmt.Sprintf("%s-%d", p.Name, i)
+		c.Peers, c.GossipListen, c.GossipName = addrs, addrs[i], fmt.Sprintf("%s-%d.%d", p.Name, i, gen)
 	}
 	return p
 }

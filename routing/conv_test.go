@@ -124,3 +124,28 @@ func TestFamilyChained(t *testing.T) {
 		}
 	}
 }
+
+// Replicas that gossip their placements (each pick recorded in every
+// replica's index, Meshed) route as one of several, yet send each
+// conversation's turns where the index says its history is, not to a
+// home presumed to hold it: no more moves than independent replicas
+// make, though no engine shows another router's requests.
+func TestMeshedReplicasFollowTheIndex(t *testing.T) {
+	set := testSet(t, 8)
+	replicas := []*Prefix{newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams())}
+	for _, p := range replicas {
+		p.Meshed(func() bool { return true })
+		p.OnPlaced(func(id uint64, hashes []uint64) {
+			for _, q := range replicas {
+				if q != p {
+					q.Index().Record(id, hashes)
+				}
+			}
+		})
+	}
+	const convs = 48
+	moved, _ := conversations(t, set, replicas, convs)
+	if moved > convs*5/4 {
+		t.Fatalf("%d turns of %d moved to another endpoint than their conversation's last turn, want at most one a conversation and a few more", moved, convs*14)
+	}
+}

@@ -4,11 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"net/http/httputil"
 	"net/url"
+	"regexp"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -26,16 +29,28 @@ import (
 // (service): each request to a random ready replica, as kube-proxy picks.
 
 // service is the Service in front of a policy's replicas: a reverse proxy
-// sending each request to a random replica of its current set.
+// sending each request to a random replica of its current set. It notes
+// the replica each request went to and the prompt and cached tokens of its
+// answer's usage.
 type service struct {
 	URL     string
 	mu      sync.Mutex
 	targets []*url.URL
+	served  []served
 	intn    func(int) int
 	// sent counts the requests received.
 	sent atomic.Int64
 	srv  *httptest.Server
 }
+
+// served is one request the Service passed on, answered.
+type served struct {
+	host           string // the replica's host:port
+	at             time.Time
+	prompt, cached int
+}
+
+type sentAt struct{}
 
 // startService starts a Service in front of urls on a loopback port.
 func startService(urls []string) (*service, error) {
@@ -46,7 +61,18 @@ func startService(urls []string) (*service, error) {
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			s.sent.Add(1)
+			pr.Out = pr.Out.WithContext(context.WithValue(pr.Out.Context(), sentAt{}, time.Now()))
 			pr.SetURL(s.pick())
+		},
+		ModifyResponse: func(resp *http.Response) error {
+			at, _ := resp.Request.Context().Value(sentAt{}).(time.Time)
+			host := resp.Request.URL.Host
+			resp.Body = &usageTail{ReadCloser: resp.Body, done: func(prompt, cached int) {
+				s.mu.Lock()
+				s.served = append(s.served, served{host: host, at: at, prompt: prompt, cached: cached})
+				s.mu.Unlock()
+			}}
+			return nil
 		},
 		FlushInterval: -1, // streams pass through as they come
 		Transport:     &http.Transport{MaxIdleConnsPerHost: 1024, DisableCompression: true},
@@ -85,6 +111,66 @@ func (s *service) pick() *url.URL {
 // Close stops the Service (requests in flight are cut).
 func (s *service) Close() { s.srv.Close() }
 
+// tokens sums the usage of the requests sent in [from, to) to host (or,
+// with other, to every other replica).
+func (s *service) tokens(host string, other bool, from, to time.Time) (n int, rate float64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var prompt, cached int
+	for _, r := range s.served {
+		if (r.host == host) != other && !r.at.Before(from) && r.at.Before(to) {
+			n, prompt, cached = n+1, prompt+r.prompt, cached+r.cached
+		}
+	}
+	if prompt > 0 {
+		rate = float64(cached) / float64(prompt)
+	}
+	return n, rate
+}
+
+// usageTail passes an answer through and, when it is closed, hands done
+// the last prompt_tokens and cached_tokens its final bytes carried (the
+// usage of a whole answer or of a stream's last chunk; 0 without).
+type usageTail struct {
+	io.ReadCloser
+	tail []byte
+	done func(prompt, cached int)
+	once sync.Once
+}
+
+// usageTailBytes is how much of an answer's end usageTail keeps: a
+// usage chunk is a few hundred bytes.
+const usageTailBytes = 4096
+
+var (
+	promptTokensRE = regexp.MustCompile(`"prompt_tokens":\s*(\d+)`)
+	cachedTokensRE = regexp.MustCompile(`"cached_tokens":\s*(\d+)`)
+)
+
+func (u *usageTail) Read(p []byte) (int, error) {
+	n, err := u.ReadCloser.Read(p)
+	u.tail = append(u.tail, p[:n]...)
+	if over := len(u.tail) - usageTailBytes; over > 0 {
+		u.tail = append(u.tail[:0], u.tail[over:]...)
+	}
+	return n, err
+}
+
+func (u *usageTail) Close() error {
+	u.once.Do(func() {
+		last := func(re *regexp.Regexp) int {
+			m := re.FindAllSubmatch(u.tail, -1)
+			if len(m) == 0 {
+				return 0
+			}
+			v, _ := strconv.Atoi(string(m[len(m)-1][1]))
+			return v
+		}
+		u.done(last(promptTokensRE), last(cachedTokensRE))
+	})
+	return u.ReadCloser.Close()
+}
+
 // Rollout is what a rolling update of a policy's replicas did to its run.
 // Times are modelled seconds from the run's start.
 type Rollout struct {
@@ -98,10 +184,14 @@ type Rollout struct {
 	// milliseconds: its join and pull of a peer's state included.
 	ReadyMs []float64 `json:"ready_ms"`
 	// Before, During and After are the requests sent in the rollout's span
-	// (During) and in spans as long just before and after it.
-	Before Window `json:"before"`
-	During Window `json:"during"`
-	After  Window `json:"after"`
+	// (During) and in spans as long just before and after it. A
+	// scenario's load may change in between (rising stages): Steady is
+	// the same span of a run without the update in the same report (the
+	// same replicas gossiping, PrefixGossip), when there is one.
+	Before Window  `json:"before"`
+	During Window  `json:"during"`
+	After  Window  `json:"after"`
+	Steady *Window `json:"steady,omitempty"`
 	// New is each new replica over its first window: from when the
 	// Service added it until the next replacement began (the last: for as
 	// long again).
@@ -134,46 +224,21 @@ func window(rs []load.RequestResult, from, to float64) Window {
 }
 
 // ReplicaWindow is one new replica's first window beside its peers': the
-// engines' cached tokens over the prompt tokens each routed
-// (kvroute_prefix_engine_cached_tokens_total ÷
-// kvroute_routed_prompt_tokens_total, as an operator reads them).
-// Cold counts its decisions for a prefix it had never seen (reason cold):
-// with its peers' state pulled, none for a prefix they had placed.
+// requests each was sent in it and their cached ÷ prompt tokens as the
+// engines' usage reported them; Cold counts the new replica's decisions
+// for a prefix it had never seen (reason cold): with its peers' state
+// pulled, none for a prefix they had placed.
 type ReplicaWindow struct {
-	Decisions      int     `json:"decisions"`
-	Cold           int     `json:"cold"`
-	HitRate        float64 `json:"hit_rate"`
-	PeersHitRate   float64 `json:"peers_hit_rate"`
-	PeersDecisions int     `json:"peers_decisions"`
+	Requests      int     `json:"requests"`
+	Cold          int     `json:"cold"`
+	CachedRate    float64 `json:"cached_rate"`
+	PeersRequests int     `json:"peers_requests"`
+	PeersRate     float64 `json:"peers_cached_rate"`
 }
 
-// tokens is a replica's counters at one moment.
-type tokens struct{ cached, prompt, decisions, cold float64 }
-
-func (r *Router) tokens() tokens {
-	mfs := r.gather()
-	byReason := sumBy(mfs, "kvroute_routing_decisions_total", "reason")
-	t := tokens{cached: sumBy(mfs, "kvroute_prefix_engine_cached_tokens_total", "")[""],
-		prompt: sumBy(mfs, "kvroute_routed_prompt_tokens_total", "")[""], cold: byReason[routing.ReasonCold]}
-	for _, n := range byReason {
-		t.decisions += n
-	}
-	return t
-}
-
-func (t tokens) add(u tokens) tokens {
-	return tokens{t.cached + u.cached, t.prompt + u.prompt, t.decisions + u.decisions, t.cold + u.cold}
-}
-
-func (t tokens) sub(u tokens) tokens {
-	return tokens{t.cached - u.cached, t.prompt - u.prompt, t.decisions - u.decisions, t.cold - u.cold}
-}
-
-func (t tokens) rate() float64 {
-	if t.prompt <= 0 {
-		return 0
-	}
-	return t.cached / t.prompt
+// cold returns the router's decisions for a prefix warm nowhere so far.
+func (r *Router) cold() int {
+	return int(sumBy(r.gather(), "kvroute_routing_decisions_total", "reason")[routing.ReasonCold])
 }
 
 // Ready reports whether the router would answer /readyz with 200 (its
@@ -209,6 +274,15 @@ type rollout struct {
 	// walls are the wall times of rep's events: each replacement's start
 	// and the end of the last window.
 	walls []time.Time
+	// firsts are the new replicas' first windows (rep.New's), whose
+	// requests finish counts once they have all been answered.
+	firsts []first
+}
+
+// first is a new replica's first window.
+type first struct {
+	host     string
+	from, to time.Time
 }
 
 func newRollout(p Policy, pods []string, engines []sim.Config, svc *service, slots []*Router, addrs []string) *rollout {
@@ -229,15 +303,18 @@ func (ro *rollout) run(ctx context.Context, total int) error {
 	for k := range at {
 		at[k] = int64(total/3 + k*total/(3*n))
 	}
-	var open tokens // the window of the replica replaced last: its counters and its peers' at its start
-	var openPeers tokens
+	var since time.Time // when the replica replaced last took its share
+	var cold int        // its cold decisions then
 	for k := 0; k <= n; k++ {
 		if err := ro.await(ctx, at[k]); err != nil {
 			return err
 		}
-		ro.walls = append(ro.walls, time.Now())
+		now := time.Now()
+		ro.walls = append(ro.walls, now)
 		if k > 0 {
-			ro.closeWindow(k-1, open, openPeers)
+			nr := ro.slots[k-1]
+			ro.firsts = append(ro.firsts, first{host: hostOf(nr.URL), from: since, to: now})
+			ro.rep.New = append(ro.rep.New, ReplicaWindow{Cold: nr.cold() - cold})
 		}
 		if k == n {
 			return nil
@@ -245,9 +322,18 @@ func (ro *rollout) run(ctx context.Context, total int) error {
 		if err := ro.replace(ctx, k); err != nil {
 			return err
 		}
-		open, openPeers = ro.slots[k].tokens(), ro.peers(k)
+		since, cold = time.Now(), ro.slots[k].cold()
 	}
 	return nil
+}
+
+// hostOf returns the host:port of a router's URL.
+func hostOf(u string) string {
+	pu, err := url.Parse(u)
+	if err != nil {
+		return u
+	}
+	return pu.Host
 }
 
 // await waits until the Service has received n requests.
@@ -262,25 +348,6 @@ func (ro *rollout) await(ctx context.Context, n int64) error {
 		}
 	}
 	return nil
-}
-
-// peers returns the summed counters of every slot but i.
-func (ro *rollout) peers(i int) tokens {
-	var s tokens
-	for j, r := range ro.slots {
-		if j != i {
-			s = s.add(r.tokens())
-		}
-	}
-	return s
-}
-
-// closeWindow records slot i's first window, which began at start (its
-// peers' at peers).
-func (ro *rollout) closeWindow(i int, start, peers tokens) {
-	own, others := ro.slots[i].tokens().sub(start), ro.peers(i).sub(peers)
-	ro.rep.New = append(ro.rep.New, ReplicaWindow{Decisions: int(own.decisions), Cold: int(own.cold), HitRate: own.rate(),
-		PeersHitRate: others.rate(), PeersDecisions: int(others.decisions)})
 }
 
 // replace starts slot i's successor, waits until it is ready, hands it
@@ -345,6 +412,12 @@ func (ro *rollout) finish(res *load.Result, scale float64) (*Rollout, error) {
 	}
 	at := func(t time.Time) float64 { return t.Sub(res.Started).Seconds() * scale }
 	rep := ro.rep
+	rep.New = slices.Clone(rep.New)
+	for i, f := range ro.firsts {
+		w := &rep.New[i]
+		w.Requests, w.CachedRate = ro.svc.tokens(f.host, false, f.from, f.to)
+		w.PeersRequests, w.PeersRate = ro.svc.tokens(f.host, true, f.from, f.to)
+	}
 	rep.StartS, rep.EndS = at(ro.walls[0]), at(ro.walls[len(ro.walls)-1])
 	span := rep.EndS - rep.StartS
 	rep.Before = window(res.Requests, rep.StartS-span, rep.StartS)
@@ -355,12 +428,17 @@ func (ro *rollout) finish(res *load.Result, scale float64) (*Rollout, error) {
 
 // String is the rollout's log line.
 func (r *Rollout) String() string {
-	s := fmt.Sprintf("rolling update of %d replicas (%.1f–%.1f s), cached rate / TTFT p90 / failed: before %.1f%% / %.0f ms / %d, during %.1f%% / %.0f ms / %d, after %.1f%% / %.0f ms / %d; new replicas ready in %.0f ms",
-		r.Replaced, r.StartS, r.EndS, 100*r.Before.CachedRate, r.Before.TTFTP90, r.Before.Failed,
-		100*r.During.CachedRate, r.During.TTFTP90, r.During.Failed, 100*r.After.CachedRate, r.After.TTFTP90, r.After.Failed,
-		r.ReadyMs)
-	for i, w := range r.New {
-		s += fmt.Sprintf("; new %d: %.1f%% over %d requests (%d cold), its peers %.1f%%", i, 100*w.HitRate, w.Decisions, w.Cold, 100*w.PeersHitRate)
+	w := func(name string, w Window) string {
+		return fmt.Sprintf("%s %.1f%% / %.0f ms / %d", name, 100*w.CachedRate, w.TTFTP90, w.Failed)
+	}
+	s := fmt.Sprintf("rolling update of %d replicas (%.1f–%.1f s), cached rate / TTFT p90 / failed: %s, %s, %s",
+		r.Replaced, r.StartS, r.EndS, w("before", r.Before), w("during", r.During), w("after", r.After))
+	if r.Steady != nil {
+		s += fmt.Sprintf("; without the update in the same span %s", w(PrefixGossip, *r.Steady))
+	}
+	s += fmt.Sprintf("; new replicas ready in %.0f ms", r.ReadyMs)
+	for i, n := range r.New {
+		s += fmt.Sprintf("; new %d: %.1f%% over %d requests (%d cold), its peers %.1f%% over %d", i, 100*n.CachedRate, n.Requests, n.Cold, 100*n.PeersRate, n.PeersRequests)
 	}
 	return s
 }

@@ -40,9 +40,10 @@ type Policy struct {
 	About string
 	// Router is the policy's name in the router's table (Name if empty).
 	Router string
-	// Replicas > 1 runs that many independent routers with this policy,
-	// each given a random share of the traffic (no shared state but,
-	// with Gossip, their placements).
+	// Replicas > 0 runs that many independent routers with this policy
+	// behind a random-policy kvroute, each given a random share of the
+	// traffic (no shared state but, with Gossip, their placements); one
+	// is the replicas' anchor, behind the same hop.
 	Replicas int
 	// Gossip: the replicas gossip their placements to each other
 	// (--peers, on loopback ports of their own).
@@ -124,14 +125,20 @@ func optInPolicies() []Policy {
 		{Name: PrefixGossip + "-no-load", Router: "prefix", Replicas: 3, Gossip: true,
 			About:     "three kvroute replicas (prefix) gossiping their placements but not their requests in flight, a random third of the traffic each",
 			Configure: func(c *app.Config) { c.GossipNoLoad = true }},
+		{Name: PrefixOneReplica, Router: "prefix", Replicas: 1,
+			About: "one kvroute (prefix) behind the replicas' front (a random-policy kvroute): their anchor, with the same hop"},
 		{Name: PrefixGossip + "-rolling", Router: "prefix", Replicas: 3, Gossip: true, Rolling: true,
 			About: "three kvroute replicas (prefix) gossiping, a random third of the traffic each, replaced one at a time during the run (a rolling update)"},
 		{Name: "prefix-2-replicas-gossip", Router: "prefix", Replicas: 2, Gossip: true,
 			About: "two kvroute replicas (prefix) gossiping their placements (--peers), a random half of the traffic each"},
 		{Name: "prefix-8-replicas-gossip", Router: "prefix", Replicas: 8, Gossip: true,
 			About: "eight kvroute replicas (prefix) gossiping their placements (--peers), a random eighth of the traffic each"},
+		{Name: PrefixEvents + "-2-replicas-gossip", Router: "prefix", Events: true, Replicas: 2, Gossip: true,
+			About: "two kvroute replicas (prefix fed by KV events) gossiping their placements (--peers), a random half of the traffic each"},
 		{Name: PrefixEvents + "-3-replicas-gossip", Router: "prefix", Events: true, Replicas: 3, Gossip: true,
 			About: "three kvroute replicas (prefix fed by KV events) gossiping their placements (--peers), a random third of the traffic each"},
+		{Name: PrefixEvents + "-8-replicas-gossip", Router: "prefix", Events: true, Replicas: 8, Gossip: true,
+			About: "eight kvroute replicas (prefix fed by KV events) gossiping their placements (--peers), a random eighth of the traffic each"},
 		{Name: LLMDPrecise, Events: true,
 			About: "llm-d precise prefix-cache scoring: prefix 2, KV 1, queue 1, max score, fed by KV events, tokenizing every request (emulated)"},
 	}
@@ -140,6 +147,10 @@ func optInPolicies() []Policy {
 // OptInPolicies returns the policies that run only where a scenario or the
 // caller names them (kvbench --policies).
 func OptInPolicies() []Policy { return optInPolicies() }
+
+// PrefixOneReplica is one router of the prefix policy behind the front
+// the replicas have, the anchor they are compared with.
+const PrefixOneReplica = "prefix-1-replica"
 
 // PrefixGossip is three replicas of the prefix policy that gossip their
 // placements (Policy.Gossip).

@@ -262,6 +262,7 @@ func Run(ctx context.Context, sc Scenario, opt RunOptions) (*Report, error) {
 			break
 		}
 	}
+	rep.steadySpans(byPolicy[PrefixGossip], opt.Log)
 	for _, p := range pols {
 		if runs := byPolicy[p.Name]; len(runs) > 0 {
 			pooled, merr := load.Merge(runs, sc.SLO)
@@ -341,6 +342,24 @@ func (rep *Report) logSeen(p Policy, seen routerState, opt RunOptions, first boo
 		}
 		if opt.Log != nil {
 			fmt.Fprintf(opt.Log, "%s: %s %s\n", name, p.Name, seen.rollout)
+		}
+	}
+}
+
+// steadySpans sets each rollout's Steady window from the first of steady,
+// the runs of the same replicas without the update, and logs it.
+func (rep *Report) steadySpans(steady []*load.Result, log io.Writer) {
+	if len(steady) == 0 {
+		return
+	}
+	for name, ro := range rep.Rollouts {
+		if ro.Replaced == 0 {
+			continue
+		}
+		w := window(steady[0].Requests, ro.StartS, ro.EndS)
+		ro.Steady = &w
+		if log != nil {
+			fmt.Fprintf(log, "%s: %s %s\n", rep.Scenario.Name, name, ro)
 		}
 	}
 }
@@ -469,12 +488,12 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 		}
 		front = p
 	}
-	var replicas []*Router // the policy's routers when it has several
-	if p.Replicas > 1 {
+	var replicas []*Router // the policy's routers when they have a front
+	if p.Replicas > 0 {
 		// Independent replicas, each its own router and state over the
 		// fleet; in front of them a random-policy kvroute hands each a
 		// random share of the traffic, as a Service in front of several
-		// router pods would.
+		// router pods would (one replica: the same hop in front of it).
 		pods := backends
 		backends = nil
 		gossip, err := gossipAddrs(p)
@@ -531,7 +550,6 @@ func runRolling(ctx context.Context, lc load.Config, p Policy, pods []string, en
 	if err != nil {
 		return nil, err
 	}
-	defer svc.Close()
 	ro := newRollout(p, pods, engines, svc, replicas, addrs)
 	rctx, stop := context.WithCancel(ctx)
 	rolled := make(chan error, 1)
@@ -543,6 +561,7 @@ func runRolling(ctx context.Context, lc load.Config, p Policy, pods []string, en
 	if rerr := <-rolled; rerr != nil && !errors.Is(rerr, context.Canceled) {
 		err = errors.Join(err, rerr)
 	}
+	svc.Close() // waits for the answers it passes on: every one counted
 	rep, rerr := ro.finish(res, lc.TimeScale)
 	seen.rollout = rep
 	seen.read(replicas)

@@ -116,13 +116,15 @@ func (as *attempts) close() {
 	as.wg.Wait()
 }
 
-// begin registers a new attempt for a request whose client is on client,
-// under id (0: a random one).
-func (as *attempts) begin(client net.Conn, id uint64) *attempt {
+// begin registers a new attempt to ep for a request whose client is on
+// client, under id (0: a random one), with its span (nil without tracing).
+func (as *attempts) begin(client net.Conn, id uint64, ep *discovery.Endpoint, span trace.Span) *attempt {
 	if id == 0 {
 		id = rand.Uint64() | 1
 	}
-	a := &attempt{id: id, client: client}
+	// Complete before it is published: drainGone reads ep from another
+	// goroutine.
+	a := &attempt{id: id, client: client, ep: ep, span: span}
 	as.m.Store(a.id, a)
 	as.n.Add(1)
 	return a

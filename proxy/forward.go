@@ -98,7 +98,12 @@ type failure struct {
 // events.
 func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set, d routing.Decision, tries int) (*fasthttp.Response, routing.Decision, failure) {
 	ep := d.Endpoint
-	s.opt.Metrics.Decision(d.Reason, d.PromptTokens, d.PromptTokens-d.Prefill)
+	if st.req.Kind != routing.KindOther {
+		// A request passed on unparsed (a GET of /metrics or /health
+		// through the API port, a router in front probing this one) is
+		// no routing decision of the policy's.
+		s.opt.Metrics.Decision(d.Reason, d.PromptTokens, d.PromptTokens-d.Prefill)
+	}
 	st.req.Tried = append(st.req.Tried, ep)
 	if s.pd == nil {
 		s.acquire(st, ep, d.Prefill, d.Loaded)

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"fmt"
+	"net/http"
 	"strings"
 	"sync"
 	"testing"
@@ -83,4 +84,36 @@ func TestHotPrefixSpillsOnSimulatedPods(t *testing.T) {
 		t.Fatalf("after the spill the prefix should be warm on the new pod: reasons %v", reasons)
 	}
 	t.Logf("reasons %v; %d of 40 stayed on the saturated home", reasons, atHome)
+}
+
+// A request passed on unparsed (a router or a scraper in front GETting the
+// engines' /metrics and /health through the API port) reaches an engine
+// but is no routing decision: only the completion is counted.
+func TestPassThroughIsNoDecision(t *testing.T) {
+	cfg := sim.DefaultConfig()
+	cfg.TimeScale = 100
+	fleet := startSimFleet(t, 1, cfg)
+	policy := routing.NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1000}), 1024, routing.DefaultPrefixParams())
+	h := startProxy(t, policy, Options{Learner: policy}, fleet.URLs()...)
+	for _, path := range []string{"/metrics", "/health"} {
+		resp, err := http.Get(h.url + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if readAll(t, resp); resp.StatusCode != 200 {
+			t.Fatalf("GET %s: %d", path, resp.StatusCode)
+		}
+	}
+	resp := post(t, h.url+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"hello","max_tokens":4}`, cfg.Model))
+	if got := readAll(t, resp); resp.StatusCode != 200 {
+		t.Fatalf("status %d: %s", resp.StatusCode, got)
+	}
+	h.waitIdle(t)
+	var n float64
+	for _, r := range []string{routing.ReasonWarm, routing.ReasonSpill, routing.ReasonCold} {
+		n += counterValue(t, h.reg, "kvroute_routing_decisions_total", map[string]string{"reason": r})
+	}
+	if n != 1 {
+		t.Fatalf("%v routing decisions counted, want the completion's only", n)
+	}
 }

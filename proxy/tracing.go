@@ -60,17 +60,13 @@ func (s *Server) startSpan(st *reqState, tp, tracestate []byte, valid bool, meth
 // attempt's id (the parent id of its traceparent).
 func (s *Server) beginAttempt(st *reqState, client net.Conn, name string, ep *discovery.Endpoint) *attempt {
 	if st.span == nil {
-		a := s.attempts.begin(client, 0)
-		a.ep = ep
-		return a
+		return s.attempts.begin(client, 0, ep, nil)
 	}
 	_, span := s.opt.Tracer.Start(st.tctx, name, trace.WithSpanKind(trace.SpanKindClient),
 		trace.WithAttributes(attribute.String("server.address", ep.Addr), attribute.String("kvroute.endpoint", ep.URL),
 			attribute.String("kvroute.role", ep.Role.String())))
 	sid := span.SpanContext().SpanID()
-	a := s.attempts.begin(client, binary.BigEndian.Uint64(sid[:]))
-	a.span, a.ep = span, ep
-	return a
+	return s.attempts.begin(client, binary.BigEndian.Uint64(sid[:]), ep, span)
 }
 
 // traceStatus records an attempt's HTTP status on its span (nothing

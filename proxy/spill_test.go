@@ -13,17 +13,23 @@ import (
 	"github.com/kvroute/kvroute/routing"
 )
 
+// startPrefixOnPods starts n simulated pods (time scale 100) behind the
+// proxy with the prefix policy, and returns their configuration.
+func startPrefixOnPods(t *testing.T, n int) (sim.Config, *sim.Fleet, *harness) {
+	cfg := sim.DefaultConfig()
+	cfg.TimeScale = 100
+	fleet := startSimFleet(t, n, cfg)
+	policy := routing.NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1000}), 1024, routing.DefaultPrefixParams())
+	return cfg, fleet, startProxy(t, policy, Options{Learner: policy}, fleet.URLs()...)
+}
+
 // Under a hot prefix the prefix policy keeps requests on the pod that
 // caches the prefix until that pod saturates, then spills to an idle pod,
 // where the prefix becomes warm too. The saturation is made deterministic:
 // the warm pod holds every request it gets (a stall fault) until the test
 // releases them, so its in-flight count only grows.
 func TestHotPrefixSpillsOnSimulatedPods(t *testing.T) {
-	cfg := sim.DefaultConfig()
-	cfg.TimeScale = 100
-	fleet := startSimFleet(t, 3, cfg)
-	policy := routing.NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1000}), 1024, routing.DefaultPrefixParams())
-	h := startProxy(t, policy, Options{Learner: policy}, fleet.URLs()...)
+	cfg, fleet, h := startPrefixOnPods(t, 3)
 
 	system := strings.Repeat("You are the support assistant of a large company; follow the policy. ", 120) // ≈ 2k tokens
 	send := func(i int) {
@@ -90,11 +96,7 @@ func TestHotPrefixSpillsOnSimulatedPods(t *testing.T) {
 // engines' /metrics and /health through the API port) reaches an engine
 // but is no routing decision: only the completion is counted.
 func TestPassThroughIsNoDecision(t *testing.T) {
-	cfg := sim.DefaultConfig()
-	cfg.TimeScale = 100
-	fleet := startSimFleet(t, 1, cfg)
-	policy := routing.NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1000}), 1024, routing.DefaultPrefixParams())
-	h := startProxy(t, policy, Options{Learner: policy}, fleet.URLs()...)
+	cfg, _, h := startPrefixOnPods(t, 1)
 	for _, path := range []string{"/metrics", "/health"} {
 		resp, err := http.Get(h.url + path)
 		if err != nil {

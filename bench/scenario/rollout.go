@@ -108,7 +108,7 @@ func (s *service) pick() *url.URL {
 	return s.targets[s.intn(len(s.targets))]
 }
 
-// Close stops the Service (requests in flight are cut).
+// Close stops the Service once the requests in flight have been answered.
 func (s *service) Close() { s.srv.Close() }
 
 // tokens sums the usage of the requests sent in [from, to) to host (or,
@@ -210,6 +210,11 @@ type Window struct {
 	TTFTP90    float64 `json:"ttft_p90_ms"`
 }
 
+// brief is w's cached rate, TTFT p90 and failures for a log line.
+func (w Window) brief() string {
+	return fmt.Sprintf("%.1f%% / %.0f ms / %d", 100*w.CachedRate, w.TTFTP90, w.Failed)
+}
+
 // window summarises the requests of rs sent in [from, to).
 func window(rs []load.RequestResult, from, to float64) Window {
 	var in []load.RequestResult
@@ -274,15 +279,16 @@ type rollout struct {
 	// walls are the wall times of rep's events: each replacement's start
 	// and the end of the last window.
 	walls []time.Time
-	// firsts are the new replicas' first windows (rep.New's), whose
-	// requests finish counts once they have all been answered.
+	// firsts are the new replicas' first windows, whose requests finish
+	// counts (rep.New) once they have all been answered.
 	firsts []first
 }
 
-// first is a new replica's first window.
+// first is a new replica's first window and its cold decisions in it.
 type first struct {
 	host     string
 	from, to time.Time
+	cold     int
 }
 
 func newRollout(p Policy, pods []string, engines []sim.Config, svc *service, slots []*Router, addrs []string) *rollout {
@@ -313,8 +319,7 @@ func (ro *rollout) run(ctx context.Context, total int) error {
 		ro.walls = append(ro.walls, now)
 		if k > 0 {
 			nr := ro.slots[k-1]
-			ro.firsts = append(ro.firsts, first{host: hostOf(nr.URL), from: since, to: now})
-			ro.rep.New = append(ro.rep.New, ReplicaWindow{Cold: nr.cold() - cold})
+			ro.firsts = append(ro.firsts, first{host: hostOf(nr.URL), from: since, to: now, cold: nr.cold() - cold})
 		}
 		if k == n {
 			return nil
@@ -412,9 +417,10 @@ func (ro *rollout) finish(res *load.Result, scale float64) (*Rollout, error) {
 	}
 	at := func(t time.Time) float64 { return t.Sub(res.Started).Seconds() * scale }
 	rep := ro.rep
-	rep.New = slices.Clone(rep.New)
+	rep.New = make([]ReplicaWindow, len(ro.firsts))
 	for i, f := range ro.firsts {
 		w := &rep.New[i]
+		w.Cold = f.cold
 		w.Requests, w.CachedRate = ro.svc.tokens(f.host, false, f.from, f.to)
 		w.PeersRequests, w.PeersRate = ro.svc.tokens(f.host, true, f.from, f.to)
 	}
@@ -428,14 +434,8 @@ func (ro *rollout) finish(res *load.Result, scale float64) (*Rollout, error) {
 
 // String is the rollout's log line.
 func (r *Rollout) String() string {
-	w := func(name string, w Window) string {
-		return fmt.Sprintf("%s %.1f%% / %.0f ms / %d", name, 100*w.CachedRate, w.TTFTP90, w.Failed)
-	}
-	s := fmt.Sprintf("rolling update of %d replicas (%.1f–%.1f s), cached rate / TTFT p90 / failed: %s, %s, %s",
-		r.Replaced, r.StartS, r.EndS, w("before", r.Before), w("during", r.During), w("after", r.After))
-	if r.Steady != nil {
-		s += fmt.Sprintf("; without the update in the same span %s", w(PrefixGossip, *r.Steady))
-	}
+	s := fmt.Sprintf("rolling update of %d replicas (%.1f–%.1f s), cached rate / TTFT p90 / failed: before %s, during %s, after %s",
+		r.Replaced, r.StartS, r.EndS, r.Before.brief(), r.During.brief(), r.After.brief())
 	s += fmt.Sprintf("; new replicas ready in %.0f ms", r.ReadyMs)
 	for i, n := range r.New {
 		s += fmt.Sprintf("; new %d: %.1f%% over %d requests (%d cold), its peers %.1f%% over %d", i, 100*n.CachedRate, n.Requests, n.Cold, 100*n.PeersRate, n.PeersRequests)

@@ -347,7 +347,8 @@ func (rep *Report) logSeen(p Policy, seen routerState, opt RunOptions, first boo
 }
 
 // steadySpans sets each rollout's Steady window from the first of steady,
-// the runs of the same replicas without the update, and logs it.
+// the runs of the same replicas without the update, and logs it beside
+// the rollout's own line (logSeen's).
 func (rep *Report) steadySpans(steady []*load.Result, log io.Writer) {
 	if len(steady) == 0 {
 		return
@@ -359,7 +360,7 @@ func (rep *Report) steadySpans(steady []*load.Result, log io.Writer) {
 		w := window(steady[0].Requests, ro.StartS, ro.EndS)
 		ro.Steady = &w
 		if log != nil {
-			fmt.Fprintf(log, "%s: %s %s\n", rep.Scenario.Name, name, ro)
+			fmt.Fprintf(log, "%s: %s without the update, the same span of %s: %s\n", rep.Scenario.Name, name, PrefixGossip, w.brief())
 		}
 	}
 }

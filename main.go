@@ -87,6 +87,9 @@ func newFlags(c *config) *app.Flags {
 	backends.IntVar(&c.MaxMigrations, "max-migrations", c.MaxMigrations, "times a streamed completion or chat answer whose pod fails mid-stream is continued on another pod, text-exact (0: never; each counts as a retry in the budget)")
 	backends.DurationVar(&c.QueueTimeout, "queue-timeout", c.QueueTimeout, "when every eligible endpoint is saturated, wait this long in kvroute for one, then answer 429 (0: at once)")
 	backends.IntVar(&c.MaxQueue, "max-queue", c.MaxQueue, "most requests waiting for a saturated fleet; beyond, 429 at once")
+	backends.IntVar(&c.Tenants.MaxQueue, "max-queue-per-tenant", c.Tenants.MaxQueue, "most requests of one tenant waiting for a saturated fleet; beyond, that tenant gets 429 while others still queue (0: --max-queue)")
+	backends.StringVar(&c.Tenants.Header, "tenant-header", c.Tenants.Header, "request header naming the tenant (set by a gateway in front); default: the API key (Authorization: Bearer). Either is kept only as a hash")
+	backends.StringVar(&c.Tenants.PriorityHeader, "priority-header", c.Tenants.PriorityHeader, "request header whose value (priority, default, flex) sets a request's class over its body's service_tier (\"\": service_tier only)")
 	backends.IntVar(&c.MaxInFlightPerEndpoint, "max-in-flight-per-endpoint", c.MaxInFlightPerEndpoint, "this router's requests in flight per endpoint before it counts as saturated (0: no cap but --max-conns-per-endpoint)")
 
 	healthFlags(health, c)

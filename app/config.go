@@ -52,6 +52,9 @@ type Config struct {
 	HealthPath    string
 
 	proxy.Limits
+	// Tenants: who asks (a hash of the API key or of TenantHeader) and how
+	// urgently (service_tier, or PriorityHeader).
+	Tenants proxy.TenantOptions
 	// Prefill/decode disaggregation (with a decode pool).
 	PDProtocol          string
 	PDMinUncachedTokens int
@@ -169,6 +172,7 @@ func DefaultConfig() Config {
 		EndpointDrainLimit:  d.DrainLimit,
 
 		Limits:     proxy.DefaultLimits(),
+		Tenants:    proxy.DefaultTenantOptions(),
 		PDProtocol: proxy.ProtocolVLLM,
 		// A prefill leg answers once the prompt is computed: 128k tokens
 		// at 20k tokens/s take 6.4 s, so a minute covers a long queue too.
@@ -310,8 +314,8 @@ func (c *Config) validateLimits(bad func(string, ...any)) {
 	if c.MaxConnsPerEndpoint <= 0 {
 		bad("--max-conns-per-endpoint must be positive, got %d", c.MaxConnsPerEndpoint)
 	}
-	if c.MaxHeaderBytes < 1024 || c.MaxPromptTokens < 1 || c.MaxQueue < 0 || c.MaxInFlightPerEndpoint < 0 || c.MinRetries < 0 || c.MaxMigrations < 0 {
-		bad("--max-header-bytes must be at least 1024, --max-prompt-tokens positive, --max-queue, --max-in-flight-per-endpoint, --min-retries and --max-migrations not negative")
+	if c.MaxHeaderBytes < 1024 || c.MaxPromptTokens < 1 || c.MaxQueue < 0 || c.Tenants.MaxQueue < 0 || c.MaxInFlightPerEndpoint < 0 || c.MinRetries < 0 || c.MaxMigrations < 0 {
+		bad("--max-header-bytes must be at least 1024, --max-prompt-tokens positive, --max-queue, --max-queue-per-tenant, --max-in-flight-per-endpoint, --min-retries and --max-migrations not negative")
 	}
 	if c.RetryBudget < 0 || c.RetryBudget > 1 {
 		bad("--retry-budget must be in [0, 1], got %g", c.RetryBudget)

@@ -97,7 +97,7 @@ func New(cfg Config, logger *zap.Logger) (*Router, error) {
 			yield(s)
 		}
 	})
-	opt := proxy.Options{Limits: cfg.Limits, Picker: pick, Pool: r.Pool, Metrics: m, Logger: logger,
+	opt := proxy.Options{Limits: cfg.Limits, Tenants: cfg.Tenants, Picker: pick, Pool: r.Pool, Metrics: m, Logger: logger,
 		AccessLog: accessLogTo(&cfg), AccessLogConsole: cfg.AccessLogConsole, AccessLogSkip: 1 - cfg.AccessLogSample, NearMissBlocks: cfg.NearMissBlocks,
 		NormalizePrompts: cfg.NormalizePrompts, AdminToken: cfg.AdminToken, BlockSize: cfg.PrefixBlockBytes, MaxBlocks: cfg.PrefixMaxBlocks,
 		PD: proxy.PDOptions{Protocol: cfg.PDProtocol, PrefillTimeout: cfg.PrefillTimeout, BootstrapPort: cfg.PDBootstrapPort,

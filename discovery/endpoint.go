@@ -110,6 +110,11 @@ type Endpoint struct {
 	// counts the 429s in a row.
 	shedUntil    atomic.Int64
 	sheds        atomic.Int32
+	// Backpressure (room.go): an engine that answered 429 while it ran
+	// others of the known requests is full at that load (fullAt; 0: not
+	// full) until fullUntil (Unix ns).
+	fullAt    atomic.Int64
+	fullUntil atomic.Int64
 	ejectLevel   int           // ejections in a row; the cooldown doubles with each
 	cooldown     time.Duration // of the current or last ejection
 	ejectedUntil time.Time
@@ -214,8 +219,9 @@ func (e *Endpoint) ReportSuccess() {
 	}
 }
 
-// Shedding backoff: an endpoint that answered 429 takes no new requests
-// for ShedFirst, doubling with each 429 in a row up to ShedMax, or for its
+// Shedding backoff: an endpoint that answered 429 with none of the known
+// requests in flight (it refuses everything) takes no new requests for
+// ShedFirst, doubling with each 429 in a row up to ShedMax, or for its
 // Retry-After when longer (capped at ShedMax).
 const (
 	ShedFirst = 250 * time.Millisecond
@@ -223,14 +229,23 @@ const (
 )
 
 // ReportShed tells the endpoint's users that it answered 429, with the
-// Retry-After it gave (0: none): it sheds load, so policies skip it, like
-// a saturated endpoint, until the backoff passes. A 429 storm thus cannot
-// absorb the fleet's traffic, and is not a failure (it does not eject).
-// Safe for concurrent use.
-func (e *Endpoint) ReportShed(retryAfter time.Duration) {
+// Retry-After it gave (0: none), while the request it refused held a
+// lease on it. When it ran others of the known requests (Load) it is full,
+// not failing: backpressure (true) — it takes no new request until that
+// load falls (Full). Otherwise it refuses everything: policies skip it,
+// like a saturated endpoint, for a backoff that doubles with each 429 in
+// a row (Shedding), so that it cannot absorb the fleet's traffic. Neither
+// is a failure (neither ejects). Safe for concurrent use.
+func (e *Endpoint) ReportShed(retryAfter time.Duration) (backpressure bool) {
+	if load := e.Load() - 1; load > 0 {
+		e.fullAt.Store(load)
+		e.fullUntil.Store(time.Now().Add(FullFor).UnixNano())
+		return true
+	}
 	n := min(e.sheds.Add(1), 16)
 	d := min(max(ShedFirst<<(n-1), retryAfter), ShedMax)
 	e.shedUntil.Store(time.Now().Add(d).UnixNano())
+	return false
 }
 
 // Shedding reports whether the endpoint answered 429 recently enough

@@ -48,6 +48,7 @@ type CostsSample struct {
 // Metrics is the set of kvroute's collectors. Safe for concurrent use.
 type Metrics struct {
 	classes []string
+	tenants tenantMetrics
 
 	requests      *prometheus.CounterVec
 	duration      *prometheus.HistogramVec
@@ -187,6 +188,7 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 	m.registerPrompts(reg)
 	m.registerStreams(reg)
 	m.registerPD(reg)
+	m.registerTenants(reg)
 	for _, c := range classes {
 		m.durationByCls = append(m.durationByCls, m.duration.WithLabelValues(c))
 		m.ttfbByCls = append(m.ttfbByCls, m.ttfb.WithLabelValues(c))

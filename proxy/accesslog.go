@@ -178,6 +178,16 @@ func appendAccessLine(b []byte, clock *isoClock, console bool, r *record, d time
 	}
 	b = strconv.AppendInt(appendKey(b, console, ",", "status"), int64(r.status), 10)
 	b = strconv.AppendInt(appendKey(b, console, ",", "attempts"), int64(r.attempts), 10)
+	if r.tenant != 0 {
+		b = append(appendKey(b, console, ",", "tenant"), '"')
+		b = append(strconv.AppendUint(b, r.tenant, 16), '"')
+	}
+	if r.tier != classDefault {
+		b = appendJSONString(appendKey(b, console, ",", "class"), []byte(r.tier.String()))
+	}
+	if r.queued > 0 {
+		b = appendSeconds(appendKey(b, console, ",", "queued"), r.queued)
+	}
 	if r.ep != nil {
 		b = appendJSONString(appendKey(b, console, ",", "endpoint"), r.ep.URL)
 		b = appendJSONString(appendKey(b, console, ",", "reason"), r.decision.Reason)

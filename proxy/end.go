@@ -32,6 +32,7 @@ func (s *Server) endOwnAnswer(ctx *fasthttp.RequestCtx, st *reqState, status int
 	rec := record{class: int(st.req.Kind), status: status, attempts: len(st.req.Tried), start: start,
 		reqID: ctx.Request.Header.PeekBytes(headerRequestID), method: ctx.Method(), path: ctx.Path(),
 		model: []byte(st.req.Model), traceID: st.traceID}
+	st.stamp(&rec)
 	if len(rec.reqID) > 0 {
 		ctx.Response.Header.SetBytesKV(headerRequestID, rec.reqID)
 	}
@@ -53,6 +54,11 @@ type record struct {
 	span                    trace.Span // with tracing: the request's span, ended by end
 	ttfb                    time.Duration
 	migrations              int // times the streamed answer continued on another endpoint
+	// Who asked (a hash; 0 the default tenant), the class, and how long
+	// the request waited in the queue.
+	tenant uint64
+	tier   class
+	queued time.Duration
 	// The endpoint's answer; zero when kvroute answered itself.
 	ep       *discovery.Endpoint
 	decision routing.Decision
@@ -91,4 +97,15 @@ func (s *Server) end(r *record, err error) {
 		return
 	}
 	s.access.add(r, d)
+}
+
+// stamp notes st's tenant, class and queue wait in r.
+func (st *reqState) stamp(r *record) {
+	r.tenant, r.tier, r.queued = st.tenant, st.class, 0
+	if w := &st.wait; !w.since.IsZero() {
+		r.queued = time.Since(w.since)
+		if st.admitted {
+			r.queued = st.waited
+		}
+	}
 }

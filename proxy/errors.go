@@ -111,6 +111,7 @@ const (
 	failStatus    = "status"    // a retryable status (429, 503; a decode leg's 5xx)
 	failCancelled = "cancelled" // the client left during the attempt
 	failBusy      = "busy"      // no free connection to the endpoint
+	failFull      = "full"      // the engine answered 429 with others of kvroute's requests running (backpressure)
 	failPrefill   = "prefill"   // a prefill leg failed
 	failBody      = "body"      // the response body broke after its header
 )

@@ -19,9 +19,11 @@ import (
 
 // forward sends the request to the endpoints the policy picks, one attempt
 // (try) after another, until one answers with a response to pass on or
-// the failure is the answer (the retry rule: mayRetry). When every
-// routable endpoint is saturated (at --max-in-flight-per-endpoint or out
-// of connections), the request waits (wait) and tries again. On success
+// the failure is the answer (the retry rule: mayRetry). A request that
+// the fleet cannot start now (routing.Room), or that finds others
+// waiting, waits in the queue (queue.go) for its turn; so does one whose
+// endpoints are all saturated (full, at --max-in-flight-per-endpoint,
+// out of connections, or answering 429 as backpressure). On success
 // st.lease holds the answering endpoint's lease and st.att its attempt.
 func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Response, routing.Decision, error) {
 	set := s.opt.Pool.Load()
@@ -35,31 +37,41 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 	if !st.migrating {
 		s.budget.request()
 	}
+	defer s.handOff(st)
 	var lastErr error = ErrNoEndpoint
-	var busy []*discovery.Endpoint // tried endpoints that had no free connection
-	var queued time.Time
-	defer func() {
-		if !queued.IsZero() {
-			s.queue.leave()
-			s.opt.Metrics.Queued(-1)
-		}
-	}()
+	var busy []*discovery.Endpoint // tried endpoints that had no free connection, or were full
+	// A new request queues behind those waiting, or when the fleet has
+	// no room; a continued stream (migrating) does not.
+	wait := !st.migrating && (s.queue.busy() || !routing.Room(&st.req, set)) && saturated(set, &st.req, nil)
+	waited := false
 	for tries := 0; ; {
-		span := s.pickSpan(st)
-		d := s.opt.Picker.Pick(&st.req, set)
-		endPick(span, d, false)
-		if d.Endpoint == nil {
-			if !saturated(set, &st.req, busy) {
-				break
-			}
-			if err := s.wait(ctx, &queued); err != nil {
+		if wait {
+			if err := s.queueWait(ctx, st, waited); err != nil {
 				return nil, routing.Decision{}, err
 			}
+			wait, waited = false, true
 			set = s.opt.Pool.Load()
 			// The busy may have room now.
 			st.req.Tried = slices.DeleteFunc(st.req.Tried, func(e *discovery.Endpoint) bool { return slices.Contains(busy, e) })
 			busy = busy[:0]
+		}
+		span := s.pickSpan(st)
+		d := s.opt.Picker.Pick(&st.req, set)
+		endPick(span, d, false)
+		if d.Endpoint == nil {
+			s.handOff(st)
+			if !saturated(set, &st.req, busy) {
+				break
+			}
+			wait = true
 			continue
+		}
+		if !st.admitted {
+			st.admitted = true
+			if w := &st.wait; !w.since.IsZero() {
+				st.waited = time.Since(w.since)
+			}
+			s.opt.Metrics.TenantAdmitted(s.tenantLabel(st.tenant), st.class.String(), st.waited.Seconds(), st.waited > 0)
 		}
 		resp, answered, f := s.try(ctx, st, set, d, tries)
 		if resp != nil {
@@ -107,8 +119,12 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 	st.req.Tried = append(st.req.Tried, ep)
 	if s.pd == nil {
 		s.acquire(st, ep, d.Prefill, d.Loaded)
-	} else if ans, ansD, f, done := s.claimPD(ctx, st, set, d); done {
-		return ans, ansD, f
+	}
+	s.handOff(st) // ep counts the request now (claimPD takes its lease at once)
+	if s.pd != nil {
+		if ans, ansD, f, done := s.claimPD(ctx, st, set, d); done {
+			return ans, ansD, f
+		}
 	}
 	pd := &st.pd
 	a := s.beginAttempt(st, ctx.Conn(), attemptSpanName(ep), ep)
@@ -136,6 +152,13 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 	var f failure
 	var kind string
 	switch {
+	case err == nil && resp.StatusCode() == fasthttp.StatusTooManyRequests && !pd.split && ep.ReportShed(retryAfter(resp)):
+		// Backpressure: ep is full, not failing. The request waits for
+		// room like one that found the fleet full (no retry: nothing
+		// was at fault).
+		a.traceStatus(fasthttp.StatusTooManyRequests)
+		s.discard(resp, a)
+		f, kind = failure{err: &statusError{endpoint: ep.URL, code: fasthttp.StatusTooManyRequests}, retry: true, busy: true}, failFull
 	case err == nil && s.isAnswer(st, ep, a, resp, tries):
 		perr := s.peekBody(st, resp)
 		if perr == nil {
@@ -177,9 +200,6 @@ func (s *Server) acquire(st *reqState, ep *discovery.Endpoint, own, loaded int) 
 func (s *Server) isAnswer(st *reqState, ep *discovery.Endpoint, a *attempt, resp *fasthttp.Response, tries int) bool {
 	code := resp.StatusCode()
 	a.traceStatus(code)
-	if code == fasthttp.StatusTooManyRequests {
-		ep.ReportShed(retryAfter(resp)) // it takes no new requests for a while
-	}
 	// A decode leg's 5xx is resent: its prompt was computed elsewhere, so
 	// it had not started.
 	if !s.mayRetry(tries, false, false, retryable(code) || st.pd.split && code >= 500) {

@@ -68,6 +68,11 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 			return
 		}
 	}
+	st.tenant = s.tenantOf(&ctx.Request.Header)
+	if !s.classOfHeader(&ctx.Request.Header, st) {
+		s.answer(ctx, st, &badRequestError{msg: "the priority header must be priority, default or flex"}, start)
+		return
+	}
 	if kind == routing.KindOther && ctx.IsGet() && string(ctx.Path()) == "/v1/models" && s.answerModels(ctx, st, start) {
 		return
 	}

@@ -190,6 +190,13 @@ func (s *reqState) parse(kind routing.Kind, body []byte, blockSize, maxBlocks in
 	if r.CacheSalt, err = optString(v, "cache_salt"); err != nil {
 		return err
 	}
+	if tier := v.Get("service_tier"); tier != nil && tier.Type() != fastjson.TypeNull {
+		b, _ := tier.StringBytes()
+		var ok bool
+		if s.class, ok = classOf(b); !ok || tier.Type() != fastjson.TypeString {
+			return &badRequestError{msg: "service_tier must be one of auto, default, flex, scale, priority", param: "service_tier"}
+		}
+	}
 	seed := prefix.Seed(r.Model, r.CacheSalt)
 	s.hasher.Reset(blockSize, maxBlocks, seed)
 	var w renderer = &s.hasher

@@ -2,7 +2,7 @@ package proxy
 
 import (
 	"slices"
-	"sync/atomic"
+	"sync"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -11,11 +11,316 @@ import (
 	"github.com/kvroute/kvroute/routing"
 )
 
+// The queue: requests a saturated fleet cannot start wait in kvroute, not
+// in the engines' FIFO queues, and start in an order of kvroute's: by
+// class first (priority, then default, then flex), then fairly between
+// tenants by the work each request puts on the fleet — start-time fair
+// queueing (Goyal, Vin and Cheng, SIGCOMM 1996): a request's start tag is
+// the later of the queue's virtual time and its tenant's previous finish
+// tag, its finish tag the start plus its cost ÷ the tenant's weight, and
+// the smallest start goes first. A tenant that stops waiting keeps no
+// credit (its next start is at least the virtual time), and a tenant alone
+// gets the whole fleet: the order is work-conserving.
+//
+// While the fleet has room (routing.Room) and nobody waits, a request
+// never touches the queue. A request that finds others waiting queues
+// behind them, so that arrivals do not overtake the queue each time a
+// place frees; one dispatcher (run) grants places one at a time, to the
+// first waiter in order the fleet has room for, and waits for the grantee
+// to take its endpoint before it looks again.
+
+// class is a request's priority class.
+type class uint8
+
+const (
+	classDefault class = iota // the zero value
+	classFlex
+	classPriority
+	numClasses
+)
+
+// classNames are the classes' labels, in OpenAI's service_tier words.
+var classNames = [numClasses]string{"default", "flex", "priority"}
+
+func (c class) String() string { return classNames[c] }
+
+// rank orders the classes: flex 0, default 1, priority 2.
+func (c class) rank() int { return [numClasses]int{1, 0, 2}[c] }
+
+// classOf maps a service_tier value (OpenAI's: "priority" above "default"
+// and "auto" above "flex"; "scale" is "default") to a class; ok is false
+// for a value OpenAI does not define.
+func classOf(v []byte) (c class, ok bool) {
+	switch string(v) {
+	case "", "auto", "default", "scale":
+		return classDefault, true
+	case "priority":
+		return classPriority, true
+	case "flex":
+		return classFlex, true
+	}
+	return classDefault, false
+}
+
+// waiter is one request's place in the queue; it lives in the request's
+// state and is reused.
+type waiter struct {
+	req    *routing.Request
+	tenant *tenantQ
+	class  class
+	cost   float64 // the request's work: prompt tokens plus the output it may ask for
+	start  float64 // start tag
+	seq    uint64  // arrival order, among equal tags
+	since  time.Time
+	state  waitState
+	ready  chan struct{} // a token when granted or evicted
+}
+
+type waitState uint8
+
+const (
+	waitOut     waitState = iota // not in the queue
+	waitQueued                   // in the queue
+	waitGranted                  // granted a place: it picks now
+	waitEvicted                  // pushed out by a request of a higher class
+)
+
+// tenantQ is a tenant's queue state.
+type tenantQ struct {
+	id      uint64
+	label   string  // its metric label
+	weight  float64 // its share (1 unless a budget says otherwise)
+	finish  float64 // the finish tag of its last queued request
+	waiting int
+}
+
+// fairQueue is the queue; its fields are guarded by mu.
+type fairQueue struct {
+	mu      sync.Mutex
+	waiting []*waiter // in dispatch order (before)
+	tenants map[uint64]*tenantQ
+	vtime   float64
+	seq     uint64
+	// max bounds the waiters, perTenant each tenant's.
+	max, perTenant int
+	// room reports whether the fleet would start r now; gauge counts the
+	// waiters.
+	room  func(r *routing.Request) bool
+	gauge func(tenant string, d float64)
+	// kick wakes the dispatcher; handed tells it the grantee has taken
+	// its endpoint (or given up).
+	kick, handed chan struct{}
+	stop         chan struct{}
+	closing      sync.Once
+	stopped      sync.WaitGroup
+}
+
+func (q *fairQueue) init(max, perTenant int, room func(*routing.Request) bool, gauge func(string, float64)) {
+	q.max, q.perTenant, q.room, q.gauge = max, perTenant, room, gauge
+	q.tenants = make(map[uint64]*tenantQ)
+	q.kick, q.handed, q.stop = make(chan struct{}, 1), make(chan struct{}, 1), make(chan struct{})
+}
+
+// before orders waiters: higher class, then smaller start tag, then
+// earlier arrival.
+func before(a, b *waiter) bool {
+	if a.class != b.class {
+		return a.class.rank() > b.class.rank()
+	}
+	if a.start != b.start {
+		return a.start < b.start
+	}
+	return a.seq < b.seq
+}
+
+// busy reports whether requests wait: a new one then queues behind them.
+func (q *fairQueue) busy() bool {
+	q.mu.Lock()
+	n := len(q.waiting)
+	q.mu.Unlock()
+	return n > 0
+}
+
+// Reasons a request is shed from the queue (429), the shed metric's label.
+const (
+	shedFull    = "queue_full"  // the queue was full of requests of its class or higher
+	shedTenant  = "tenant_full" // its tenant had its bound of requests waiting
+	shedTimeout = "timeout"     // it waited the queue timeout
+	shedEvicted = "evicted"     // a request of a higher class took its place
+)
+
+// enter puts w, a request of tenant id (labelled label), in the queue: a
+// new request is charged its cost (its tags), one going back after a grant
+// that found no endpoint keeps its tags. It reports why it could not (""
+// when it did): the queue is full of requests of w's class or higher, or
+// w's tenant has its bound waiting. A full queue makes room for a higher
+// class by evicting its last waiter.
+func (q *fairQueue) enter(w *waiter, id uint64, label string, again bool) (shed string) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	t := q.tenants[id]
+	if t == nil {
+		t = &tenantQ{id: id, label: label, weight: 1}
+		q.tenants[id] = t
+	}
+	if !again && t.waiting >= q.perTenant {
+		return shedTenant
+	}
+	if len(q.waiting) >= q.max {
+		last := q.waiting[len(q.waiting)-1]
+		if last.class.rank() >= w.class.rank() {
+			return shedFull
+		}
+		q.remove(last, waitEvicted)
+	}
+	w.tenant = t
+	if !again {
+		w.start = max(q.vtime, t.finish)
+		t.finish = w.start + w.cost/t.weight
+		w.seq = q.seq
+		q.seq++
+	}
+	i, _ := slices.BinarySearchFunc(q.waiting, w, func(x, y *waiter) int {
+		if before(x, y) {
+			return -1
+		}
+		return 1
+	})
+	q.waiting = slices.Insert(q.waiting, i, w)
+	t.waiting++
+	w.state = waitQueued
+	q.gauge(t.label, 1)
+	q.wake()
+	return ""
+}
+
+// remove takes w out of the queue into state st; q.mu is held.
+func (q *fairQueue) remove(w *waiter, st waitState) {
+	if i := slices.Index(q.waiting, w); i >= 0 {
+		q.waiting = slices.Delete(q.waiting, i, i+1)
+	}
+	w.tenant.waiting--
+	w.state = st
+	q.gauge(w.tenant.label, -1)
+	if st != waitOut {
+		w.ready <- struct{}{}
+	}
+	if len(q.waiting) == 0 {
+		// Idle: a tenant whose tags are behind the virtual time has
+		// nothing to remember.
+		for id, t := range q.tenants {
+			if t.finish <= q.vtime || len(q.tenants) > maxTenants {
+				delete(q.tenants, id)
+			}
+		}
+	}
+}
+
+// maxTenants bounds the tenants an idle queue remembers.
+const maxTenants = 4096
+
+// leave takes w out of the queue (the client left, or its wait timed out)
+// and reports its state: waitGranted when a grant came first, which the
+// caller then holds (it must take it or hand it on: handedOff).
+func (q *fairQueue) leave(w *waiter) waitState {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	st := w.state
+	if st == waitQueued {
+		q.remove(w, waitOut)
+	}
+	return st
+}
+
+func (q *fairQueue) wake() {
+	select {
+	case q.kick <- struct{}{}:
+	default:
+	}
+}
+
+// handedOff tells the dispatcher that the grantee has taken its endpoint
+// or gone back: it may grant the next place.
+func (q *fairQueue) handedOff() {
+	select {
+	case q.handed <- struct{}{}:
+	default:
+	}
+}
+
+// grant gives a place to the first waiter in order that the fleet has
+// room for, and reports whether there was one.
+func (q *fairQueue) grant() bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	var none []string // models found without room in this pass
+	for _, w := range q.waiting {
+		plain := len(w.req.Tried) == 0 && !w.req.Prefill
+		if plain && slices.Contains(none, w.req.Model) {
+			continue
+		}
+		if !q.room(w.req) {
+			if plain {
+				none = append(none, w.req.Model)
+			}
+			continue
+		}
+		q.vtime = max(q.vtime, w.start)
+		q.remove(w, waitGranted)
+		return true
+	}
+	return false
+}
+
+// The dispatcher's pace: it looks at the queue at least every queuePoll
+// (the fleet's room changes with scrapes and backoffs too, not only when
+// a request ends), and waits for a grantee at most handoffWait.
+const (
+	queuePoll   = 25 * time.Millisecond
+	handoffWait = 50 * time.Millisecond
+)
+
+// run is the dispatcher, until close.
+func (q *fairQueue) run() {
+	defer q.stopped.Done()
+	tick := time.NewTicker(queuePoll)
+	defer tick.Stop()
+	wait := time.NewTimer(handoffWait)
+	for {
+		select {
+		case <-q.stop:
+			return
+		case <-q.kick:
+		case <-tick.C:
+		}
+		for q.grant() {
+			wait.Reset(handoffWait)
+			select {
+			case <-q.stop:
+				return
+			case <-q.handed:
+			case <-wait.C:
+			}
+		}
+	}
+}
+
+func (q *fairQueue) start() {
+	q.stopped.Add(1)
+	go q.run()
+}
+
+func (q *fairQueue) close() {
+	q.closing.Do(func() { close(q.stop) })
+	q.stopped.Wait()
+}
+
 // saturated reports, once the policy found no endpoint usable for r,
-// whether that is because routable endpoints are saturated — at r's
+// whether that is because routable endpoints are saturated — full
+// (backpressure: Endpoint.Full), at r's
 // in-flight cap (not yet tried), out of connections (busy), or shedding
-// load (answering 429) — so that
-// the request may wait for one, rather than because all failed it.
+// load (answering 429) — so that the request may wait for one, rather
+// than because all failed it.
 func saturated(set *discovery.Set, r *routing.Request, busy []*discovery.Endpoint) bool {
 	for _, e := range set.Serving {
 		if e.Routable() && e.Serves(r.Model) && (!slices.Contains(r.Tried, e) || slices.Contains(busy, e) || e.Shedding()) {
@@ -25,49 +330,84 @@ func saturated(set *discovery.Set, r *routing.Request, busy []*discovery.Endpoin
 	return false
 }
 
-// wait holds a request while every routable endpoint is saturated: it
-// takes a place in the queue on the first call (ErrOverloaded when the
-// queue is full or disabled), then sleeps one poll; ErrOverloaded once the
-// queue timeout has passed, ErrClientGone when the client left meanwhile.
-func (s *Server) wait(ctx *fasthttp.RequestCtx, queued *time.Time) error {
-	now := time.Now()
-	if queued.IsZero() {
-		if s.opt.QueueTimeout <= 0 || !s.queue.enter() {
-			s.opt.Metrics.Overloaded()
-			return ErrOverloaded
+// queueWait holds st's request in the queue until it is granted a place:
+// nil then (the caller hands the grant on once it has its endpoint or goes
+// back: handOff), ErrOverloaded when it cannot queue (the queue timeout is
+// 0, the queue or its tenant's bound is full), is evicted by a higher
+// class or waits the queue timeout, ErrClientGone when the client leaves
+// meanwhile. again: the request was granted before and goes back (it
+// keeps its place in the order, and its wait started then).
+func (s *Server) queueWait(ctx *fasthttp.RequestCtx, st *reqState, again bool) error {
+	w := &st.wait
+	if s.opt.QueueTimeout <= 0 {
+		return s.shed(st, shedFull)
+	}
+	if !again {
+		w.since = time.Now()
+		w.req, w.class = &st.req, st.class
+		w.cost = float64(max(st.req.PromptTokens, 1) + outputCost(st.req.MaxTokens))
+	}
+	if shed := s.queue.enter(w, st.tenant, s.tenantLabel(st.tenant), again); shed != "" {
+		return s.shed(st, shed)
+	}
+	t := time.NewTimer(queuePoll)
+	defer t.Stop()
+	for {
+		select {
+		case <-w.ready:
+			if w.state == waitEvicted {
+				return s.shed(st, shedEvicted)
+			}
+			st.granted = true
+			return nil
+		case <-t.C:
 		}
-		*queued = now
-		s.opt.Metrics.Queued(1)
+		gone := peerClosed(ctx.Conn())
+		if !gone && time.Since(w.since) < s.opt.QueueTimeout {
+			t.Reset(queuePoll)
+			continue
+		}
+		switch s.queue.leave(w) {
+		case waitGranted:
+			<-w.ready
+			if !gone {
+				st.granted = true
+				return nil // granted as it timed out: it goes
+			}
+			s.queue.handedOff()
+		case waitEvicted:
+			<-w.ready
+			return s.shed(st, shedEvicted)
+		}
+		if gone {
+			return ErrClientGone
+		}
+		return s.shed(st, shedTimeout)
 	}
-	if now.Sub(*queued) >= s.opt.QueueTimeout {
-		s.opt.Metrics.Overloaded()
-		return ErrOverloaded
-	}
-	time.Sleep(queuePoll)
-	if peerClosed(ctx.Conn()) {
-		return ErrClientGone
-	}
-	return nil
 }
 
-// waitQueue bounds the requests waiting in kvroute for a saturated fleet.
-type waitQueue struct {
-	max int64
-	n   atomic.Int64
-}
-
-func (q *waitQueue) init(max int) { q.max = int64(max) }
-
-// enter takes a place, or reports false when the queue is full.
-func (q *waitQueue) enter() bool {
-	if q.n.Add(1) > q.max {
-		q.n.Add(-1)
-		return false
+// handOff tells the dispatcher that st, granted a place, has taken its
+// endpoint or goes back to the queue.
+func (s *Server) handOff(st *reqState) {
+	if st.granted {
+		st.granted = false
+		s.queue.handedOff()
 	}
-	return true
 }
 
-func (q *waitQueue) leave() { q.n.Add(-1) }
+// shed answers st's request 429 for reason (the queue's), counted.
+func (s *Server) shed(st *reqState, reason string) error {
+	s.opt.Metrics.Overloaded()
+	s.opt.Metrics.TenantShed(s.tenantLabel(st.tenant), st.class.String(), reason)
+	return ErrOverloaded
+}
 
-// queuePoll is how often a waiting request looks for an endpoint with room.
-const queuePoll = 25 * time.Millisecond
+// outputCost is the output a request may ask for, as queue cost: its
+// max_tokens, or 256 when it sets none, at most 4,096 (a request's output
+// is usually far below its cap).
+func outputCost(maxTokens int) int {
+	if maxTokens <= 0 {
+		return 256
+	}
+	return min(maxTokens, 4096)
+}

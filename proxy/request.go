@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"context"
+	"time"
 
 	"github.com/valyala/fastjson"
 	"go.opentelemetry.io/otel/trace"
@@ -61,6 +62,17 @@ type reqState struct {
 	// pre: the first bytes of a whole answer, read before it is passed on
 	// (peekBody).
 	pre []byte
+	// tenant is who asks (tenant.go: a hash; 0 the default tenant), class
+	// how urgently (service_tier); wait is the request's place in the
+	// queue, granted whether it holds a grant not yet handed on.
+	tenant  uint64
+	class   class
+	wait    waiter
+	granted bool
+	// admitted: the request went to the fleet (counted once), after
+	// waiting waited in the queue.
+	admitted bool
+	waited   time.Duration
 }
 
 // reset readies a pooled st for a new request; the rest of its fields are
@@ -70,6 +82,8 @@ func (st *reqState) reset() {
 	st.att, st.root, st.prompts, st.n, st.clientKV = nil, nil, 0, 0, false
 	st.span, st.tctx, st.migrating, st.pre = nil, nil, false, st.pre[:0]
 	st.pd.reset()
+	st.tenant, st.class, st.granted, st.admitted, st.waited = 0, classDefault, false, false, 0
+	st.wait.state, st.wait.since, st.wait.req, st.wait.tenant = waitOut, time.Time{}, nil, nil
 }
 
 // pooledBodyBytes is the largest body whose parse state is pooled for the

@@ -47,6 +47,7 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 	b.rec = record{class: int(st.req.Kind), status: resp.StatusCode(), attempts: len(st.req.Tried), start: start,
 		reqID: append(b.rec.reqID[:0], reqID...), method: append(b.rec.method[:0], ctx.Method()...),
 		path: append(b.rec.path[:0], ctx.Path()...), model: append(b.rec.model[:0], st.req.Model...), ep: d.Endpoint, decision: d, prefix: b.learn}
+	st.stamp(&b.rec)
 	b.leg = st.pd.handOver(&b.rec, d)
 	b.rec.span, st.span, b.rec.traceID = st.span, nil, st.traceID
 	if s.opt.Tokenizer != nil && b.scan && !st.pd.split && st.prompts == 1 && st.tokens == 0 &&
@@ -493,6 +494,9 @@ func (b *upstreamBody) CloseWithError(err error) error {
 		b.rec.status = StatusClientClosedRequest
 		s.opt.Logger.Info("client closed the connection", zap.ByteString("request_id", b.rec.reqID),
 			zap.String("endpoint", ep.URL), zap.Int64("bytes", b.rec.bytes), zap.NamedError("cause", err))
+	}
+	if b.scan && b.usage.PromptFound {
+		s.opt.Metrics.TenantTokens(s.tenantLabel(b.rec.tenant), b.usage.Prompt, b.usage.Cached, b.usage.Output)
 	}
 	if b.learn && err == nil && b.readErr == nil && b.usage.CachedFound {
 		est := s.opt.Learner.Learn(b.rec.decision, b.promptBytes, b.usage.Prompt, b.usage.Cached)

@@ -150,7 +150,17 @@ func (e *statusError) Error() string {
 	return ErrUpstream.Error() + ": " + e.endpoint + " answered " + fasthttp.StatusMessage(e.code)
 }
 
-func (e *statusError) Unwrap() error { return ErrUpstream }
+// Unwrap makes an engine's 429 kvroute's own overload (429, with
+// Retry-After) and its 503 no endpoint available (503): never a 502.
+func (e *statusError) Unwrap() error {
+	switch e.code {
+	case fasthttp.StatusTooManyRequests:
+		return ErrOverloaded
+	case fasthttp.StatusServiceUnavailable:
+		return ErrNoEndpoint
+	}
+	return ErrUpstream
+}
 
 // retryable reports whether an endpoint's status means "try another one":
 // it refused the request (overloaded, or not ready), so nothing was

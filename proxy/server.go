@@ -87,6 +87,8 @@ type Options struct {
 	Tokenizer Tokenizer
 	// PD configures prefill/decode disaggregation.
 	PD PDOptions
+	// Tenants say who asks and how urgently (tenant.go).
+	Tenants TenantOptions
 }
 
 // Server is the proxy. Create it with New; it is safe for concurrent use.
@@ -112,7 +114,12 @@ type Server struct {
 	near     *prefix.NearMisses // the near-identical prompt detector; nil when off
 	nearLog  atomic.Int64       // when a near miss was last logged (Unix ns)
 	budget   retryBudget        // retries allowed
-	queue    waitQueue          // requests waiting for a saturated fleet
+	queue    fairQueue          // requests waiting for a saturated fleet
+	tenants  tenantLabels       // the tenants' metric labels
+	// queueOnce starts the queue's dispatcher with the first Serve;
+	// Shutdown stops it once the requests have ended.
+	queueOnce    sync.Once
+	queueRunning bool // set under queueOnce
 	hijacked sync.WaitGroup
 	legs     sync.WaitGroup // concurrent prefill legs (SGLang)
 	pd       handoff        // the PD protocol; nil without a decode pool
@@ -144,14 +151,22 @@ func New(opt Options) *Server {
 	if opt.UpstreamIdleTimeout <= 0 {
 		opt.UpstreamIdleTimeout = d.UpstreamIdleTimeout
 	}
+	dt := DefaultTenantOptions()
+	if opt.Tenants.MaxQueue <= 0 {
+		opt.Tenants.MaxQueue = opt.MaxQueue // no bound of a tenant's own
+	}
+	if opt.Tenants.MetricTenants <= 0 {
+		opt.Tenants.MetricTenants = dt.MetricTenants
+	}
 	s := &Server{opt: opt, pd: newHandoff(opt.PD)}
 	if opt.NearMissBlocks > 0 {
 		s.near = prefix.NewNearMisses(nearMissMemory)
 	}
 	s.access.w, s.access.console, s.access.dropped = opt.AccessLog, opt.AccessLogConsole, opt.Metrics.AccessLogDropped
 	s.budget.init(opt.RetryBudget, opt.MinRetries)
-	s.queue.init(opt.MaxQueue)
-	s.states.New = func() any { return new(reqState) }
+	s.queue.init(opt.MaxQueue, opt.Tenants.MaxQueue, func(r *routing.Request) bool { return routing.Room(r, s.opt.Pool.Load()) }, opt.Metrics.TenantQueued)
+	s.tenants.max = opt.Tenants.MetricTenants
+	s.states.New = func() any { return &reqState{wait: waiter{ready: make(chan struct{}, 1)}} }
 	s.bodies.New = func() any { return new(upstreamBody) }
 	const hex = "0123456789abcdef"
 	r := rand.Uint64()
@@ -200,6 +215,7 @@ func (s *Server) Serve(ln net.Listener) error {
 	s.attempts.closedEarly = func(ep *discovery.Endpoint) { s.closesEarly.Store(ep, true) }
 	s.attempts.start(s.opt.Metrics.Cancelled)
 	s.access.start()
+	s.queueOnce.Do(func() { s.queue.start(); s.queueRunning = true })
 	return s.srv.Serve(clientListener{Listener: ln, body: s.opt.ClientBodyTimeout})
 }
 
@@ -217,6 +233,10 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	case <-done:
 	case <-ctx.Done():
 		err = errors.Join(err, ctx.Err())
+	}
+	s.queueOnce.Do(func() {}) // a server that never served has no dispatcher
+	if s.queueRunning {
+		s.queue.close()
 	}
 	s.attempts.close()
 	s.access.close()

@@ -22,6 +22,7 @@ const (
 	usageKeyLen = len(`"prompt`) // == len(`"cached`)
 	usagePrompt = 1
 	usageCached = 2
+	usageOutput = 3 // "completion_tokens": the seven bytes before the anchor
 )
 
 // usageScanner finds the last numeric values of "prompt_tokens" and
@@ -35,7 +36,7 @@ type usageScanner struct {
 	value  int  // the value being read
 	over   bool // it passed 2^40: no token count, not kept
 	// The last complete values seen.
-	Prompt, Cached           int
+	Prompt, Cached, Output   int // Output: completion_tokens
 	PromptFound, CachedFound bool
 }
 
@@ -95,6 +96,8 @@ func keyOf(k []byte) int {
 		return usagePrompt
 	case `"cached`:
 		return usageCached
+	case `pletion`:
+		return usageOutput
 	}
 	return 0
 }
@@ -123,10 +126,13 @@ func (u *usageScanner) readValue(p []byte) []byte {
 		case c == ' ' && u.digits == 0:
 		default:
 			if u.digits > 0 && !u.over {
-				if u.key == usagePrompt {
+				switch u.key {
+				case usagePrompt:
 					u.Prompt, u.PromptFound = u.value, true
-				} else {
+				case usageCached:
 					u.Cached, u.CachedFound = u.value, true
+				default:
+					u.Output = u.value
 				}
 			}
 			u.key = 0

@@ -15,11 +15,25 @@ const (
 
 // Usable reports whether r may be sent to e: e is routable (not down,
 // ejected or draining), serves r's model (as far as its model list is
-// known), is not saturated (r.MaxInFlight) nor shedding load (it answered
-// 429 lately: Endpoint.Shedding), and r was not already sent there. Every
-// policy must pick only usable endpoints.
+// known), is not saturated (r.MaxInFlight; full: it answered 429 at the
+// load it still has, Endpoint.Full) nor shedding load (it answered 429
+// to everything lately: Endpoint.Shedding), and r was not already sent
+// there. Every policy must pick only usable endpoints.
 func Usable(r *Request, e *discovery.Endpoint) bool {
-	return e.Routable() && !r.tried(e) && (r.MaxInFlight <= 0 || e.InFlight() < r.MaxInFlight) && e.Serves(r.Model) && !e.Shedding()
+	return e.Routable() && !r.tried(e) && (r.MaxInFlight <= 0 || e.InFlight() < r.MaxInFlight) && e.Serves(r.Model) &&
+		!e.Shedding() && !e.Full()
+}
+
+// Room reports whether an endpoint of set that r may be sent to would
+// start it now (Endpoint.HasRoom): while none would, a router keeps r in
+// its own queue (the fleet is saturated).
+func Room(r *Request, set *discovery.Set) bool {
+	for _, e := range r.group(set) {
+		if Usable(r, e) && e.HasRoom() {
+			return true
+		}
+	}
+	return false
 }
 
 // usableAt returns the endpoint of eps usable for r, other than skip,

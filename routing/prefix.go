@@ -689,6 +689,12 @@ func skippedTerm(r *Request, e *discovery.Endpoint) Term {
 		why = e.State().String()
 	case !e.Serves(r.Model):
 		why = "does not serve the model"
+	case e.Shedding():
+		why = "shedding (answered 429 to everything)"
+	case e.Full():
+		why = "full (answered 429 at this load)"
+	case r.MaxInFlight > 0 && e.InFlight() >= r.MaxInFlight:
+		why = "at --max-in-flight-per-endpoint"
 	}
 	return Term{Endpoint: e.URL, Skipped: why}
 }

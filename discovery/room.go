@@ -1,0 +1,54 @@
+package discovery
+
+import "time"
+
+// An engine's room: how many requests it runs at once (its batch limit,
+// as learned or as it says), and whether the requests a router knows of
+// (its own and its gossiping peers') fill it. A router holds the requests
+// a full fleet cannot start in its own queue, where it can order them
+// (proxy's fair queue), rather than in the engines' FIFO queues.
+
+// FullFor bounds a backpressure mark (ReportShed): after it the endpoint
+// is offered a request again even if the known load has not fallen (it
+// may have fallen elsewhere: another client's requests).
+const FullFor = 2 * time.Second
+
+// Load is the requests in flight on the endpoint that the router knows
+// of: its own and its gossiping peers' (as they last told).
+func (e *Endpoint) Load() int64 { return e.InFlight() + e.PeerInFlight() }
+
+// BatchLimit is the requests the engine runs at once: learned from its
+// metrics (Costs.BatchLimit: the most it ran while others waited), else
+// as the engine says (llama.cpp's slots); 0 while unknown.
+func (e *Endpoint) BatchLimit() int64 {
+	if c := e.Costs(); c != nil && c.BatchLimit > 0 {
+		return int64(c.BatchLimit)
+	}
+	if i := e.Info(); i != nil && i.Slots > 0 {
+		return int64(i.Slots)
+	}
+	return 0
+}
+
+// Full reports whether the endpoint answered 429 at a load it still has
+// (ReportShed's backpressure), within FullFor: it takes no new request
+// until a request ends. One atomic load when it is not full.
+func (e *Endpoint) Full() bool {
+	at := e.fullAt.Load()
+	if at == 0 {
+		return false
+	}
+	if time.Now().UnixNano() >= e.fullUntil.Load() {
+		e.fullAt.CompareAndSwap(at, 0)
+		return false
+	}
+	return e.Load() >= at
+}
+
+// HasRoom reports whether the engine would start a request now: the known
+// load is below its batch limit (always, while the limit is unknown) and
+// it is not full.
+func (e *Endpoint) HasRoom() bool {
+	l := e.BatchLimit()
+	return (l == 0 || e.Load() < l) && !e.Full()
+}

@@ -1,0 +1,94 @@
+package proxy
+
+import (
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"sync"
+	"sync/atomic"
+
+	"github.com/valyala/fasthttp"
+)
+
+// TenantOptions say who asks and how urgently.
+type TenantOptions struct {
+	// Header, when set, names the request header that says the tenant
+	// (a gateway in front sets it); otherwise the tenant is the request's
+	// API key (Authorization: Bearer). Either is kept only as a hash.
+	Header string
+	// PriorityHeader, when set, names a request header whose value
+	// (priority, default or flex) sets the request's class, over its
+	// body's service_tier.
+	PriorityHeader string
+	// MaxQueue bounds one tenant's requests waiting in the queue: beyond
+	// it the tenant's requests get 429 while others still queue.
+	MaxQueue int
+	// MetricTenants is how many tenants have metric labels of their own
+	// (the first seen); the rest share "other".
+	MetricTenants int
+}
+
+// DefaultTenantOptions are the flags' defaults.
+func DefaultTenantOptions() TenantOptions {
+	return TenantOptions{MaxQueue: 256, MetricTenants: 32}
+}
+
+// tenantOf returns the tenant of a request with header h: a hash of its
+// API key (or of its tenant header's value), never the value itself; 0,
+// the default tenant, when it has none.
+func (s *Server) tenantOf(h *fasthttp.RequestHeader) uint64 {
+	var v []byte
+	if name := s.opt.Tenants.Header; name != "" {
+		v = h.Peek(name)
+	} else if a := h.Peek(fasthttp.HeaderAuthorization); len(a) > 7 && equalFoldASCII(a[:7], "bearer ") {
+		v = a[7:]
+	}
+	if len(v) == 0 {
+		return 0
+	}
+	sum := sha256.Sum256(v)
+	return binary.BigEndian.Uint64(sum[:8]) | 1 // never 0
+}
+
+// classOfHeader reads the priority header into st.class; false for a
+// value that names no class.
+func (s *Server) classOfHeader(h *fasthttp.RequestHeader, st *reqState) bool {
+	if name := s.opt.Tenants.PriorityHeader; name != "" {
+		if v := h.Peek(name); len(v) > 0 {
+			c, ok := classOf(v)
+			st.class = c
+			return ok
+		}
+	}
+	return true
+}
+
+// tenantLabels names tenants in metrics with bounded cardinality: the
+// first max tenants seen get "t-" and 12 hex digits of their hash, the
+// rest "other", the default tenant "default".
+type tenantLabels struct {
+	max    int
+	labels sync.Map // uint64 → string
+	n      atomic.Int64
+}
+
+func (s *Server) tenantLabel(id uint64) string {
+	if id == 0 {
+		return "default"
+	}
+	t := &s.tenants
+	if v, ok := t.labels.Load(id); ok {
+		return v.(string)
+	}
+	if t.n.Load() >= int64(t.max) {
+		return "other"
+	}
+	var b [8]byte
+	binary.BigEndian.PutUint64(b[:], id)
+	l := "t-" + hex.EncodeToString(b[:6])
+	if v, loaded := t.labels.LoadOrStore(id, l); loaded {
+		return v.(string)
+	}
+	t.n.Add(1)
+	return l
+}

@@ -109,6 +109,14 @@ bench-proxy: build ## one hop's cost against nginx, HAProxy and a bare proxy, me
 	./$(BIN)/kvhop --kvroute $(BIN)/kvroute --kv-events --gossip --out bench/results/proxy
 	./$(BIN)/kvhop --kvroute $(BIN)/kvroute --streams 9800 --out bench/results/proxy
 
+# Tenants (issue #38): noisy neighbour and priority floods, kvroute's fair
+# queue against its queue in arrival order, on bench/sim, the llm-d
+# simulator (also with short waiting queues that answer 429) and
+# llama.cpp's server where ../shared/engines has them. About 25 minutes.
+bench-tenants: build ## overload shared by tenants: fair queue against FIFO, every engine
+	$(GO) build -trimpath -o $(BIN)/kvtenants ./bench/cmd/kvtenants
+	./$(BIN)/kvtenants --engine kvsim,llm-d,llamacpp --out bench/results/tenants-38
+
 # Soak (issue #12): SOAK_DURATION of mixed traffic (shared-prefix,
 # multi-turn, random; streaming or not; some abandoned by the client) with
 # faults rotating over four simulated pods (5xx/429 storms, stalls, dropped

@@ -46,9 +46,34 @@ func (e *Endpoint) Full() bool {
 }
 
 // HasRoom reports whether the engine would start a request now: the known
-// load is below its batch limit (always, while the limit is unknown) and
-// it is not full.
+// load is below its room limit and it is not full.
 func (e *Endpoint) HasRoom() bool {
-	l := e.BatchLimit()
+	l := e.roomLimit()
 	return (l == 0 || e.Load() < l) && !e.Full()
+}
+
+// SlowStart is the room limit of an engine whose metrics are read before
+// they show its batch limit: twice the most it was seen running, at least
+// SlowStart. A fleet's first flood so doubles its way up, a scrape at a
+// time, instead of landing all at once in the engines' queues, where the
+// router can no longer order it (issue #38: a cold router sent four
+// seconds of a flood there in its first second).
+const SlowStart = 8
+
+// roomLimit is the known load at which the engine has no room: its batch
+// limit; while that is unknown, the slow start's on an engine whose
+// metrics are read (or not yet tried); none (0) without calibration or on
+// an engine that serves no metrics (Ollama), whose room is its own affair.
+func (e *Endpoint) roomLimit() int64 {
+	if l := e.BatchLimit(); l > 0 {
+		return l
+	}
+	if e.calib == nil || e.noMetricsUntil.Load() != 0 {
+		return 0
+	}
+	peak := int64(0)
+	if c := e.Costs(); c != nil {
+		peak = int64(c.PeakRunning)
+	}
+	return max(SlowStart, 2*peak)
 }

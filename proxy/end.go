@@ -89,6 +89,7 @@ func (s *Server) end(r *record, err error) {
 		s.opt.Metrics.RequestEnd(d.Seconds())
 	}
 	s.opt.Metrics.InFlight(-1)
+	s.queue.freed() // its endpoint's place (if it had one) is free now
 	if r.ep == nil && r.status >= 500 && err != nil {
 		s.opt.Logger.Warn("request failed", zap.ByteString("request_id", r.reqID),
 			zap.ByteString("path", r.path), zap.Int("status", r.status), zap.Error(err))

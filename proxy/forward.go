@@ -50,6 +50,7 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 				return nil, routing.Decision{}, err
 			}
 			wait, waited = false, true
+			st.req.StartNow = true // the fleet is saturated: where it starts now
 			set = s.opt.Pool.Load()
 			// The busy may have room now.
 			st.req.Tried = slices.DeleteFunc(st.req.Tried, func(e *discovery.Endpoint) bool { return slices.Contains(busy, e) })

@@ -3,6 +3,7 @@ package proxy
 import (
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -98,6 +99,7 @@ type tenantQ struct {
 type fairQueue struct {
 	mu      sync.Mutex
 	waiting []*waiter // in dispatch order (before)
+	n       atomic.Int64 // len(waiting), read without mu
 	tenants map[uint64]*tenantQ
 	vtime   float64
 	seq     uint64
@@ -134,11 +136,15 @@ func before(a, b *waiter) bool {
 }
 
 // busy reports whether requests wait: a new one then queues behind them.
-func (q *fairQueue) busy() bool {
-	q.mu.Lock()
-	n := len(q.waiting)
-	q.mu.Unlock()
-	return n > 0
+// One atomic load.
+func (q *fairQueue) busy() bool { return q.n.Load() > 0 }
+
+// freed tells the dispatcher that a request ended (its endpoint may have
+// room now), when anyone waits.
+func (q *fairQueue) freed() {
+	if q.busy() {
+		q.wake()
+	}
 }
 
 // Reasons a request is shed from the queue (429), the shed metric's label.
@@ -187,6 +193,7 @@ func (q *fairQueue) enter(w *waiter, id uint64, label string, again bool) (shed 
 		return 1
 	})
 	q.waiting = slices.Insert(q.waiting, i, w)
+	q.n.Store(int64(len(q.waiting)))
 	t.waiting++
 	w.state = waitQueued
 	q.gauge(t.label, 1)
@@ -198,6 +205,7 @@ func (q *fairQueue) enter(w *waiter, id uint64, label string, again bool) (shed 
 func (q *fairQueue) remove(w *waiter, st waitState) {
 	if i := slices.Index(q.waiting, w); i >= 0 {
 		q.waiting = slices.Delete(q.waiting, i, i+1)
+		q.n.Store(int64(len(q.waiting)))
 	}
 	w.tenant.waiting--
 	w.state = st
@@ -342,12 +350,16 @@ func (s *Server) queueWait(ctx *fasthttp.RequestCtx, st *reqState, again bool) e
 	if s.opt.QueueTimeout <= 0 {
 		return s.shed(st, shedFull)
 	}
+	id := st.tenant
 	if !again {
 		w.since = time.Now()
 		w.req, w.class = &st.req, st.class
 		w.cost = float64(max(st.req.PromptTokens, 1) + outputCost(st.req.MaxTokens))
+		if s.opt.Tenants.FIFO {
+			w.class, w.cost, id = classDefault, 1, 0
+		}
 	}
-	if shed := s.queue.enter(w, st.tenant, s.tenantLabel(st.tenant), again); shed != "" {
+	if shed := s.queue.enter(w, id, s.tenantLabel(id), again); shed != "" {
 		return s.shed(st, shed)
 	}
 	t := time.NewTimer(queuePoll)

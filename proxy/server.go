@@ -152,7 +152,7 @@ func New(opt Options) *Server {
 		opt.UpstreamIdleTimeout = d.UpstreamIdleTimeout
 	}
 	dt := DefaultTenantOptions()
-	if opt.Tenants.MaxQueue <= 0 {
+	if opt.Tenants.MaxQueue <= 0 || opt.Tenants.FIFO {
 		opt.Tenants.MaxQueue = opt.MaxQueue // no bound of a tenant's own
 	}
 	if opt.Tenants.MetricTenants <= 0 {

@@ -26,6 +26,10 @@ type TenantOptions struct {
 	// MetricTenants is how many tenants have metric labels of their own
 	// (the first seen); the rest share "other".
 	MetricTenants int
+	// FIFO orders the queue by arrival alone, as one tenant of one class
+	// (the order before tenants; the benchmarks' anchor). Tenants and
+	// classes are still counted.
+	FIFO bool
 }
 
 // DefaultTenantOptions are the flags' defaults.

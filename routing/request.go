@@ -66,6 +66,11 @@ type Request struct {
 	// endpoint may have in flight: one at the cap is saturated, and
 	// policies skip it.
 	MaxInFlight int64
+	// StartNow, set while the fleet is saturated (the request waited in
+	// the router's queue), makes only endpoints that would start it now
+	// usable (Endpoint.HasRoom): a warm endpoint's own queue would hold
+	// it behind requests the router had no say over.
+	StartNow bool
 	// Prefill asks for a prefill endpoint (the Set's Prefill group) for
 	// the prefill leg of a disaggregated request; otherwise policies pick
 	// among the endpoints that answer clients (Serving).

@@ -78,6 +78,10 @@ type Settings struct {
 	// MaxNumSeqs bounds the requests running at once (--max-num-seqs);
 	// more wait in the simulator's queue.
 	MaxNumSeqs int
+	// MaxWaiting bounds the requests waiting beyond MaxNumSeqs
+	// (--max-waiting-queue-length); more are answered 429. 0: the
+	// simulator's default (1,000).
+	MaxWaiting int `json:",omitempty"`
 	// MaxModelLen bounds prompt + output tokens (--max-model-len).
 	MaxModelLen int
 	// PrefillOverhead is a request's fixed time to first token and
@@ -123,6 +127,9 @@ func (s Settings) Args(port int) []string {
 		"--latency-calculator", "per-token", "--prefill-overhead", d(s.PrefillOverhead),
 		"--prefill-time-per-token", d(s.PrefillPerToken), "--inter-token-latency", d(s.InterTokenLatency),
 		"--seed", strconv.FormatUint(s.Seed, 10), "--zmq-endpoint", zmq,
+	}
+	if s.MaxWaiting > 0 {
+		args = append(args, "--max-waiting-queue-length", strconv.Itoa(s.MaxWaiting))
 	}
 	if s.TimeFactorUnderLoad > 1 {
 		args = append(args, "--time-factor-under-load", strconv.FormatFloat(s.TimeFactorUnderLoad, 'f', 3, 64))

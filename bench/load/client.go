@@ -61,6 +61,8 @@ type RequestResult struct {
 	Status int `json:"status"`
 	// Err is "" on success, else one of the ErrKind values ("http_503").
 	Err string `json:"err,omitempty"`
+	// RetryAfter: the answer carried a Retry-After header.
+	RetryAfter bool `json:"retry_after,omitempty"`
 	// ITL holds every gap between consecutive content chunks, in modelled
 	// seconds. Not serialised.
 	ITL []float32 `json:"-"`
@@ -71,6 +73,7 @@ type RequestResult struct {
 type client struct {
 	hc      *fasthttp.HostClient
 	uri     string
+	apiKey  string // sent as Authorization: Bearer when set
 	timeout time.Duration
 	conns   connSet
 	parsers fastjson.ParserPool
@@ -217,6 +220,9 @@ func (c *client) do(ctx context.Context, body []byte, keepAnswer bool, scale flo
 	req.SetRequestURI(c.uri)
 	req.Header.SetContentType("application/json")
 	req.SetBodyRaw(body)
+	if c.apiKey != "" {
+		req.Header.Set(fasthttp.HeaderAuthorization, "Bearer "+c.apiKey)
+	}
 	if c.timeout > 0 {
 		req.SetTimeout(c.timeout)
 	}
@@ -233,6 +239,7 @@ func (c *client) do(ctx context.Context, body []byte, keepAnswer bool, scale flo
 	}
 	defer resp.CloseBodyStream() //nolint:errcheck // the stream is done either way
 	res.Status = resp.StatusCode()
+	res.RetryAfter = len(resp.Header.Peek(fasthttp.HeaderRetryAfter)) > 0
 	stream := resp.BodyStream()
 	if res.Status != fasthttp.StatusOK {
 		if stream != nil {

@@ -7,6 +7,7 @@ import (
 	"math"
 	"net/http"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -53,6 +54,10 @@ type Config struct {
 	Seed uint64
 	// Label names the run (e.g. the policy) in results and progress.
 	Label string
+	// APIKey, when set, is sent as Authorization: Bearer (a tenant);
+	// ServiceTier, when set, as every body's "service_tier".
+	APIKey      string
+	ServiceTier string
 	// Progress, when non-nil, gets a status line every second, each
 	// starting with a carriage return (for a terminal), and a newline at
 	// the end. nil: quiet.
@@ -122,6 +127,7 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	r := &runner{cfg: cfg, scale: cfg.TimeScale}
 	for _, t := range targets {
 		c, err := newClient(t, cfg.API, cfg.Timeout)
+		c.apiKey = cfg.APIKey
 		if err != nil {
 			return nil, err
 		}
@@ -450,6 +456,9 @@ func (r *runner) send(ctx context.Context, it *item, stage int) {
 		model = it.s.Model
 	}
 	body := workload.AppendBody(make([]byte, 0, 1024), r.cfg.API, model, it.s, it.turn, it.conv.answers)
+	if t := r.cfg.ServiceTier; t != "" && len(body) > 1 {
+		body = slices.Insert(body, 1, []byte(`"service_tier":`+strconv.Quote(t)+`,`)...) // after the object's brace
+	}
 	keep := it.turn+1 < len(it.s.Turns)
 	res.Start = time.Since(r.start).Seconds() * r.scale
 	r.sent.Add(1)

@@ -104,6 +104,7 @@ func (sc *Scenario) llmdSettings(cfgs []sim.Config) []llmd.Settings {
 	for i, c := range cfgs {
 		out[i] = LLMDSettings(c, prompt, output)
 		out[i].ZMQEndpoint = sc.zmqEndpoint
+		out[i].MaxWaiting = sc.llmdMaxWaiting
 	}
 	return out
 }

@@ -74,6 +74,8 @@ type Scenario struct {
 	// zmqEndpoint, when set, is where llm-d pods publish their KV events
 	// (a policy's router listening there; runPolicy sets it).
 	zmqEndpoint string
+	// llmdMaxWaiting > 0 bounds llm-d pods' waiting queues (429 beyond).
+	llmdMaxWaiting int
 }
 
 // FleetDescriptor is the part of a scenario's sim.Config worth recording:

@@ -1,0 +1,148 @@
+package proxy
+
+import (
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvroute/kvroute/routing"
+)
+
+// testQueue is a started queue whose room is free places the test hands
+// out one at a time; grants are taken as they come.
+type testQueue struct {
+	q      fairQueue
+	places atomic.Int64
+}
+
+func newTestQueue(t *testing.T, max, perTenant int) *testQueue {
+	tq := &testQueue{}
+	tq.q.init(max, perTenant, func(*routing.Request) bool { return tq.places.Load() > 0 }, func(string, float64) {})
+	tq.q.start()
+	t.Cleanup(func() {
+		// Every waiter left is granted, so that no goroutine outlives
+		// the test.
+		tq.places.Store(1 << 30)
+		for deadline := time.Now().Add(5 * time.Second); tq.q.busy() && time.Now().Before(deadline); {
+			time.Sleep(time.Millisecond)
+		}
+		time.Sleep(10 * time.Millisecond)
+		tq.q.close()
+	})
+	return tq
+}
+
+// waitFor enters a request of tenant id and class c, and returns its
+// waiter and a channel that gets it when granted.
+func (tq *testQueue) waitFor(t *testing.T, id uint64, c class) (*waiter, <-chan *waiter) {
+	w := &waiter{req: &routing.Request{}, class: c, cost: 500, ready: make(chan struct{}, 1)}
+	if shed := tq.q.enter(w, id, "", false); shed != "" {
+		t.Fatalf("shed: %s", shed)
+	}
+	got := make(chan *waiter, 1)
+	go func() {
+		<-w.ready
+		tq.places.Add(-1) // the grantee takes its place
+		tq.q.handedOff()
+		got <- w
+	}()
+	return w, got
+}
+
+// A tenant with a backlog cannot hold back another: the newcomer's start
+// tag is the virtual time, ahead of the backlog.
+func TestFairQueueNewTenantGoesFirst(t *testing.T) {
+	tq := newTestQueue(t, 1024, 1024)
+	var noisy []<-chan *waiter
+	for range 100 {
+		_, g := tq.waitFor(t, 1, classDefault)
+		noisy = append(noisy, g)
+	}
+	// Ten places for the backlog, then a quiet request, then one place.
+	for i := range 10 {
+		tq.places.Add(1)
+		select {
+		case <-noisy[i]:
+		case <-time.After(time.Second):
+			t.Fatalf("noisy request %d was never granted", i)
+		}
+	}
+	q, quiet := tq.waitFor(t, 2, classDefault)
+	tq.places.Add(1)
+	select {
+	case <-quiet:
+	case <-noisy[10]:
+		t.Fatalf("the backlog went before the quiet tenant (start %v)", q.start)
+	case <-time.After(time.Second):
+		t.Fatal("nothing was granted")
+	}
+}
+
+// Tenants with backlogs share the places by cost: each gets half.
+func TestFairQueueSharesByCost(t *testing.T) {
+	tq := newTestQueue(t, 1024, 1024)
+	var mu sync.Mutex
+	got := map[uint64]int{}
+	var all []<-chan *waiter
+	for range 40 {
+		for _, id := range []uint64{1, 2} {
+			w, g := tq.waitFor(t, id, classDefault)
+			_ = w
+			all = append(all, g)
+		}
+	}
+	for range 20 {
+		tq.places.Add(1)
+		time.Sleep(2 * time.Millisecond)
+	}
+	deadline := time.After(time.Second)
+	for n := 0; n < 20; {
+		for _, g := range all {
+			select {
+			case w := <-g:
+				mu.Lock()
+				got[w.tenant.id]++
+				mu.Unlock()
+				n++
+			case <-deadline:
+				t.Fatalf("granted %v of 20", got)
+			default:
+			}
+		}
+	}
+	if got[1] != 10 || got[2] != 10 {
+		t.Fatalf("grants %v, want 10 each", got)
+	}
+}
+
+// A higher class goes first, and a full queue makes room for it by
+// evicting a lower class's last waiter.
+func TestFairQueueClasses(t *testing.T) {
+	tq := newTestQueue(t, 3, 3)
+	var flex []<-chan *waiter
+	for range 3 {
+		_, g := tq.waitFor(t, 1, classFlex)
+		flex = append(flex, g)
+	}
+	w := &waiter{req: &routing.Request{}, class: classFlex, cost: 1, ready: make(chan struct{}, 1)}
+	if shed := tq.q.enter(w, 2, "", false); shed != shedFull {
+		t.Fatalf("a flex request entered a queue full of flex: %q", shed)
+	}
+	_, prio := tq.waitFor(t, 2, classDefault)
+	select {
+	case w := <-flex[2]:
+		if w.state != waitEvicted {
+			t.Fatalf("the last flex waiter is %v, want evicted", w.state)
+		}
+		tq.places.Add(1) // waitFor took a place for it
+	case <-time.After(time.Second):
+		t.Fatal("the full queue made no room for the default request")
+	}
+	tq.places.Add(1)
+	select {
+	case <-prio:
+	case <-time.After(time.Second):
+		t.Fatal("the default request did not go first")
+	}
+}

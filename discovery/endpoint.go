@@ -108,13 +108,13 @@ type Endpoint struct {
 	// Shedding: the endpoint answers 429 ("too many requests"): it takes
 	// no new requests until shedUntil (Unix ns; 0: not shedding); sheds
 	// counts the 429s in a row.
-	shedUntil    atomic.Int64
-	sheds        atomic.Int32
+	shedUntil atomic.Int64
+	sheds     atomic.Int32
 	// Backpressure (room.go): an engine that answered 429 while it ran
 	// others of the known requests is full at that load (fullAt; 0: not
 	// full) until fullUntil (Unix ns).
-	fullAt    atomic.Int64
-	fullUntil atomic.Int64
+	fullAt       atomic.Int64
+	fullUntil    atomic.Int64
 	ejectLevel   int           // ejections in a row; the cooldown doubles with each
 	cooldown     time.Duration // of the current or last ejection
 	ejectedUntil time.Time

@@ -22,9 +22,16 @@ type EndpointStatus struct {
 	InFlightPrefill int64 `json:"in_flight_prefill_tokens"`
 	// PeerInFlight is the other router replicas' requests in flight
 	// (their gossip; omitted without).
-	PeerInFlight int64  `json:"peer_in_flight,omitempty"`
-	Requests     uint64 `json:"requests"`
-	Failures     uint64 `json:"failures"`
+	PeerInFlight int64 `json:"peer_in_flight,omitempty"`
+	// RoomLimit is the known load at which the engine has no room (its
+	// batch limit, or the slow start's; 0: none), HasRoom whether it has
+	// room now, and Full whether it answered 429 at the load it still
+	// has (backpressure, room.go).
+	RoomLimit int64  `json:"room_limit"`
+	HasRoom   bool   `json:"has_room"`
+	Full      bool   `json:"full,omitempty"`
+	Requests  uint64 `json:"requests"`
+	Failures  uint64 `json:"failures"`
 	// ProbeFailures and ProbeSuccesses are the current runs of consecutive
 	// probe results.
 	ProbeFailures  int32 `json:"consecutive_probe_failures"`
@@ -88,6 +95,7 @@ func (f *Fleet) status(e *Endpoint, now time.Time) EndpointStatus {
 	s := EndpointStatus{
 		URL: e.URL, Role: e.Role.String(), State: e.State(), Routable: e.Routable(),
 		InFlight: e.InFlight(), InFlightPrefill: e.PendingPrefill(), PeerInFlight: e.PeerInFlight(),
+		RoomLimit: e.roomLimit(), HasRoom: e.HasRoom(), Full: e.Full(),
 		Requests: e.Requests(), Failures: e.Failures.Load(),
 		ProbeFailures: e.probeFails.Load(), ProbeSuccesses: e.probeOKs.Load(),
 		ConsecutiveFailures: e.passiveFails.Load(), Learned: e.Costs(),

@@ -180,15 +180,7 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 			Help: "Cached prompt tokens the engines reported (usage.prompt_tokens_details.cached_tokens).",
 		}),
 	}
-	// Every known label value starts at 0, so that rate() and alerts see
-	// the series before the first failure.
-	for _, k := range []string{"connect", "timeout", "status", "busy", "cancelled", "body", "prefill"} {
-		m.upstreamErrs.WithLabelValues(k)
-	}
-	m.registerPrompts(reg)
-	m.registerStreams(reg)
-	m.registerPD(reg)
-	m.registerTenants(reg)
+	m.registerFamilies(reg)
 	for _, c := range classes {
 		m.durationByCls = append(m.durationByCls, m.duration.WithLabelValues(c))
 		m.ttfbByCls = append(m.ttfbByCls, m.ttfb.WithLabelValues(c))
@@ -209,6 +201,21 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 		reg.MustRegister(&endpointCollector{each: endpoints})
 	}
 	return m
+}
+
+// registerFamilies registers the families beyond New's own: prompts,
+// streams, disaggregation and tenants; and starts every known label value
+// of the upstream errors at 0.
+func (m *Metrics) registerFamilies(reg prometheus.Registerer) {
+	// Every known label value starts at 0, so that rate() and alerts see
+	// the series before the first failure.
+	for _, k := range []string{"connect", "timeout", "status", "busy", "full", "cancelled", "body", "prefill"} {
+		m.upstreamErrs.WithLabelValues(k)
+	}
+	m.registerPrompts(reg)
+	m.registerStreams(reg)
+	m.registerPD(reg)
+	m.registerTenants(reg)
 }
 
 // registerPrompts registers the families about prompts and the router's

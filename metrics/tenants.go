@@ -47,6 +47,16 @@ func (m *Metrics) registerTenants(reg prometheus.Registerer) {
 		Buckets: latencyBuckets,
 	}, []string{"class"})
 	reg.MustRegister(t.tQueued, t.tRequests, t.tShed, t.tWait, t.tTokens, t.waitHist)
+	// The default tenant's series start at 0, so that rate() and alerts
+	// see them before the first overload.
+	t.tQueued.WithLabelValues("default")
+	t.tRequests.WithLabelValues("default", "default")
+	t.tShed.WithLabelValues("default", "default", "timeout")
+	t.tWait.WithLabelValues("default")
+	for _, k := range []string{"prompt", "cached", "output"} {
+		t.tTokens.WithLabelValues("default", k)
+	}
+	t.waitHist.WithLabelValues("default")
 }
 
 type tenantKey struct{ fam, a, b, c string }

@@ -42,6 +42,12 @@ func (s *Server) AdminHandler(g prometheus.Gatherer) *http.ServeMux {
 			_, _ = w.Write([]byte("ok\n"))
 		}
 	})
+	mux.HandleFunc("GET /debug/queue", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		_ = enc.Encode(s.QueueStatus())
+	})
 	mux.HandleFunc("/debug/pprof/", s.guard(pprof.Index))
 	mux.HandleFunc("/debug/pprof/cmdline", s.guard(pprof.Cmdline))
 	mux.HandleFunc("/debug/pprof/profile", s.guard(pprof.Profile))

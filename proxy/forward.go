@@ -46,15 +46,16 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 	waited := false
 	for tries := 0; ; {
 		if wait {
+			// The busy may have room by its turn (the queue's room test
+			// reads Tried too).
+			st.req.Tried = slices.DeleteFunc(st.req.Tried, func(e *discovery.Endpoint) bool { return slices.Contains(busy, e) })
+			busy = busy[:0]
 			if err := s.queueWait(ctx, st, waited); err != nil {
 				return nil, routing.Decision{}, err
 			}
 			wait, waited = false, true
 			st.req.StartNow = true // the fleet is saturated: where it starts now
 			set = s.opt.Pool.Load()
-			// The busy may have room now.
-			st.req.Tried = slices.DeleteFunc(st.req.Tried, func(e *discovery.Endpoint) bool { return slices.Contains(busy, e) })
-			busy = busy[:0]
 		}
 		span := s.pickSpan(st)
 		d := s.opt.Picker.Pick(&st.req, set)

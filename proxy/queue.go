@@ -73,8 +73,12 @@ type waiter struct {
 	start  float64 // start tag
 	seq    uint64  // arrival order, among equal tags
 	since  time.Time
-	state  waitState
-	ready  chan struct{} // a token when granted or evicted
+	// notBefore: a request back from a grant that found no endpoint
+	// (out of connections, or raced) is not granted again before it, so
+	// that it cannot spin.
+	notBefore time.Time
+	state     waitState
+	ready     chan struct{} // a token when granted or evicted
 }
 
 type waitState uint8
@@ -98,7 +102,7 @@ type tenantQ struct {
 // fairQueue is the queue; its fields are guarded by mu.
 type fairQueue struct {
 	mu      sync.Mutex
-	waiting []*waiter // in dispatch order (before)
+	waiting []*waiter    // in dispatch order (before)
 	n       atomic.Int64 // len(waiting), read without mu
 	tenants map[uint64]*tenantQ
 	vtime   float64
@@ -170,9 +174,17 @@ func (q *fairQueue) enter(w *waiter, id uint64, label string, again bool) (shed 
 		q.tenants[id] = t
 	}
 	if !again && t.waiting >= q.perTenant {
-		return shedTenant
+		// The tenant's own lower class makes room, else it waits no more.
+		last := q.last(func(x *waiter) bool { return x.tenant == t })
+		if last == nil || last.class.rank() >= w.class.rank() {
+			return shedTenant
+		}
+		q.remove(last, waitEvicted)
 	}
 	if len(q.waiting) >= q.max {
+		if q.max <= 0 {
+			return shedFull
+		}
 		last := q.waiting[len(q.waiting)-1]
 		if last.class.rank() >= w.class.rank() {
 			return shedFull
@@ -180,6 +192,10 @@ func (q *fairQueue) enter(w *waiter, id uint64, label string, again bool) (shed 
 		q.remove(last, waitEvicted)
 	}
 	w.tenant = t
+	w.notBefore = time.Time{}
+	if again {
+		w.notBefore = time.Now().Add(queuePoll)
+	}
 	if !again {
 		w.start = max(q.vtime, t.finish)
 		t.finish = w.start + w.cost/t.weight
@@ -199,6 +215,17 @@ func (q *fairQueue) enter(w *waiter, id uint64, label string, again bool) (shed 
 	q.gauge(t.label, 1)
 	q.wake()
 	return ""
+}
+
+// last returns the last waiter in order that is, for which there is one
+// (a tenant at its bound has one); q.mu is held.
+func (q *fairQueue) last(is func(*waiter) bool) *waiter {
+	for i := len(q.waiting) - 1; i >= 0; i-- {
+		if is(q.waiting[i]) {
+			return q.waiting[i]
+		}
+	}
+	return nil
 }
 
 // remove takes w out of the queue into state st; q.mu is held.
@@ -262,7 +289,16 @@ func (q *fairQueue) grant() bool {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	var none []string // models found without room in this pass
+	var now time.Time
 	for _, w := range q.waiting {
+		if !w.notBefore.IsZero() {
+			if now.IsZero() {
+				now = time.Now()
+			}
+			if now.Before(w.notBefore) {
+				continue
+			}
+		}
 		plain := len(w.req.Tried) == 0 && !w.req.Prefill
 		if plain && slices.Contains(none, w.req.Model) {
 			continue
@@ -422,4 +458,54 @@ func outputCost(maxTokens int) int {
 		return 256
 	}
 	return min(maxTokens, 4096)
+}
+
+// QueueStatus is the queue's state for /debug/queue.
+type QueueStatus struct {
+	// Waiting counts the requests waiting, ByClass by class.
+	Waiting int            `json:"waiting"`
+	ByClass map[string]int `json:"by_class"`
+	// OldestSeconds is the longest wait so far (0: none waiting).
+	OldestSeconds float64 `json:"oldest_wait_seconds"`
+	// VirtualTime is the fair queue's virtual time (prompt plus output
+	// tokens granted).
+	VirtualTime float64 `json:"virtual_time"`
+	// Tenants are the tenants the queue remembers: waiting, or still
+	// charged beyond the virtual time.
+	Tenants []TenantStatus `json:"tenants"`
+	Max     int            `json:"max_queue"`
+	// MaxPerTenant bounds one tenant's waiting requests; FIFO: the queue
+	// is in arrival order (--queue-fifo).
+	MaxPerTenant int  `json:"max_queue_per_tenant"`
+	FIFO         bool `json:"fifo,omitempty"`
+}
+
+// TenantStatus is one tenant's part of the queue.
+type TenantStatus struct {
+	// Tenant is its metric label (a hash; "other" past the labelled ones).
+	Tenant  string  `json:"tenant"`
+	Waiting int     `json:"waiting"`
+	Weight  float64 `json:"weight"`
+	// Ahead is how far its finish tag is past the virtual time: the
+	// work it is charged for beyond its share so far.
+	Ahead float64 `json:"ahead"`
+}
+
+// QueueStatus returns the queue's state.
+func (s *Server) QueueStatus() QueueStatus {
+	q := &s.queue
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	st := QueueStatus{Waiting: len(q.waiting), ByClass: map[string]int{}, VirtualTime: q.vtime,
+		Max: q.max, MaxPerTenant: q.perTenant, FIFO: s.opt.Tenants.FIFO}
+	now := time.Now()
+	for _, w := range q.waiting {
+		st.ByClass[w.class.String()]++
+		st.OldestSeconds = max(st.OldestSeconds, now.Sub(w.since).Seconds())
+	}
+	for _, t := range q.tenants {
+		st.Tenants = append(st.Tenants, TenantStatus{Tenant: t.label, Waiting: t.waiting, Weight: t.weight, Ahead: max(0, t.finish-q.vtime)})
+	}
+	slices.SortFunc(st.Tenants, func(a, b TenantStatus) int { return b.Waiting - a.Waiting })
+	return st
 }

@@ -146,3 +146,37 @@ func TestFairQueueClasses(t *testing.T) {
 		t.Fatal("the default request did not go first")
 	}
 }
+
+// A tenant at its bound makes room for its own higher class by evicting
+// its last lower-class waiter; another lower-class request is refused.
+func TestFairQueueTenantBoundShedsFlexFirst(t *testing.T) {
+	tq := newTestQueue(t, 100, 2)
+	var flex []<-chan *waiter
+	for range 2 {
+		_, g := tq.waitFor(t, 1, classFlex)
+		flex = append(flex, g)
+	}
+	w := &waiter{req: &routing.Request{}, class: classFlex, cost: 1, ready: make(chan struct{}, 1)}
+	if shed := tq.q.enter(w, 1, "", false); shed != shedTenant {
+		t.Fatalf("a flex request over its tenant's bound: %q", shed)
+	}
+	if _, g := tq.waitFor(t, 2, classFlex); g == nil {
+		t.Fatal("another tenant could not queue")
+	}
+	_, def := tq.waitFor(t, 1, classDefault)
+	select {
+	case w := <-flex[1]:
+		if w.state != waitEvicted {
+			t.Fatalf("the tenant's last flex waiter is %v, want evicted", w.state)
+		}
+		tq.places.Add(1)
+	case <-time.After(time.Second):
+		t.Fatal("the tenant's default request made no room")
+	}
+	tq.places.Add(1)
+	select {
+	case <-def:
+	case <-time.After(time.Second):
+		t.Fatal("the default request did not go first")
+	}
+}

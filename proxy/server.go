@@ -120,10 +120,10 @@ type Server struct {
 	// Shutdown stops it once the requests have ended.
 	queueOnce    sync.Once
 	queueRunning bool // set under queueOnce
-	hijacked sync.WaitGroup
-	legs     sync.WaitGroup // concurrent prefill legs (SGLang)
-	pd       handoff        // the PD protocol; nil without a decode pool
-	access   accessLog
+	hijacked     sync.WaitGroup
+	legs         sync.WaitGroup // concurrent prefill legs (SGLang)
+	pd           handoff        // the PD protocol; nil without a decode pool
+	access       accessLog
 }
 
 // New returns a Server. It starts nothing; call Serve.

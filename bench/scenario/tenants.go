@@ -44,7 +44,9 @@ const (
 )
 
 // TenantScenarioNames lists the tenant scenarios.
-func TenantScenarioNames() []string { return []string{NoisyNeighbour, NoisyNeighbour429, PriorityFlood} }
+func TenantScenarioNames() []string {
+	return []string{NoisyNeighbour, NoisyNeighbour429, PriorityFlood}
+}
 
 // IsTenantScenario reports whether name is a tenant scenario.
 func IsTenantScenario(name string) bool {
@@ -104,9 +106,9 @@ type TenantReport struct {
 	Started  time.Time `json:"started"`
 	// Capacity is the closed loop at twice the fleet's batch slots, and
 	// CapacityThroughput its output tokens per second within the phase.
-	Capacity           TenantRun `json:"capacity"`
-	CapacityThroughput float64   `json:"capacity_output_throughput"`
-	Phases   []TenantPhase `json:"phases"`
+	Capacity           TenantRun     `json:"capacity"`
+	CapacityThroughput float64       `json:"capacity_output_throughput"`
+	Phases             []TenantPhase `json:"phases"`
 	// PhaseSeconds is each open-loop phase's sending time (wall).
 	PhaseSeconds float64 `json:"phase_s"`
 	WallSeconds  float64 `json:"wall_s"`
@@ -272,7 +274,7 @@ func runTenantPhase(ctx context.Context, sc *Scenario, policy string, ts []tenan
 		var settled []float64
 		for _, r := range res.Requests {
 			if r.Err == "" && r.Start >= settle.Seconds() {
-				settled = append(settled, r.TTFT*1000)
+				settled = append(settled, r.TTFT) // NewDist reports ms
 			}
 		}
 		out[i].SettledP90 = load.NewDist(settled).P90

@@ -62,13 +62,15 @@ const SlowStart = 8
 
 // roomLimit is the known load at which the engine has no room: its batch
 // limit; while that is unknown, the slow start's on an engine whose
-// metrics are read (or not yet tried); none (0) without calibration or on
-// an engine that serves no metrics (Ollama), whose room is its own affair.
+// metrics are read (or not yet tried) and on a slot engine that has not
+// said its slots yet; none (0) without calibration or on an engine that
+// serves no metrics and says nothing of its slots (Ollama), whose room is
+// its own affair.
 func (e *Endpoint) roomLimit() int64 {
 	if l := e.BatchLimit(); l > 0 {
 		return l
 	}
-	if e.calib == nil || e.noMetricsUntil.Load() != 0 {
+	if e.calib == nil || e.noMetricsUntil.Load() != 0 && (e.Dialect() != DialectLlamaCpp || e.Info() != nil) {
 		return 0
 	}
 	peak := int64(0)

@@ -16,7 +16,7 @@ type tenantMetrics struct {
 	tWait     *prometheus.CounterVec // tenant
 	tTokens   *prometheus.CounterVec // tenant, kind
 	waitHist  *prometheus.HistogramVec
-	tCache    sync.Map // label tuple → collector
+	tCache    sync.Map // tenant label → *tenantSeries
 }
 
 func (m *Metrics) registerTenants(reg prometheus.Registerer) {
@@ -59,35 +59,48 @@ func (m *Metrics) registerTenants(reg prometheus.Registerer) {
 	t.waitHist.WithLabelValues("default")
 }
 
-type tenantKey struct{ fam, a, b, c string }
+// tenantSeries are one tenant's children of the per-tenant families,
+// looked up once per tenant (the shed counters, rare, are looked up each
+// time).
+type tenantSeries struct {
+	queued   prometheus.Gauge
+	admitted sync.Map // class → prometheus.Counter
+	wait     prometheus.Counter
+	prompt   prometheus.Counter
+	cached   prometheus.Counter
+	output   prometheus.Counter
+}
 
-func (t *tenantMetrics) counter(vec *prometheus.CounterVec, fam string, labels ...string) prometheus.Counter {
-	k := tenantKey{fam: fam}
-	ls := []*string{&k.a, &k.b, &k.c}
-	for i, l := range labels {
-		*ls[i] = l
+func (t *tenantMetrics) series(tenant string) *tenantSeries {
+	if v, ok := t.tCache.Load(tenant); ok {
+		return v.(*tenantSeries)
 	}
-	if c, ok := t.tCache.Load(k); ok {
-		return c.(prometheus.Counter)
-	}
-	c, _ := t.tCache.LoadOrStore(k, vec.WithLabelValues(labels...))
-	return c.(prometheus.Counter)
+	s := &tenantSeries{queued: t.tQueued.WithLabelValues(tenant), wait: t.tWait.WithLabelValues(tenant),
+		prompt: t.tTokens.WithLabelValues(tenant, "prompt"), cached: t.tTokens.WithLabelValues(tenant, "cached"),
+		output: t.tTokens.WithLabelValues(tenant, "output")}
+	v, _ := t.tCache.LoadOrStore(tenant, s)
+	return v.(*tenantSeries)
 }
 
 // TenantQueued moves the requests waiting in the queue by d, tenant's
 // and in all.
 func (m *Metrics) TenantQueued(tenant string, d float64) {
 	m.queued.Add(d)
-	m.tenants.tQueued.WithLabelValues(tenant).Add(d)
+	m.tenants.series(tenant).queued.Add(d)
 }
 
 // TenantAdmitted counts a request of tenant and class that went to the
-// fleet after waiting wait seconds in the queue (0: it did not wait).
+// fleet, after waiting wait seconds in the queue when queued.
 func (m *Metrics) TenantAdmitted(tenant, class string, wait float64, queued bool) {
 	t := &m.tenants
-	t.counter(t.tRequests, "r", tenant, class).Inc()
+	s := t.series(tenant)
+	c, ok := s.admitted.Load(class)
+	if !ok {
+		c, _ = s.admitted.LoadOrStore(class, t.tRequests.WithLabelValues(tenant, class))
+	}
+	c.(prometheus.Counter).Inc()
 	if queued {
-		t.counter(t.tWait, "w", tenant).Add(wait)
+		s.wait.Add(wait)
 		t.waitHist.WithLabelValues(class).Observe(wait)
 	}
 }
@@ -95,14 +108,13 @@ func (m *Metrics) TenantAdmitted(tenant, class string, wait float64, queued bool
 // TenantShed counts a request of tenant and class answered 429 from the
 // queue for reason.
 func (m *Metrics) TenantShed(tenant, class, reason string) {
-	t := &m.tenants
-	t.counter(t.tShed, "s", tenant, class, reason).Inc()
+	m.tenants.tShed.WithLabelValues(tenant, class, reason).Inc()
 }
 
 // TenantTokens counts an answered request's tokens for tenant.
 func (m *Metrics) TenantTokens(tenant string, prompt, cached, output int) {
-	t := &m.tenants
-	t.counter(t.tTokens, "t", tenant, "prompt").Add(float64(prompt))
-	t.counter(t.tTokens, "t", tenant, "cached").Add(float64(cached))
-	t.counter(t.tTokens, "t", tenant, "output").Add(float64(output))
+	s := m.tenants.series(tenant)
+	s.prompt.Add(float64(prompt))
+	s.cached.Add(float64(cached))
+	s.output.Add(float64(output))
 }

@@ -79,3 +79,20 @@ func (e *Endpoint) roomLimit() int64 {
 	}
 	return max(SlowStart, 2*peak)
 }
+
+// QueueRoom reports whether a request of a saturated fleet may still go to
+// the endpoint to wait in its own queue: the known load is below its room
+// limit plus QueueSlack (any load while the limit is unknown) and it is
+// not full. A warm endpoint's short queue often beats a cold prefill
+// elsewhere: when requests granted from a router's queue could go only
+// where they start at once, shared-prefix on llm-d's simulator past its
+// capacity fell from 89% of prompt tokens cached to 44%.
+func (e *Endpoint) QueueRoom() bool {
+	l := e.roomLimit()
+	return (l == 0 || e.Load() < l+QueueSlack(l)) && !e.Full()
+}
+
+// QueueSlack is the requests a router lets wait in an engine's own queue
+// beyond its room limit l once the fleet is saturated: half a batch, at
+// least one. The router orders the rest.
+func QueueSlack(l int64) int64 { return max(1, l/2) }

@@ -40,9 +40,12 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 	defer s.handOff(st)
 	var lastErr error = ErrNoEndpoint
 	var busy []*discovery.Endpoint // tried endpoints that had no free connection, or were full
-	// A new request queues behind those waiting, or when the fleet has
-	// no room; a continued stream (migrating) does not.
-	wait := !st.migrating && (s.queue.busy() || !routing.Room(&st.req, set)) && saturated(set, &st.req, nil)
+	// A new inference request queues behind those waiting, or when the
+	// fleet has no room; a continued stream (migrating) does not, nor a
+	// request passed on unparsed (a probe through the API port), which
+	// takes no place in a batch.
+	wait := !st.migrating && st.req.Kind != routing.KindOther && (s.queue.busy() || !routing.Room(&st.req, set)) &&
+		saturated(set, &st.req, nil)
 	waited := false
 	for tries := 0; ; {
 		if wait {
@@ -202,6 +205,9 @@ func (s *Server) acquire(st *reqState, ep *discovery.Endpoint, own, loaded int) 
 func (s *Server) isAnswer(st *reqState, ep *discovery.Endpoint, a *attempt, resp *fasthttp.Response, tries int) bool {
 	code := resp.StatusCode()
 	a.traceStatus(code)
+	if code == fasthttp.StatusTooManyRequests && st.pd.split {
+		ep.ReportShed(retryAfter(resp)) // a decode pod refusing: it takes no new requests for a while
+	}
 	// A decode leg's 5xx is resent: its prompt was computed elsewhere, so
 	// it had not started.
 	if !s.mayRetry(tries, false, false, retryable(code) || st.pd.split && code >= 500) {

@@ -360,11 +360,10 @@ func (q *fairQueue) close() {
 }
 
 // saturated reports, once the policy found no endpoint usable for r,
-// whether that is because routable endpoints are saturated — full
-// (backpressure: Endpoint.Full), at r's
-// in-flight cap (not yet tried), out of connections (busy), or shedding
-// load (answering 429) — so that the request may wait for one, rather
-// than because all failed it.
+// whether that is because routable endpoints are saturated — without
+// room, full (backpressure), at r's in-flight cap (not yet tried), out
+// of connections (busy), or shedding load (answering 429) — so that the
+// request may wait for one, rather than because all failed it.
 func saturated(set *discovery.Set, r *routing.Request, busy []*discovery.Endpoint) bool {
 	for _, e := range set.Serving {
 		if e.Routable() && e.Serves(r.Model) && (!slices.Contains(r.Tried, e) || slices.Contains(busy, e) || e.Shedding()) {
@@ -387,12 +386,15 @@ func (s *Server) queueWait(ctx *fasthttp.RequestCtx, st *reqState, again bool) e
 		return s.shed(st, shedFull)
 	}
 	id := st.tenant
+	if s.opt.Tenants.FIFO {
+		id = 0 // one tenant
+	}
 	if !again {
 		w.since = time.Now()
 		w.req, w.class = &st.req, st.class
 		w.cost = float64(max(st.req.PromptTokens, 1) + outputCost(st.req.MaxTokens))
 		if s.opt.Tenants.FIFO {
-			w.class, w.cost, id = classDefault, 1, 0
+			w.class, w.cost = classDefault, 1 // arrival order
 		}
 	}
 	if shed := s.queue.enter(w, id, s.tenantLabel(id), again); shed != "" {

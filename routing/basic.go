@@ -16,13 +16,14 @@ const (
 // Usable reports whether r may be sent to e: e is routable (not down,
 // ejected or draining), serves r's model (as far as its model list is
 // known), is not saturated (r.MaxInFlight; full: it answered 429 at the
-// load it still has, Endpoint.Full; with r.StartNow, without a free place
-// in its batch, Endpoint.HasRoom) nor shedding load (it answered 429 to
+// load it still has, Endpoint.Full; with r.StartNow, with its batch and
+// the short queue a router keeps there full, Endpoint.QueueRoom) nor
+// shedding load (it answered 429 to
 // everything lately: Endpoint.Shedding), and r was not already sent
 // there. Every policy must pick only usable endpoints.
 func Usable(r *Request, e *discovery.Endpoint) bool {
 	return e.Routable() && !r.tried(e) && (r.MaxInFlight <= 0 || e.InFlight() < r.MaxInFlight) && e.Serves(r.Model) &&
-		!e.Shedding() && (r.StartNow && e.HasRoom() || !r.StartNow && !e.Full())
+		!e.Shedding() && (r.StartNow && e.QueueRoom() || !r.StartNow && !e.Full())
 }
 
 // Room reports whether an endpoint of set that r may be sent to would

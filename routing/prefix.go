@@ -695,6 +695,8 @@ func skippedTerm(r *Request, e *discovery.Endpoint) Term {
 		why = "full (answered 429 at this load)"
 	case r.MaxInFlight > 0 && e.InFlight() >= r.MaxInFlight:
 		why = "at --max-in-flight-per-endpoint"
+	case r.StartNow && !e.QueueRoom():
+		why = "no room (its batch and short queue are full; the request waited in the queue)"
 	}
 	return Term{Endpoint: e.URL, Skipped: why}
 }

@@ -68,8 +68,9 @@ type Request struct {
 	MaxInFlight int64
 	// StartNow, set while the fleet is saturated (the request waited in
 	// the router's queue), makes only endpoints that would start it now
-	// usable (Endpoint.HasRoom): a warm endpoint's own queue would hold
-	// it behind requests the router had no say over.
+	// or soon usable (Endpoint.QueueRoom): a warm endpoint's short queue,
+	// not a long one that would hold it behind requests the router had
+	// no say over.
 	StartNow bool
 	// Prefill asks for a prefill endpoint (the Set's Prefill group) for
 	// the prefill leg of a disaggregated request; otherwise policies pick

@@ -131,6 +131,9 @@ type Endpoint struct {
 	fresh   atomic.Pointer[EngineStats]
 	last    atomic.Pointer[EngineStats]
 	scr     scrapeMemory
+	// metricsFailing: the latest scrape failed (the engine's /metrics
+	// answered, but not with metrics kvroute reads, or not at all).
+	metricsFailing atomic.Bool
 	// noMetricsUntil (Unix ns; 0: scrape) is set when the engine serves
 	// no /metrics (404, 405, 501; llama.cpp's endpoint_metrics false):
 	// the scraper leaves it alone until then.

@@ -63,14 +63,17 @@ const SlowStart = 8
 // roomLimit is the known load at which the engine has no room: its batch
 // limit; while that is unknown, the slow start's on an engine whose
 // metrics are read (or not yet tried) and on a slot engine that has not
-// said its slots yet; none (0) without calibration or on an engine that
-// serves no metrics and says nothing of its slots (Ollama), whose room is
-// its own affair.
+// said its slots yet; none (0) without calibration, on an engine whose
+// metrics scrape fails (kvroute cannot see it queue: a cap would hold
+// its load at the slow start's for good), or on one that serves no
+// metrics and says nothing of its slots (Ollama), whose room is its own
+// affair.
 func (e *Endpoint) roomLimit() int64 {
 	if l := e.BatchLimit(); l > 0 {
 		return l
 	}
-	if e.calib == nil || e.noMetricsUntil.Load() != 0 && (e.Dialect() != DialectLlamaCpp || e.Info() != nil) {
+	if e.calib == nil || e.metricsFailing.Load() ||
+		e.noMetricsUntil.Load() != 0 && (e.Dialect() != DialectLlamaCpp || e.Info() != nil) {
 		return 0
 	}
 	peak := int64(0)

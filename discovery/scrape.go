@@ -511,6 +511,7 @@ func (w *scrapeWorker) scrape(ctx context.Context, e *Endpoint) {
 			return
 		}
 		f.m.scrapeFailures[r].Inc()
+		e.metricsFailing.Store(true)
 		if mem.failing == 0 {
 			f.log.Warn("engine metrics scrape failing", zap.String("endpoint", e.URL), zap.Error(err))
 		}
@@ -519,6 +520,7 @@ func (w *scrapeWorker) scrape(ctx context.Context, e *Endpoint) {
 		f.event("scrape-fail", e)
 		return
 	}
+	e.metricsFailing.Store(false)
 	if mem.failing > 0 {
 		f.log.Info("engine metrics scrape recovered", zap.String("endpoint", e.URL), zap.Int("failed_scrapes", mem.failing))
 		mem.failing = 0

@@ -1,0 +1,99 @@
+package discovery
+
+import (
+	"testing"
+)
+
+func roomEndpoint(t *testing.T) *Endpoint {
+	t.Helper()
+	e, err := NewEndpoint("http://10.0.0.1:8000", RoleMixed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.calib = newCalibrator(CalibrationConfig{}, &e.costs, nil)
+	return e
+}
+
+// An engine's room: its batch limit once known, a slow start before
+// (twice the most it ran, at least SlowStart), none without metrics; a
+// short queue beyond it for requests of a saturated fleet.
+func TestRoom(t *testing.T) {
+	e := roomEndpoint(t)
+	if e.roomLimit() != SlowStart {
+		t.Fatalf("a new engine's room limit is %d, want the slow start %d", e.roomLimit(), SlowStart)
+	}
+	e.SetCosts(&Costs{PeakRunning: 6})
+	if e.roomLimit() != 12 {
+		t.Fatalf("after 6 running: %d, want 12", e.roomLimit())
+	}
+	e.SetCosts(&Costs{BatchLimit: 4, PeakRunning: 4})
+	var leases []Lease
+	for range 3 {
+		leases = append(leases, e.Acquire(0))
+	}
+	if !e.HasRoom() {
+		t.Fatal("3 of 4 running: no room")
+	}
+	leases = append(leases, e.Acquire(0))
+	if e.HasRoom() || !e.QueueRoom() {
+		t.Fatalf("4 of 4 running: room %v, queue room %v; want none, some", e.HasRoom(), e.QueueRoom())
+	}
+	for range QueueSlack(4) {
+		leases = append(leases, e.Acquire(0))
+	}
+	if e.QueueRoom() {
+		t.Fatal("the short queue is full but has room")
+	}
+	for _, l := range leases {
+		l.Release()
+	}
+	failing := roomEndpoint(t)
+	failing.metricsFailing.Store(true)
+	if failing.roomLimit() != 0 {
+		t.Fatalf("an engine whose scrape fails has a room limit %d: it would stay capped", failing.roomLimit())
+	}
+	ollama := roomEndpoint(t)
+	ollama.SetDialect(DialectOllama)
+	ollama.noMetricsUntil.Store(1)
+	if ollama.roomLimit() != 0 {
+		t.Fatalf("an engine without metrics or slots has a room limit %d", ollama.roomLimit())
+	}
+	llama := roomEndpoint(t)
+	llama.SetDialect(DialectLlamaCpp)
+	llama.noMetricsUntil.Store(1)
+	if llama.roomLimit() != SlowStart {
+		t.Fatalf("llama.cpp before its slots: %d, want the slow start", llama.roomLimit())
+	}
+	llama.info.Store(&EngineInfo{Slots: 2})
+	if llama.roomLimit() != 2 {
+		t.Fatalf("llama.cpp with 2 slots: %d", llama.roomLimit())
+	}
+}
+
+// A 429 with others of the known requests running is backpressure: the
+// engine is full at that load until it falls; a 429 with none running is
+// a refusal of everything, backed off.
+func TestReportShed(t *testing.T) {
+	e := roomEndpoint(t)
+	a, b, c := e.Acquire(0), e.Acquire(0), e.Acquire(0)
+	if !e.ReportShed(0) {
+		t.Fatal("a 429 beside two running is not backpressure")
+	}
+	if !e.Full() || e.Shedding() {
+		t.Fatalf("full %v, shedding %v; want full, not shedding", e.Full(), e.Shedding())
+	}
+	c.Release() // the refused request's lease: two run, as when it refused
+	if !e.Full() {
+		t.Fatal("not full at the load it refused at")
+	}
+	a.Release()
+	if e.Full() {
+		t.Fatal("still full below the load it refused at")
+	}
+	b.Release()
+	d := e.Acquire(0)
+	if e.ReportShed(0) || !e.Shedding() {
+		t.Fatal("a 429 with nothing else running is not a refusal")
+	}
+	d.Release()
+}

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"os"
 	"sync"
 	"time"
 
@@ -260,11 +259,6 @@ func runTenantPhase(ctx context.Context, sc *Scenario, policy string, ts []tenan
 		}()
 	}
 	wg.Wait()
-	if os.Getenv("KVTENANTS_TRACE") != "" {
-		for _, l := range rt.Learned() {
-			fmt.Fprintf(os.Stderr, "learned %s limit %d peak %d\n", l.Endpoint, l.Costs.BatchLimit, l.Costs.PeakRunning)
-		}
-	}
 	if err := errors.Join(errs...); err != nil {
 		return nil, 0, err
 	}
@@ -278,11 +272,6 @@ func runTenantPhase(ctx context.Context, sc *Scenario, policy string, ts []tenan
 			}
 		}
 		out[i].SettledP90 = load.NewDist(settled).P90
-		if os.Getenv("KVTENANTS_TRACE") != "" {
-			for _, r := range res.Requests {
-				fmt.Fprintf(os.Stderr, "trace %s %s %.2f %.0f %d\n", policy, ts[i].Name, r.Start, r.TTFT*1000, r.Status)
-			}
-		}
 		for _, r := range res.Requests {
 			switch {
 			case r.Err == "":

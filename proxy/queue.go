@@ -191,6 +191,7 @@ func (q *fairQueue) enter(w *waiter, id uint64, label string, again bool) (shed 
 		}
 		q.remove(last, waitEvicted)
 	}
+	q.tenants[id] = t // again: an eviction that emptied the queue forgot it
 	w.tenant = t
 	w.notBefore = time.Time{}
 	if again {

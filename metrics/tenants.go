@@ -27,7 +27,7 @@ func (m *Metrics) registerTenants(reg prometheus.Registerer) {
 	}, []string{"tenant"})
 	t.tRequests = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: Namespace, Name: "tenant_admitted_requests_total",
-		Help: "Requests that went to the fleet, at once or from the queue, by tenant and class (service tier).",
+		Help: "Inference requests that went to the fleet, at once or from the queue, by tenant and class (service tier).",
 	}, []string{"tenant", "class"})
 	t.tShed = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: Namespace, Name: "tenant_shed_requests_total",

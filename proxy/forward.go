@@ -71,7 +71,7 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 			wait = true
 			continue
 		}
-		if !st.admitted {
+		if !st.admitted && st.req.Kind != routing.KindOther {
 			st.admitted = true
 			if w := &st.wait; !w.since.IsZero() {
 				st.waited = time.Since(w.since)

@@ -21,26 +21,22 @@ type tenantMetrics struct {
 
 func (m *Metrics) registerTenants(reg prometheus.Registerer) {
 	t := &m.tenants
+	counters := func(name, help string, labels ...string) *prometheus.CounterVec {
+		return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: Namespace, Name: name, Help: help}, labels)
+	}
 	t.tQueued = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Namespace: Namespace, Name: "tenant_queued_requests",
 		Help: "Requests waiting in kvroute's queue, by tenant (a hash of its API key or tenant header; the first tenants seen, the rest as other).",
 	}, []string{"tenant"})
-	t.tRequests = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: Namespace, Name: "tenant_admitted_requests_total",
-		Help: "Inference requests that went to the fleet, at once or from the queue, by tenant and class (service tier).",
-	}, []string{"tenant", "class"})
-	t.tShed = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: Namespace, Name: "tenant_shed_requests_total",
-		Help: "Requests answered 429 from kvroute's queue, by tenant, class and reason: queue_full, tenant_full (the tenant's bound), timeout (waited --queue-timeout), evicted (a higher class took its place).",
-	}, []string{"tenant", "class", "reason"})
-	t.tWait = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: Namespace, Name: "tenant_queue_wait_seconds_total",
-		Help: "Seconds requests waited in kvroute's queue before they went to the fleet, by tenant.",
-	}, []string{"tenant"})
-	t.tTokens = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: Namespace, Name: "tenant_tokens_total",
-		Help: "Tokens of answered inference requests as the engines reported them (usage), by tenant and kind: prompt, cached, output.",
-	}, []string{"tenant", "kind"})
+	t.tRequests = counters("tenant_admitted_requests_total",
+		"Inference requests that went to the fleet, at once or from the queue, by tenant and class (service tier).", "tenant", "class")
+	t.tShed = counters("tenant_shed_requests_total",
+		"Requests answered 429 from kvroute's queue, by tenant, class and reason: queue_full, tenant_full (the tenant's bound), timeout (waited --queue-timeout), evicted (a higher class took its place).",
+		"tenant", "class", "reason")
+	t.tWait = counters("tenant_queue_wait_seconds_total",
+		"Seconds requests waited in kvroute's queue before they went to the fleet, by tenant.", "tenant")
+	t.tTokens = counters("tenant_tokens_total",
+		"Tokens of answered inference requests as the engines reported them (usage), by tenant and kind: prompt, cached, output.", "tenant", "kind")
 	t.waitHist = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Namespace: Namespace, Name: "queue_wait_seconds",
 		Help:    "Time requests that waited in kvroute's queue waited before they went to the fleet, by class.",

@@ -50,6 +50,32 @@ func (tq *testQueue) waitFor(t *testing.T, id uint64, c class) (*waiter, <-chan 
 	return w, got
 }
 
+// evicted waits for the waiter of g to be pushed out of the queue, and
+// gives back the place its waitFor took.
+func (tq *testQueue) evicted(t *testing.T, g <-chan *waiter, why string) {
+	t.Helper()
+	select {
+	case w := <-g:
+		if w.state != waitEvicted {
+			t.Fatalf("%s: the waiter is %v, want evicted", why, w.state)
+		}
+		tq.places.Add(1)
+	case <-time.After(time.Second):
+		t.Fatalf("%s: nobody was evicted", why)
+	}
+}
+
+// grantedNext hands out one place and waits for g's waiter to get it.
+func (tq *testQueue) grantedNext(t *testing.T, g <-chan *waiter, why string) {
+	t.Helper()
+	tq.places.Add(1)
+	select {
+	case <-g:
+	case <-time.After(time.Second):
+		t.Fatalf("%s did not go first", why)
+	}
+}
+
 // A tenant with a backlog cannot hold back another: the newcomer's start
 // tag is the virtual time, ahead of the backlog.
 func TestFairQueueNewTenantGoesFirst(t *testing.T) {
@@ -130,21 +156,8 @@ func TestFairQueueClasses(t *testing.T) {
 		t.Fatalf("a flex request entered a queue full of flex: %q", shed)
 	}
 	_, prio := tq.waitFor(t, 2, classDefault)
-	select {
-	case w := <-flex[2]:
-		if w.state != waitEvicted {
-			t.Fatalf("the last flex waiter is %v, want evicted", w.state)
-		}
-		tq.places.Add(1) // waitFor took a place for it
-	case <-time.After(time.Second):
-		t.Fatal("the full queue made no room for the default request")
-	}
-	tq.places.Add(1)
-	select {
-	case <-prio:
-	case <-time.After(time.Second):
-		t.Fatal("the default request did not go first")
-	}
+	tq.evicted(t, flex[2], "a default request in a queue full of flex")
+	tq.grantedNext(t, prio, "the default request")
 }
 
 // A tenant at its bound makes room for its own higher class by evicting
@@ -164,19 +177,6 @@ func TestFairQueueTenantBoundShedsFlexFirst(t *testing.T) {
 		t.Fatal("another tenant could not queue")
 	}
 	_, def := tq.waitFor(t, 1, classDefault)
-	select {
-	case w := <-flex[1]:
-		if w.state != waitEvicted {
-			t.Fatalf("the tenant's last flex waiter is %v, want evicted", w.state)
-		}
-		tq.places.Add(1)
-	case <-time.After(time.Second):
-		t.Fatal("the tenant's default request made no room")
-	}
-	tq.places.Add(1)
-	select {
-	case <-def:
-	case <-time.After(time.Second):
-		t.Fatal("the default request did not go first")
-	}
+	tq.evicted(t, flex[1], "the tenant's default request at its bound")
+	tq.grantedNext(t, def, "the default request")
 }

@@ -55,6 +55,9 @@ type Config struct {
 	// Tenants: who asks (a hash of the API key or of TenantHeader) and how
 	// urgently (service_tier, or PriorityHeader).
 	Tenants proxy.TenantOptions
+	// BudgetsFile, when set, is the tenants' budgets (proxy/budgets.go),
+	// read at start and reloaded when it changes.
+	BudgetsFile string
 	// Prefill/decode disaggregation (with a decode pool).
 	PDProtocol          string
 	PDMinUncachedTokens int

@@ -42,6 +42,20 @@ type Router struct {
 	truth    *kvevents.EngineTruth    // nil without KV events
 	// Mesh is the replicas' gossip, nil without --peers.
 	Mesh *peers.Mesh
+	// budgets is the --tenant-budgets file's content in force at start.
+	budgets []byte
+}
+
+// budgetsPoll is how often the --tenant-budgets file is read for changes
+// (a Kubernetes ConfigMap's update reaches the pod within a minute or so).
+const budgetsPoll = 5 * time.Second
+
+// loadBudgets reads the --tenant-budgets file, if any.
+func loadBudgets(path string) (*proxy.Budgets, []byte, error) {
+	if path == "" {
+		return nil, nil, nil
+	}
+	return proxy.LoadBudgets(path)
 }
 
 // accessLogTo is where the access log goes: nowhere when it is off.
@@ -145,6 +159,9 @@ func New(cfg Config, logger *zap.Logger) (*Router, error) {
 			return nil, err
 		}
 		opt.Tracer = r.tracing.Tracer("github.com/kvroute/kvroute/proxy")
+	}
+	if opt.Budgets, r.budgets, err = loadBudgets(cfg.BudgetsFile); err != nil {
+		return nil, err
 	}
 	metrics.RegisterBuildInfo(r.Registry, cfg.Version, cfg.Revision, runtime.Version())
 	r.Server = proxy.New(opt)
@@ -334,6 +351,9 @@ func (r *Router) Run(ctx context.Context, api, admin net.Listener, drainTimeout 
 			}
 		}()
 		defer func() { stopFleet(); <-meshDone }()
+	}
+	if f := r.cfg.BudgetsFile; f != "" {
+		go r.Server.WatchBudgets(fctx, f, budgetsPoll, r.budgets)
 	}
 	go func() { errc <- r.Server.Serve(api) }()
 	var adminSrv *http.Server

@@ -11,12 +11,14 @@ import (
 // service tier (priority, default, flex).
 type tenantMetrics struct {
 	tQueued   *prometheus.GaugeVec   // tenant
+	tRunning  *prometheus.GaugeVec   // tenant
 	tRequests *prometheus.CounterVec // tenant, class
 	tShed     *prometheus.CounterVec // tenant, class, reason
 	tWait     *prometheus.CounterVec // tenant
 	tTokens   *prometheus.CounterVec // tenant, kind
 	waitHist  *prometheus.HistogramVec
-	tCache    sync.Map // tenant label → *tenantSeries
+	reloads   *prometheus.CounterVec // result
+	tCache    sync.Map               // tenant label → *tenantSeries
 }
 
 func (m *Metrics) registerTenants(reg prometheus.Registerer) {
@@ -28,10 +30,16 @@ func (m *Metrics) registerTenants(reg prometheus.Registerer) {
 		Namespace: Namespace, Name: "tenant_queued_requests",
 		Help: "Requests waiting in kvroute's queue, by tenant (a hash of its API key or tenant header; the first tenants seen, the rest as other).",
 	}, []string{"tenant"})
+	t.tRunning = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Namespace: Namespace, Name: "tenant_in_flight_requests",
+		Help: "Inference requests that went to the fleet and have not ended, by tenant (a budget's max_concurrency bounds them).",
+	}, []string{"tenant"})
+	t.reloads = counters("tenant_budgets_reloads_total",
+		"Changes of the --tenant-budgets file: ok put in force, error refused (the budgets in force stay).", "result")
 	t.tRequests = counters("tenant_admitted_requests_total",
 		"Inference requests that went to the fleet, at once or from the queue, by tenant and class (service tier).", "tenant", "class")
 	t.tShed = counters("tenant_shed_requests_total",
-		"Requests answered 429 from kvroute's queue, by tenant, class and reason: queue_full, tenant_full (the tenant's bound), timeout (waited --queue-timeout), evicted (a higher class took its place).",
+		"Requests answered 429 by kvroute, by tenant, class and reason: queue_full, tenant_full (the tenant's bound), timeout (waited --queue-timeout), evicted (a higher class took its place), rate_limit (its budget's tokens or requests per minute).",
 		"tenant", "class", "reason")
 	t.tWait = counters("tenant_queue_wait_seconds_total",
 		"Seconds requests waited in kvroute's queue before they went to the fleet, by tenant.", "tenant")
@@ -42,10 +50,13 @@ func (m *Metrics) registerTenants(reg prometheus.Registerer) {
 		Help:    "Time requests that waited in kvroute's queue waited before they went to the fleet, by class.",
 		Buckets: latencyBuckets,
 	}, []string{"class"})
-	reg.MustRegister(t.tQueued, t.tRequests, t.tShed, t.tWait, t.tTokens, t.waitHist)
+	reg.MustRegister(t.tQueued, t.tRunning, t.tRequests, t.tShed, t.tWait, t.tTokens, t.waitHist, t.reloads)
 	// The default tenant's series start at 0, so that rate() and alerts
 	// see them before the first overload.
 	t.tQueued.WithLabelValues("default")
+	t.tRunning.WithLabelValues("default")
+	t.reloads.WithLabelValues("ok")
+	t.reloads.WithLabelValues("error")
 	t.tRequests.WithLabelValues("default", "default")
 	t.tShed.WithLabelValues("default", "default", "timeout")
 	t.tWait.WithLabelValues("default")
@@ -60,6 +71,7 @@ func (m *Metrics) registerTenants(reg prometheus.Registerer) {
 // time).
 type tenantSeries struct {
 	queued   prometheus.Gauge
+	running  prometheus.Gauge
 	admitted sync.Map // class → prometheus.Counter
 	wait     prometheus.Counter
 	prompt   prometheus.Counter
@@ -71,7 +83,7 @@ func (t *tenantMetrics) series(tenant string) *tenantSeries {
 	if v, ok := t.tCache.Load(tenant); ok {
 		return v.(*tenantSeries)
 	}
-	s := &tenantSeries{queued: t.tQueued.WithLabelValues(tenant), wait: t.tWait.WithLabelValues(tenant),
+	s := &tenantSeries{queued: t.tQueued.WithLabelValues(tenant), running: t.tRunning.WithLabelValues(tenant), wait: t.tWait.WithLabelValues(tenant),
 		prompt: t.tTokens.WithLabelValues(tenant, "prompt"), cached: t.tTokens.WithLabelValues(tenant, "cached"),
 		output: t.tTokens.WithLabelValues(tenant, "output")}
 	v, _ := t.tCache.LoadOrStore(tenant, s)
@@ -113,4 +125,19 @@ func (m *Metrics) TenantTokens(tenant string, prompt, cached, output int) {
 	s.prompt.Add(float64(prompt))
 	s.cached.Add(float64(cached))
 	s.output.Add(float64(output))
+}
+
+// TenantInFlight moves tenant's requests in flight by d.
+func (m *Metrics) TenantInFlight(tenant string, d float64) {
+	m.tenants.series(tenant).running.Add(d)
+}
+
+// BudgetsReload counts a change of the budgets file, put in force (ok) or
+// refused.
+func (m *Metrics) BudgetsReload(ok bool) {
+	r := "error"
+	if ok {
+		r = "ok"
+	}
+	m.tenants.reloads.WithLabelValues(r).Inc()
 }

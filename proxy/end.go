@@ -3,6 +3,7 @@ package proxy
 import (
 	"errors"
 	"math/rand/v2"
+	"strconv"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -17,7 +18,11 @@ import (
 // its end.
 func (s *Server) answer(ctx *fasthttp.RequestCtx, st *reqState, err error, start time.Time) {
 	status := writeError(ctx, err)
+	var rl *rateLimitError
 	switch {
+	case errors.As(err, &rl):
+		ctx.Response.Header.Set("Retry-After", strconv.Itoa(rl.retryAfterSeconds()))
+		s.opt.Metrics.TenantShed(s.tenantLabel(st.tenant), st.class.String(), "rate_limit")
 	case errors.Is(err, ErrOverloaded):
 		ctx.Response.Header.Set("Retry-After", "1")
 	case errors.Is(err, ErrClientGone):
@@ -59,6 +64,11 @@ type record struct {
 	tenant uint64
 	tier   class
 	queued time.Duration
+	// admitted: it went to the fleet; charge: its tenant's budget, settled
+	// at the end to spent, the tokens the engine reported (-1: none).
+	admitted bool
+	charge   budgetCharge
+	spent    int
 	// The endpoint's answer; zero when kvroute answered itself.
 	ep       *discovery.Endpoint
 	decision routing.Decision
@@ -89,7 +99,11 @@ func (s *Server) end(r *record, err error) {
 		s.opt.Metrics.RequestEnd(d.Seconds())
 	}
 	s.opt.Metrics.InFlight(-1)
-	s.queue.freed() // its endpoint's place (if it had one) is free now
+	if r.admitted {
+		s.opt.Metrics.TenantInFlight(s.tenantLabel(r.tenant), -1)
+	}
+	s.budgets.settle(&r.charge, r.ep != nil, r.spent)
+	s.queue.freed() // its endpoint's place (if it had one), and its tenant's, are free now
 	if r.ep == nil && r.status >= 500 && err != nil {
 		s.opt.Logger.Warn("request failed", zap.ByteString("request_id", r.reqID),
 			zap.ByteString("path", r.path), zap.Int("status", r.status), zap.Error(err))
@@ -103,6 +117,7 @@ func (s *Server) end(r *record, err error) {
 // stamp notes st's tenant, class and queue wait in r.
 func (st *reqState) stamp(r *record) {
 	r.tenant, r.tier, r.queued = st.tenant, st.class, 0
+	r.admitted, r.charge, r.spent = st.admitted, st.charge, -1
 	if w := &st.wait; !w.since.IsZero() {
 		r.queued = time.Since(w.since)
 		if st.admitted {

@@ -62,7 +62,10 @@ func (e *unknownModelError) Error() string {
 func statusOf(err error) (status int, typ, code string) {
 	var bad *badRequestError
 	var unknown *unknownModelError
+	var rl *rateLimitError
 	switch {
+	case errors.As(err, &rl):
+		return fasthttp.StatusTooManyRequests, "RateLimitError", "rate_limit_exceeded"
 	case errors.As(err, &bad):
 		return fasthttp.StatusBadRequest, "BadRequestError", "invalid_request"
 	case errors.As(err, &unknown):

@@ -60,23 +60,32 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 			st.req.StartNow = true // the fleet is saturated: where it starts now
 			set = s.opt.Pool.Load()
 		}
+		if !s.budgets.tryStart(&st.charge, st.tenant) {
+			// Its tenant runs its max_concurrency: it waits for one of
+			// them to end (the queue grants it no place before).
+			s.handOff(st)
+			wait = true
+			continue
+		}
 		span := s.pickSpan(st)
 		d := s.opt.Picker.Pick(&st.req, set)
 		endPick(span, d, false)
 		if d.Endpoint == nil {
 			s.handOff(st)
+			s.budgets.unstart(&st.charge)
 			if !saturated(set, &st.req, busy) {
 				break
 			}
 			wait = true
 			continue
 		}
-		if !st.admitted && st.req.Kind != routing.KindOther {
+		if !st.admitted && !st.migrating && st.req.Kind != routing.KindOther {
 			st.admitted = true
 			if w := &st.wait; !w.since.IsZero() {
 				st.waited = time.Since(w.since)
 			}
 			s.opt.Metrics.TenantAdmitted(s.tenantLabel(st.tenant), st.class.String(), st.waited.Seconds(), st.waited > 0)
+			s.opt.Metrics.TenantInFlight(s.tenantLabel(st.tenant), 1)
 		}
 		resp, answered, f := s.try(ctx, st, set, d, tries)
 		if resp != nil {

@@ -73,6 +73,13 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		s.answer(ctx, st, &badRequestError{msg: "the priority header must be priority, default or flex"}, start)
 		return
 	}
+	if kind != routing.KindOther {
+		if err := s.chargeBudget(st); err != nil {
+			s.answer(ctx, st, err, start)
+			return
+		}
+		s.passPriority(ctx, st)
+	}
 	if kind == routing.KindOther && ctx.IsGet() && string(ctx.Path()) == "/v1/models" && s.answerModels(ctx, st, start) {
 		return
 	}

@@ -83,7 +83,6 @@ func isFence(line []byte) bool {
 // and returns the new body, or nil when every prompt already was.
 func (s *Server) normalizePrompts(st *reqState) []byte {
 	a := &st.normArena
-	a.Reset()
 	changed := false
 	text := func(v *fastjson.Value) *fastjson.Value {
 		if v == nil || v.Type() != fastjson.TypeString {

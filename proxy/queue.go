@@ -68,6 +68,7 @@ func classOf(v []byte) (c class, ok bool) {
 type waiter struct {
 	req    *routing.Request
 	tenant *tenantQ
+	who    uint64 // its tenant, also under --queue-fifo (one tenantQ)
 	class  class
 	cost   float64 // the request's work: prompt tokens plus the output it may ask for
 	start  float64 // start tag
@@ -79,6 +80,8 @@ type waiter struct {
 	notBefore time.Time
 	state     waitState
 	ready     chan struct{} // a token when granted or evicted
+	// atMax: the last pass found its tenant at its max_concurrency.
+	atMax bool
 }
 
 type waitState uint8
@@ -104,15 +107,19 @@ type fairQueue struct {
 	mu      sync.Mutex
 	waiting []*waiter    // in dispatch order (before)
 	n       atomic.Int64 // len(waiting), read without mu
+	// atMax counts the waiters whose tenant ran its max_concurrency when
+	// last looked at: they wait for their own tenant, not for the fleet.
+	atMax   atomic.Int64
 	tenants map[uint64]*tenantQ
 	vtime   float64
 	seq     uint64
 	// max bounds the waiters, perTenant each tenant's.
 	max, perTenant int
-	// room reports whether the fleet would start r now; gauge counts the
-	// waiters.
-	room  func(r *routing.Request) bool
-	gauge func(tenant string, d float64)
+	// room reports whether the fleet would start r now; capped whether
+	// tenant runs its max_concurrency; gauge counts the waiters.
+	room   func(r *routing.Request) bool
+	capped func(tenant uint64) bool
+	gauge  func(tenant string, d float64)
 	// kick wakes the dispatcher; handed tells it the grantee has taken
 	// its endpoint (or given up).
 	kick, handed chan struct{}
@@ -121,8 +128,8 @@ type fairQueue struct {
 	stopped      sync.WaitGroup
 }
 
-func (q *fairQueue) init(max, perTenant int, room func(*routing.Request) bool, gauge func(string, float64)) {
-	q.max, q.perTenant, q.room, q.gauge = max, perTenant, room, gauge
+func (q *fairQueue) init(max, perTenant int, room func(*routing.Request) bool, capped func(uint64) bool, gauge func(string, float64)) {
+	q.max, q.perTenant, q.room, q.capped, q.gauge = max, perTenant, room, capped, gauge
 	q.tenants = make(map[uint64]*tenantQ)
 	q.kick, q.handed, q.stop = make(chan struct{}, 1), make(chan struct{}, 1), make(chan struct{})
 }
@@ -139,14 +146,15 @@ func before(a, b *waiter) bool {
 	return a.seq < b.seq
 }
 
-// busy reports whether requests wait: a new one then queues behind them.
-// One atomic load.
-func (q *fairQueue) busy() bool { return q.n.Load() > 0 }
+// busy reports whether requests wait for the fleet: a new one then queues
+// behind them. Those that wait only for their own tenant's places do not
+// hold others up. Two atomic loads.
+func (q *fairQueue) busy() bool { return q.n.Load() > q.atMax.Load() }
 
-// freed tells the dispatcher that a request ended (its endpoint may have
-// room now), when anyone waits.
+// freed tells the dispatcher that a request ended (its endpoint, and its
+// tenant, may have room now), when anyone waits.
 func (q *fairQueue) freed() {
-	if q.busy() {
+	if q.n.Load() > 0 {
 		q.wake()
 	}
 }
@@ -159,20 +167,22 @@ const (
 	shedEvicted = "evicted"     // a request of a higher class took its place
 )
 
-// enter puts w, a request of tenant id (labelled label), in the queue: a
+// enter puts w, a request of tenant id (labelled label, its share
+// weight), in the queue: a
 // new request is charged its cost (its tags), one going back after a grant
 // that found no endpoint keeps its tags. It reports why it could not (""
 // when it did): the queue is full of requests of w's class or higher, or
 // w's tenant has its bound waiting. A full queue makes room for a higher
 // class by evicting its last waiter.
-func (q *fairQueue) enter(w *waiter, id uint64, label string, again bool) (shed string) {
+func (q *fairQueue) enter(w *waiter, id uint64, label string, weight float64, again bool) (shed string) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	t := q.tenants[id]
 	if t == nil {
-		t = &tenantQ{id: id, label: label, weight: 1}
+		t = &tenantQ{id: id, label: label}
 		q.tenants[id] = t
 	}
+	t.weight = weight
 	if !again && t.waiting >= q.perTenant {
 		// The tenant's own lower class makes room, else it waits no more.
 		last := q.last(func(x *waiter) bool { return x.tenant == t })
@@ -237,6 +247,10 @@ func (q *fairQueue) remove(w *waiter, st waitState) {
 	}
 	w.tenant.waiting--
 	w.state = st
+	if w.atMax {
+		w.atMax = false
+		q.atMax.Add(-1)
+	}
 	q.gauge(w.tenant.label, -1)
 	if st != waitOut {
 		w.ready <- struct{}{}
@@ -299,6 +313,17 @@ func (q *fairQueue) grant() bool {
 			if now.Before(w.notBefore) {
 				continue
 			}
+		}
+		if capped := q.capped(w.who); capped != w.atMax {
+			w.atMax = capped
+			if capped {
+				q.atMax.Add(1)
+			} else {
+				q.atMax.Add(-1)
+			}
+		}
+		if w.atMax {
+			continue
 		}
 		plain := len(w.req.Tried) == 0 && !w.req.Prefill
 		if plain && slices.Contains(none, w.req.Model) {
@@ -392,13 +417,13 @@ func (s *Server) queueWait(ctx *fasthttp.RequestCtx, st *reqState, again bool) e
 	}
 	if !again {
 		w.since = time.Now()
-		w.req, w.class = &st.req, st.class
-		w.cost = float64(max(st.req.PromptTokens, 1) + outputCost(st.req.MaxTokens))
+		w.req, w.class, w.who = &st.req, st.class, st.tenant
+		w.cost = float64(max(st.req.PromptTokens, 1) + st.outputEstimate())
 		if s.opt.Tenants.FIFO {
 			w.class, w.cost = classDefault, 1 // arrival order
 		}
 	}
-	if shed := s.queue.enter(w, id, s.tenantLabel(id), again); shed != "" {
+	if shed := s.queue.enter(w, id, s.tenantLabel(id), s.weightOf(id), again); shed != "" {
 		return s.shed(st, shed)
 	}
 	t := time.NewTimer(queuePoll)
@@ -453,14 +478,18 @@ func (s *Server) shed(st *reqState, reason string) error {
 	return ErrOverloaded
 }
 
-// outputCost is the output a request may ask for, as queue cost: its
-// max_tokens, or 256 when it sets none, at most 4,096 (a request's output
-// is usually far below its cap).
-func outputCost(maxTokens int) int {
-	if maxTokens <= 0 {
+// outputEstimate is the output st's request may ask for, as its cost in
+// the queue and its budget: its max_tokens, or 256 when it sets none, at
+// most 4,096 (a request's output is usually far below its cap); none for
+// embeddings.
+func (st *reqState) outputEstimate() int {
+	switch {
+	case st.req.Kind == routing.KindEmbeddings:
+		return 0
+	case st.req.MaxTokens <= 0:
 		return 256
 	}
-	return min(maxTokens, 4096)
+	return min(st.req.MaxTokens, 4096)
 }
 
 // QueueStatus is the queue's state for /debug/queue.

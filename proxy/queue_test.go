@@ -18,7 +18,7 @@ type testQueue struct {
 
 func newTestQueue(t *testing.T, max, perTenant int) *testQueue {
 	tq := &testQueue{}
-	tq.q.init(max, perTenant, func(*routing.Request) bool { return tq.places.Load() > 0 }, func(string, float64) {})
+	tq.q.init(max, perTenant, func(*routing.Request) bool { return tq.places.Load() > 0 }, func(uint64) bool { return false }, func(string, float64) {})
 	tq.q.start()
 	t.Cleanup(func() {
 		// Every waiter left is granted, so that no goroutine outlives
@@ -37,7 +37,7 @@ func newTestQueue(t *testing.T, max, perTenant int) *testQueue {
 // waiter and a channel that gets it when granted.
 func (tq *testQueue) waitFor(t *testing.T, id uint64, c class) (*waiter, <-chan *waiter) {
 	w := &waiter{req: &routing.Request{}, class: c, cost: 500, ready: make(chan struct{}, 1)}
-	if shed := tq.q.enter(w, id, "", false); shed != "" {
+	if shed := tq.q.enter(w, id, "", 1, false); shed != "" {
 		t.Fatalf("shed: %s", shed)
 	}
 	got := make(chan *waiter, 1)
@@ -152,7 +152,7 @@ func TestFairQueueClasses(t *testing.T) {
 		flex = append(flex, g)
 	}
 	w := &waiter{req: &routing.Request{}, class: classFlex, cost: 1, ready: make(chan struct{}, 1)}
-	if shed := tq.q.enter(w, 2, "", false); shed != shedFull {
+	if shed := tq.q.enter(w, 2, "", 1, false); shed != shedFull {
 		t.Fatalf("a flex request entered a queue full of flex: %q", shed)
 	}
 	_, prio := tq.waitFor(t, 2, classDefault)
@@ -170,7 +170,7 @@ func TestFairQueueTenantBoundShedsFlexFirst(t *testing.T) {
 		flex = append(flex, g)
 	}
 	w := &waiter{req: &routing.Request{}, class: classFlex, cost: 1, ready: make(chan struct{}, 1)}
-	if shed := tq.q.enter(w, 1, "", false); shed != shedTenant {
+	if shed := tq.q.enter(w, 1, "", 1, false); shed != shedTenant {
 		t.Fatalf("a flex request over its tenant's bound: %q", shed)
 	}
 	if _, g := tq.waitFor(t, 2, classFlex); g == nil {

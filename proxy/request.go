@@ -23,7 +23,8 @@ type reqState struct {
 	nearBlocks int
 	norm       prefix.Normalizer
 	tee        tee
-	// --normalize-prompts: the new strings' arena and a scratch buffer.
+	// The body's new values (--normalize-prompts, --engine-priority),
+	// reset with the state, and a scratch buffer.
 	normArena fastjson.Arena
 	normBuf   []byte
 	parser    fastjson.Parser
@@ -73,6 +74,8 @@ type reqState struct {
 	// waiting waited in the queue.
 	admitted bool
 	waited   time.Duration
+	// charge is what its tenant's budget was charged (budgets.go).
+	charge budgetCharge
 }
 
 // reset readies a pooled st for a new request; the rest of its fields are
@@ -83,6 +86,8 @@ func (st *reqState) reset() {
 	st.span, st.tctx, st.migrating, st.pre = nil, nil, false, st.pre[:0]
 	st.pd.reset()
 	st.tenant, st.class, st.granted, st.admitted, st.waited = 0, classDefault, false, false, 0
+	st.charge = budgetCharge{}
+	st.normArena.Reset()
 	st.wait.state, st.wait.since, st.wait.req, st.wait.tenant = waitOut, time.Time{}, nil, nil
 }
 

@@ -497,6 +497,7 @@ func (b *upstreamBody) CloseWithError(err error) error {
 	}
 	if b.scan && b.usage.PromptFound {
 		s.opt.Metrics.TenantTokens(s.tenantLabel(b.rec.tenant), b.usage.Prompt, b.usage.Cached, b.usage.Output)
+		b.rec.spent = b.usage.Prompt + b.usage.Output
 	}
 	if b.learn && err == nil && b.readErr == nil && b.usage.CachedFound {
 		est := s.opt.Learner.Learn(b.rec.decision, b.promptBytes, b.usage.Prompt, b.usage.Cached)

@@ -66,6 +66,9 @@ type Options struct {
 	NearMissBlocks int
 	// NormalizePrompts rewrites prompts to normal form (normalize.go).
 	NormalizePrompts bool
+	// Budgets are the tenants' budgets in force at start (budgets.go;
+	// nil: none); SetBudgets replaces them.
+	Budgets *Budgets
 	// AccessLog, when set, receives one line per request (accesslog.go),
 	// but for the share AccessLogSkip of successful ones (status < 400), at
 	// random: in zap's production JSON layout, or its console layout with
@@ -115,6 +118,7 @@ type Server struct {
 	nearLog  atomic.Int64       // when a near miss was last logged (Unix ns)
 	budget   retryBudget        // retries allowed
 	queue    fairQueue          // requests waiting for a saturated fleet
+	budgets  budgetState        // the tenants' budgets and their use
 	tenants  tenantLabels       // the tenants' metric labels
 	// queueOnce starts the queue's dispatcher with the first Serve;
 	// Shutdown stops it once the requests have ended.
@@ -164,7 +168,9 @@ func New(opt Options) *Server {
 	}
 	s.access.w, s.access.console, s.access.dropped = opt.AccessLog, opt.AccessLogConsole, opt.Metrics.AccessLogDropped
 	s.budget.init(opt.RetryBudget, opt.MinRetries)
-	s.queue.init(opt.MaxQueue, opt.Tenants.MaxQueue, func(r *routing.Request) bool { return routing.Room(r, s.opt.Pool.Load()) }, opt.Metrics.TenantQueued)
+	s.queue.init(opt.MaxQueue, opt.Tenants.MaxQueue, func(r *routing.Request) bool { return routing.Room(r, s.opt.Pool.Load()) },
+		s.budgets.atMax, opt.Metrics.TenantQueued)
+	s.budgets.cur.Store(opt.Budgets)
 	s.tenants.max = opt.Tenants.MetricTenants
 	s.states.New = func() any { return &reqState{wait: waiter{ready: make(chan struct{}, 1)}} }
 	s.bodies.New = func() any { return new(upstreamBody) }

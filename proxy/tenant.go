@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 
 	"github.com/valyala/fasthttp"
+	"github.com/valyala/fastjson"
 )
 
 // TenantOptions say who asks and how urgently.
@@ -26,6 +27,11 @@ type TenantOptions struct {
 	// MetricTenants is how many tenants have metric labels of their own
 	// (the first seen); the rest share "other".
 	MetricTenants int
+	// EnginePriority passes each request's class on to the engine, as
+	// vLLM's "priority" body field (lower is earlier: priority -1, flex
+	// 1, default none), for engines run with --scheduling-policy
+	// priority; a client's own "priority" is replaced.
+	EnginePriority bool
 	// FIFO orders the queue by arrival alone, as one tenant of one class
 	// (the order before tenants; the benchmarks' anchor). Tenants and
 	// classes are still counted.
@@ -67,9 +73,10 @@ func (s *Server) classOfHeader(h *fasthttp.RequestHeader, st *reqState) bool {
 	return true
 }
 
-// tenantLabels names tenants in metrics with bounded cardinality: the
-// first max tenants seen get "t-" and 12 hex digits of their hash, the
-// rest "other", the default tenant "default".
+// tenantLabels names tenants in metrics with bounded cardinality: a
+// tenant named in the budgets file by its name, the first max others seen
+// "t-" and 12 hex digits of their hash, the rest "other", the default
+// tenant "default".
 type tenantLabels struct {
 	max    int
 	labels sync.Map // uint64 → string
@@ -77,6 +84,9 @@ type tenantLabels struct {
 }
 
 func (s *Server) tenantLabel(id uint64) string {
+	if name := s.budgetName(id); name != "" {
+		return name
+	}
 	if id == 0 {
 		return "default"
 	}
@@ -95,4 +105,26 @@ func (s *Server) tenantLabel(id uint64) string {
 	}
 	t.n.Add(1)
 	return l
+}
+
+// enginePriority is c as vLLM's priority field: lower is earlier; 0, the
+// default, is not sent.
+func (c class) enginePriority() int { return 1 - c.rank() }
+
+// passPriority writes st's class into the request body as the engine's
+// "priority" (EnginePriority).
+func (s *Server) passPriority(ctx *fasthttp.RequestCtx, st *reqState) {
+	if !s.opt.Tenants.EnginePriority || st.root == nil || st.root.Type() != fastjson.TypeObject {
+		return
+	}
+	switch n := st.class.enginePriority(); {
+	case n != 0:
+		st.root.Set("priority", st.normArena.NewNumberInt(n))
+	case st.root.Exists("priority"):
+		st.root.Del("priority")
+	default:
+		return
+	}
+	st.scratch = st.root.MarshalTo(st.scratch[:0])
+	ctx.Request.SetBody(st.scratch)
 }

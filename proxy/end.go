@@ -64,9 +64,11 @@ type record struct {
 	tenant uint64
 	tier   class
 	queued time.Duration
-	// admitted: it went to the fleet; charge: its tenant's budget, settled
-	// at the end to spent, the tokens the engine reported (-1: none).
+	// admitted: it went to the fleet, its tenant labelled label; charge:
+	// its tenant's budget, settled at the end to spent, the tokens the
+	// engine reported (-1: none).
 	admitted bool
+	label    string
 	charge   budgetCharge
 	spent    int
 	// The endpoint's answer; zero when kvroute answered itself.
@@ -100,7 +102,7 @@ func (s *Server) end(r *record, err error) {
 	}
 	s.opt.Metrics.InFlight(-1)
 	if r.admitted {
-		s.opt.Metrics.TenantInFlight(s.tenantLabel(r.tenant), -1)
+		s.opt.Metrics.TenantInFlight(r.label, -1)
 	}
 	s.budgets.settle(&r.charge, r.ep != nil, r.spent)
 	s.queue.freed() // its endpoint's place (if it had one), and its tenant's, are free now
@@ -117,7 +119,7 @@ func (s *Server) end(r *record, err error) {
 // stamp notes st's tenant, class and queue wait in r.
 func (st *reqState) stamp(r *record) {
 	r.tenant, r.tier, r.queued = st.tenant, st.class, 0
-	r.admitted, r.charge, r.spent = st.admitted, st.charge, -1
+	r.admitted, r.label, r.charge, r.spent = st.admitted, st.label, st.charge, -1
 	if w := &st.wait; !w.since.IsZero() {
 		r.queued = time.Since(w.since)
 		if st.admitted {

@@ -84,8 +84,9 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 			if w := &st.wait; !w.since.IsZero() {
 				st.waited = time.Since(w.since)
 			}
-			s.opt.Metrics.TenantAdmitted(s.tenantLabel(st.tenant), st.class.String(), st.waited.Seconds(), st.waited > 0)
-			s.opt.Metrics.TenantInFlight(s.tenantLabel(st.tenant), 1)
+			st.label = s.tenantLabel(st.tenant)
+			s.opt.Metrics.TenantAdmitted(st.label, st.class.String(), st.waited.Seconds(), st.waited > 0)
+			s.opt.Metrics.TenantInFlight(st.label, 1)
 		}
 		resp, answered, f := s.try(ctx, st, set, d, tries)
 		if resp != nil {

@@ -74,6 +74,9 @@ type reqState struct {
 	// waiting waited in the queue.
 	admitted bool
 	waited   time.Duration
+	// label is its tenant's metric label when admitted: its series keep
+	// it to the end, whatever a budgets reload renames.
+	label string
 	// charge is what its tenant's budget was charged (budgets.go).
 	charge budgetCharge
 }
@@ -86,7 +89,7 @@ func (st *reqState) reset() {
 	st.span, st.tctx, st.migrating, st.pre = nil, nil, false, st.pre[:0]
 	st.pd.reset()
 	st.tenant, st.class, st.granted, st.admitted, st.waited = 0, classDefault, false, false, 0
-	st.charge = budgetCharge{}
+	st.charge, st.label = budgetCharge{}, ""
 	st.normArena.Reset()
 	st.wait.state, st.wait.since, st.wait.req, st.wait.tenant = waitOut, time.Time{}, nil, nil
 }

@@ -496,7 +496,7 @@ func (b *upstreamBody) CloseWithError(err error) error {
 			zap.String("endpoint", ep.URL), zap.Int64("bytes", b.rec.bytes), zap.NamedError("cause", err))
 	}
 	if b.scan && b.usage.PromptFound {
-		s.opt.Metrics.TenantTokens(s.tenantLabel(b.rec.tenant), b.usage.Prompt, b.usage.Cached, b.usage.Output)
+		s.opt.Metrics.TenantTokens(b.rec.label, b.usage.Prompt, b.usage.Cached, b.usage.Output)
 		b.rec.spent = b.usage.Prompt + b.usage.Output
 	}
 	if b.learn && err == nil && b.readErr == nil && b.usage.CachedFound {

@@ -2,10 +2,13 @@ package scenario
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
 	"math"
+	"os"
 	"sync"
 	"time"
 
@@ -27,7 +30,9 @@ import (
 //  2. the quiet traffic alone, at rates set from that capacity;
 //  3. the quiet traffic beside the flood (4× capacity), once with
 //     kvroute's fair queue and once with its queue in arrival order
-//     (--queue-fifo, the anchor), in the same run.
+//     (--queue-fifo, the anchor), in the same run; noisy-neighbour also
+//     once with a budget (--tenant-budgets) that caps the noisy tenant at
+//     half the fleet's sequences.
 //
 // Rates come from the measured capacity, so that "4× capacity" holds on
 // every engine, real or simulated, without assuming its speed.
@@ -60,9 +65,15 @@ func IsTenantScenario(name string) bool {
 // The policies a tenant scenario compares: kvroute's fair queue and the
 // same router with its queue in arrival order.
 const (
-	TenantFair = "prefix"
-	TenantFIFO = "prefix-fifo"
+	TenantFair   = "prefix"
+	TenantFIFO   = "prefix-fifo"
+	TenantBudget = "prefix-budget"
 )
+
+// queueName is a tenant policy's queue in the report.
+func queueName(policy string) string {
+	return map[string]string{TenantFair: "fair", TenantFIFO: "fifo", TenantBudget: "fair, flood capped"}[policy]
+}
 
 // tenantShape is the traffic of one tenant scenario.
 type tenantShape struct {
@@ -70,6 +81,8 @@ type tenantShape struct {
 	flood tenantLoad
 	// maxWaiting > 0 gives llm-d pods that waiting-queue bound.
 	maxWaiting int
+	// capFlood: a phase with the flood's tenant capped by a budget.
+	capFlood bool
 }
 
 // tenantLoad is one tenant's traffic: its key, tier, prompts and rate as
@@ -86,7 +99,7 @@ func tenantShapeOf(name string) (tenantShape, error) {
 	quiet := []tenantLoad{{Name: "quiet-a", Key: "key-quiet-a", Share: 0.15, Seed: 11}, {Name: "quiet-b", Key: "key-quiet-b", Share: 0.15, Seed: 12}}
 	switch name {
 	case NoisyNeighbour:
-		return tenantShape{quiet: quiet, flood: tenantLoad{Name: "noisy", Key: "key-noisy", Share: 4, Seed: 13}}, nil
+		return tenantShape{quiet: quiet, flood: tenantLoad{Name: "noisy", Key: "key-noisy", Share: 4, Seed: 13}, capFlood: true}, nil
 	case NoisyNeighbour429:
 		return tenantShape{quiet: quiet, flood: tenantLoad{Name: "noisy", Key: "key-noisy", Share: 4, Seed: 13}, maxWaiting: 2}, nil
 	case PriorityFlood:
@@ -183,7 +196,7 @@ func RunTenants(ctx context.Context, name, engine string, phase time.Duration, o
 	slots := tenantPods * tenantSeqs
 	capRun := tenantLoad{Name: "capacity", Key: "key-capacity", Seed: 31}
 	logf("%s on %s: capacity (closed loop of %d)", name, sc.engineName(), 2*slots)
-	runs, tput, err := runTenantPhase(ctx, &sc, TenantFair, []tenantLoad{capRun}, 0, phase, 2*slots, opt)
+	runs, tput, err := runTenantPhase(ctx, &sc, TenantFair, []tenantLoad{capRun}, 0, phase, 2*slots, "", opt)
 	if err != nil {
 		return rep, err
 	}
@@ -197,13 +210,25 @@ func RunTenants(ctx context.Context, name, engine string, phase time.Duration, o
 		name, policy string
 		flood        bool
 	}{{"alone", TenantFair, false}, {"flood", TenantFair, true}, {"flood", TenantFIFO, true}}
+	var budgets string
+	if shape.capFlood {
+		phases = append(phases, struct {
+			name, policy string
+			flood        bool
+		}{"flood", TenantBudget, true})
+		budgets, err = floodBudget(shape.flood.Key, slots/2)
+		if err != nil {
+			return rep, err
+		}
+		defer os.Remove(budgets)
+	}
 	for _, ph := range phases {
 		ts := shape.quiet
 		if ph.flood {
 			ts = append(append([]tenantLoad(nil), ts...), shape.flood)
 		}
 		logf("%s on %s: %s, %s", name, sc.engineName(), ph.name, ph.policy)
-		runs, tput, err := runTenantPhase(ctx, &sc, ph.policy, ts, capacity, phase, 0, opt)
+		runs, tput, err := runTenantPhase(ctx, &sc, ph.policy, ts, capacity, phase, 0, budgets, opt)
 		if err != nil {
 			return rep, err
 		}
@@ -215,8 +240,9 @@ func RunTenants(ctx context.Context, name, engine string, phase time.Duration, o
 // runTenantPhase starts a fleet and a router of policy, runs every tenant
 // of ts at once behind it — an open loop at share × capacity for phase
 // each, or with closed > 0 one closed loop of that many for phase — and
-// returns their runs and the phase's output throughput.
-func runTenantPhase(ctx context.Context, sc *Scenario, policy string, ts []tenantLoad, capacity float64, phase time.Duration, closed int, opt RunOptions) (_ []TenantRun, tput float64, err error) {
+// returns their runs and the phase's output throughput. budgets is the
+// budgets file of policy TenantBudget.
+func runTenantPhase(ctx context.Context, sc *Scenario, policy string, ts []tenantLoad, capacity float64, phase time.Duration, closed int, budgets string, opt RunOptions) (_ []TenantRun, tput float64, err error) {
 	cfgs, err := sc.PodConfigs()
 	if err != nil {
 		return nil, 0, err
@@ -227,8 +253,11 @@ func runTenantPhase(ctx context.Context, sc *Scenario, policy string, ts []tenan
 	}
 	defer func() { err = errors.Join(err, fleet.Close()) }()
 	p := Policy{Name: policy, Router: "prefix"}
-	if policy == TenantFIFO {
+	switch policy {
+	case TenantFIFO:
 		p.Configure = func(c *app.Config) { c.Tenants.FIFO = true }
+	case TenantBudget:
+		p.Configure = func(c *app.Config) { c.BudgetsFile = budgets }
 	}
 	rt, err := StartRouter(p, fleet.URLs(), sc.simEngines(cfgs))
 	if err != nil {
@@ -310,10 +339,7 @@ func WriteTenantReport(w io.Writer, rep *TenantReport) {
 	fmt.Fprintln(w, "| phase | queue | tenant | tier | rate req/s | sent | answered | 429 (Retry-After) | other failures | TTFT p50 ms | TTFT p90 ms | p90 ÷ alone | after 10 s: p90 ms, ÷ alone |")
 	fmt.Fprintln(w, "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 	for _, ph := range rep.Phases {
-		queue := "fair"
-		if ph.Policy == TenantFIFO {
-			queue = "fifo"
-		}
+		queue := queueName(ph.Policy)
 		for _, r := range ph.Runs {
 			ratio, settled := "—", fmt.Sprintf("%.0f", r.SettledP90)
 			if a, ok := alone[r.Tenant.Name]; ok && ph.Name != "alone" && a.TTFT.P90 > 0 {
@@ -333,10 +359,7 @@ func WriteTenantReport(w io.Writer, rep *TenantReport) {
 		if ph.Name == "alone" {
 			continue
 		}
-		queue := "fair"
-		if ph.Policy == TenantFIFO {
-			queue = "fifo"
-		}
+		queue := queueName(ph.Policy)
 		ratio := math.NaN()
 		if rep.CapacityThroughput > 0 {
 			ratio = ph.OutputThroughput / rep.CapacityThroughput
@@ -344,4 +367,16 @@ func WriteTenantReport(w io.Writer, rep *TenantReport) {
 		fmt.Fprintf(w, "Fleet output under the flood, %s queue: %.0f tokens/s, %.2f× the capacity run's.\n", queue, ph.OutputThroughput, ratio)
 	}
 	fmt.Fprintln(w)
+}
+
+// floodBudget writes a budgets file that caps the tenant of API key at
+// maxConc requests at once, and returns its path.
+func floodBudget(key string, maxConc int) (string, error) {
+	f, err := os.CreateTemp("", "kvtenants-budgets-*.json")
+	if err != nil {
+		return "", err
+	}
+	sum := sha256.Sum256([]byte(key))
+	_, err = fmt.Fprintf(f, `{"tenants": {"flood": {"key_sha256": %q, "max_concurrency": %d}}}`, hex.EncodeToString(sum[:]), maxConc)
+	return f.Name(), errors.Join(err, f.Close())
 }

@@ -168,12 +168,11 @@ const (
 )
 
 // enter puts w, a request of tenant id (labelled label, its share
-// weight), in the queue: a
-// new request is charged its cost (its tags), one going back after a grant
-// that found no endpoint keeps its tags. It reports why it could not (""
-// when it did): the queue is full of requests of w's class or higher, or
-// w's tenant has its bound waiting. A full queue makes room for a higher
-// class by evicting its last waiter.
+// weight), in the queue: a new request is charged its cost (its tags), one
+// going back after a grant that found no endpoint keeps its tags. It
+// reports why it could not ("" when it did): the queue is full of
+// requests of w's class or higher, or w's tenant has its bound waiting. A
+// full queue makes room for a higher class by evicting its last waiter.
 func (q *fairQueue) enter(w *waiter, id uint64, label string, weight float64, again bool) (shed string) {
 	q.mu.Lock()
 	defer q.mu.Unlock()

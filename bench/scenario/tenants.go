@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"math/rand/v2"
 	"os"
 	"sync"
 	"time"
@@ -121,8 +122,10 @@ type TenantReport struct {
 	Capacity           TenantRun     `json:"capacity"`
 	CapacityThroughput float64       `json:"capacity_output_throughput"`
 	Phases             []TenantPhase `json:"phases"`
-	// PhaseSeconds is each open-loop phase's sending time (wall).
+	// PhaseSeconds is each open-loop phase's sending time (wall);
+	// OutputSpread TenantOptions'.
 	PhaseSeconds float64 `json:"phase_s"`
+	OutputSpread int     `json:"output_spread,omitempty"`
 	WallSeconds  float64 `json:"wall_s"`
 }
 
@@ -168,12 +171,26 @@ const (
 // seed), 4 groups × 16 questions, 64 tokens out.
 func tenantWorkload(seed uint64) workload.Config {
 	return workload.Config{Kind: workload.KindSharedPrefix, Seed: seed, Groups: 4, PromptsPerGroup: 16,
-		SystemTokens: 384, QuestionTokens: 64, OutputTokens: 64}
+		SystemTokens: 384, QuestionTokens: 64, OutputTokens: tenantOutput}
 }
 
-// RunTenants runs tenant scenario name on engine, each open-loop phase
-// sending for phase (wall time), and returns its report.
-func RunTenants(ctx context.Context, name, engine string, phase time.Duration, opt RunOptions) (*TenantReport, error) {
+// tenantOutput is the tenant scenarios' output length (tokens).
+const tenantOutput = 64
+
+// TenantOptions shape a tenant scenario's run.
+type TenantOptions struct {
+	// Phase is each phase's sending time (wall).
+	Phase time.Duration
+	// OutputSpread, when positive, draws each request's output length
+	// uniformly within 64 ± OutputSpread tokens (seeded per tenant), so
+	// that sequences started together do not all end together; 0: every
+	// request 64.
+	OutputSpread int
+}
+
+// RunTenants runs tenant scenario name on engine and returns its report.
+func RunTenants(ctx context.Context, name, engine string, to TenantOptions, opt RunOptions) (*TenantReport, error) {
+	phase := to.Phase
 	shape, err := tenantShapeOf(name)
 	if err != nil {
 		return nil, err
@@ -186,7 +203,7 @@ func RunTenants(ctx context.Context, name, engine string, phase time.Duration, o
 		llmdMaxWaiting: shape.maxWaiting}
 	sc.describeFleet()
 	rep := &TenantReport{Scenario: name, Engine: sc.engineName(), Pods: sc.Pods, Machine: ThisMachine(), Started: time.Now(),
-		PhaseSeconds: phase.Seconds()}
+		PhaseSeconds: phase.Seconds(), OutputSpread: to.OutputSpread}
 	defer func() { rep.WallSeconds = time.Since(rep.Started).Seconds() }()
 	logf := func(format string, a ...any) {
 		if opt.Log != nil {
@@ -196,7 +213,7 @@ func RunTenants(ctx context.Context, name, engine string, phase time.Duration, o
 	slots := tenantPods * tenantSeqs
 	capRun := tenantLoad{Name: "capacity", Key: "key-capacity", Seed: 31}
 	logf("%s on %s: capacity (closed loop of %d)", name, sc.engineName(), 2*slots)
-	runs, tput, err := runTenantPhase(ctx, &sc, TenantFair, []tenantLoad{capRun}, 0, phase, 2*slots, "", opt)
+	runs, tput, err := runTenantPhase(ctx, &sc, phaseSpec{policy: TenantFair, ts: []tenantLoad{capRun}, closed: 2 * slots}, to, opt)
 	if err != nil {
 		return rep, err
 	}
@@ -228,7 +245,7 @@ func RunTenants(ctx context.Context, name, engine string, phase time.Duration, o
 			ts = append(append([]tenantLoad(nil), ts...), shape.flood)
 		}
 		logf("%s on %s: %s, %s", name, sc.engineName(), ph.name, ph.policy)
-		runs, tput, err := runTenantPhase(ctx, &sc, ph.policy, ts, capacity, phase, 0, budgets, opt)
+		runs, tput, err := runTenantPhase(ctx, &sc, phaseSpec{policy: ph.policy, ts: ts, capacity: capacity, budgets: budgets}, to, opt)
 		if err != nil {
 			return rep, err
 		}
@@ -237,12 +254,22 @@ func RunTenants(ctx context.Context, name, engine string, phase time.Duration, o
 	return rep, nil
 }
 
-// runTenantPhase starts a fleet and a router of policy, runs every tenant
-// of ts at once behind it — an open loop at share × capacity for phase
-// each, or with closed > 0 one closed loop of that many for phase — and
-// returns their runs and the phase's output throughput. budgets is the
-// budgets file of policy TenantBudget.
-func runTenantPhase(ctx context.Context, sc *Scenario, policy string, ts []tenantLoad, capacity float64, phase time.Duration, closed int, budgets string, opt RunOptions) (_ []TenantRun, tput float64, err error) {
+// phaseSpec is one phase: the router's policy, the tenants of ts each an
+// open loop at share × capacity, or with closed > 0 one closed loop of
+// that many; budgets is the budgets file of policy TenantBudget.
+type phaseSpec struct {
+	policy   string
+	ts       []tenantLoad
+	capacity float64
+	closed   int
+	budgets  string
+}
+
+// runTenantPhase starts a fleet and a router of ps.policy, runs every
+// tenant of ps at once behind it for to.Phase, and returns their runs and
+// the phase's output throughput.
+func runTenantPhase(ctx context.Context, sc *Scenario, ps phaseSpec, to TenantOptions, opt RunOptions) (_ []TenantRun, tput float64, err error) {
+	policy, ts, capacity, closed, budgets, phase := ps.policy, ps.ts, ps.capacity, ps.closed, ps.budgets, to.Phase
 	cfgs, err := sc.PodConfigs()
 	if err != nil {
 		return nil, 0, err
@@ -272,6 +299,14 @@ func runTenantPhase(ctx context.Context, sc *Scenario, policy string, ts []tenan
 		wl, err := tenantWorkload(t.Seed).Build()
 		if err != nil {
 			return nil, 0, err
+		}
+		if d := to.OutputSpread; d > 0 {
+			r := rand.New(rand.NewPCG(t.Seed, 64))
+			for i := range wl.Sessions {
+				for k := range wl.Sessions[i].Turns {
+					wl.Sessions[i].Turns[k].OutputTokens = max(1, tenantOutput-d+r.IntN(2*d+1))
+				}
+			}
 		}
 		ld := load.Load{Rate: load.Rate(t.Share * capacity), Duration: phase}
 		if closed > 0 {
@@ -325,6 +360,9 @@ func runTenantPhase(ctx context.Context, sc *Scenario, policy string, ts []tenan
 // fleet's throughput against its capacity.
 func WriteTenantReport(w io.Writer, rep *TenantReport) {
 	fmt.Fprintf(w, "## %s on %s (%d pods × %d sequences)\n\n", rep.Scenario, rep.Engine, rep.Pods, tenantSeqs)
+	if rep.OutputSpread > 0 {
+		fmt.Fprintf(w, "Output lengths drawn uniformly within %d ± %d tokens.\n\n", tenantOutput, rep.OutputSpread)
+	}
 	c := rep.Capacity.Sum
 	fmt.Fprintf(w, "Capacity (closed loop of %d, %.0f s): %.2f req/s, %.0f output tokens/s, TTFT p90 %.0f ms.\n\n",
 		2*rep.Pods*tenantSeqs, rep.PhaseSeconds, c.RequestThroughput, rep.CapacityThroughput, c.TTFT.P90)

@@ -33,7 +33,8 @@ func run() error {
 	scenarios := pflag.StringSlice("scenario", scenario.TenantScenarioNames(), "tenant scenarios: "+strings.Join(scenario.TenantScenarioNames(), ", ")+
 		" ("+scenario.NoisyNeighbour429+" runs on "+scenario.EngineLLMD+" only)")
 	engines := pflag.StringSlice("engine", []string{scenario.EngineKVSim}, "engines: "+strings.Join(scenario.Engines(), ", "))
-	phase := pflag.Duration("phase", 30*time.Second, "sending time of each phase (capacity, alone, flood fair, flood fifo)")
+	phase := pflag.Duration("phase", 30*time.Second, "sending time of each phase (capacity, alone, flood fair, flood fifo, flood capped)")
+	spread := pflag.Int("output-spread", 0, "draw each request's output length uniformly within 64 ± this many tokens (0: every request 64)")
 	out := pflag.String("out", "", "directory for report.md and the runs' JSON (default: stdout only)")
 	llmdBin := pflag.String("llmd-binary", os.Getenv("KVBENCH_LLMD"), "the llm-d inference simulator's binary (default $KVBENCH_LLMD, else found on PATH)")
 	pflag.Parse()
@@ -50,7 +51,8 @@ func run() error {
 			if name == scenario.NoisyNeighbour429 && engine != scenario.EngineLLMD {
 				continue
 			}
-			rep, err := scenario.RunTenants(ctx, name, engine, *phase, scenario.RunOptions{Log: os.Stderr, LLMDBinary: *llmdBin})
+			rep, err := scenario.RunTenants(ctx, name, engine, scenario.TenantOptions{Phase: *phase, OutputSpread: *spread},
+				scenario.RunOptions{Log: os.Stderr, LLMDBinary: *llmdBin})
 			if err != nil {
 				return fmt.Errorf("%s on %s: %w", name, engine, err)
 			}
@@ -74,7 +76,7 @@ func run() error {
 	if err := os.WriteFile(filepath.Join(*out, "runs.json"), b, 0o644); err != nil {
 		return err
 	}
-	head := fmt.Sprintf("# Tenant scenarios\n\n`bin/kvtenants --engine %s --scenario %s --phase %s --out %s`\n\n",
-		strings.Join(*engines, ","), strings.Join(*scenarios, ","), *phase, *out)
+	head := fmt.Sprintf("# Tenant scenarios\n\n`bin/kvtenants --engine %s --scenario %s --phase %s --output-spread %d --out %s`\n\n",
+		strings.Join(*engines, ","), strings.Join(*scenarios, ","), *phase, *spread, *out)
 	return os.WriteFile(filepath.Join(*out, "report.md"), []byte(head+md.String()), 0o644)
 }

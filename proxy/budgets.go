@@ -410,6 +410,54 @@ func (bs *budgetState) settle(c *budgetCharge, reached bool, spent int) {
 	*c = budgetCharge{}
 }
 
+// BudgetStatus is one tenant's use of its budget, for /debug/queue.
+type BudgetStatus struct {
+	Tenant         string `json:"tenant"`
+	InFlight       int64  `json:"in_flight"`
+	MaxConcurrency int64  `json:"max_concurrency,omitempty"`
+	// TokensLeft and RequestsLeft are the buckets' levels now (negative:
+	// a debt being waited out), with their sizes per minute.
+	TokensLeft        float64 `json:"tokens_left,omitempty"`
+	TokensPerMinute   float64 `json:"tokens_per_minute,omitempty"`
+	RequestsLeft      float64 `json:"requests_left,omitempty"`
+	RequestsPerMinute float64 `json:"requests_per_minute,omitempty"`
+}
+
+// budgetStatus lists the tenants whose budgets are in use, busiest first.
+func (s *Server) budgetStatus() []BudgetStatus {
+	bs := &s.budgets
+	cur := bs.cur.Load()
+	now := time.Now()
+	type use struct {
+		id uint64
+		u  tenantUse
+	}
+	var uses []use
+	bs.mu.Lock()
+	for id, u := range bs.use {
+		uses = append(uses, use{id, *u})
+	}
+	bs.mu.Unlock()
+	var out []BudgetStatus
+	for _, x := range uses {
+		b := cur.of(x.id)
+		if b == nil {
+			continue
+		}
+		x.u.fill(b, now)
+		st := BudgetStatus{Tenant: s.tenantLabel(x.id), InFlight: x.u.inflight, MaxConcurrency: b.maxConc}
+		if b.tpm > 0 {
+			st.TokensLeft, st.TokensPerMinute = math.Round(x.u.tokens), b.tpm
+		}
+		if b.rpm > 0 {
+			st.RequestsLeft, st.RequestsPerMinute = math.Floor(x.u.reqs), b.rpm
+		}
+		out = append(out, st)
+	}
+	slices.SortFunc(out, func(a, b BudgetStatus) int { return int(b.InFlight - a.InFlight) })
+	return out
+}
+
 // SetBudgets puts b in force (nil: none). Requests charged under the old
 // budgets settle against the same tenants' use.
 func (s *Server) SetBudgets(b *Budgets) { s.budgets.cur.Store(b) }

@@ -174,6 +174,9 @@ func TestBudgetMaxConcurrency(t *testing.T) {
 	if e.started.Load() != 2 {
 		t.Fatalf("the engine runs %d of the capped tenant's requests, want 2", e.started.Load())
 	}
+	if b := h.srv.QueueStatus().Budgets; len(b) != 1 || b[0].Tenant != "batch" || b[0].InFlight != 2 || b[0].MaxConcurrency != 2 {
+		t.Errorf("/debug/queue's budgets: %+v", b)
+	}
 	send("interactive") // not held up by the capped tenant's waiters
 	e.waitStarted(t, 3)
 	for range 6 {

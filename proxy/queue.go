@@ -70,7 +70,7 @@ type waiter struct {
 	tenant *tenantQ
 	who    uint64 // its tenant, also under --queue-fifo (one tenantQ)
 	class  class
-	cost   float64 // the request's work: prompt tokens plus the output it may ask for
+	cost   float64 // the request's work: uncached prompt tokens plus the output it may ask for
 	start  float64 // start tag
 	seq    uint64  // arrival order, among equal tags
 	since  time.Time
@@ -335,6 +335,10 @@ func (q *fairQueue) grant() bool {
 			continue
 		}
 		q.vtime = max(q.vtime, w.start)
+		// A backlogged tenant's request may wait at a warm engine's short
+		// queue (its backlog gains the cache hits); a tenant's only one
+		// goes where it starts now.
+		w.req.Alone = w.tenant.waiting == 1
 		q.remove(w, waitGranted)
 		return true
 	}
@@ -417,7 +421,7 @@ func (s *Server) queueWait(ctx *fasthttp.RequestCtx, st *reqState, again bool) e
 	if !again {
 		w.since = time.Now()
 		w.req, w.class, w.who = &st.req, st.class, st.tenant
-		w.cost = float64(max(st.req.PromptTokens, 1) + st.outputEstimate())
+		w.cost = float64(max(st.req.PromptTokens-s.cachedTokens(&st.req), 1) + st.outputEstimate())
 		if s.opt.Tenants.FIFO {
 			w.class, w.cost = classDefault, 1 // arrival order
 		}
@@ -477,6 +481,15 @@ func (s *Server) shed(st *reqState, reason string) error {
 	return ErrOverloaded
 }
 
+// cachedTokens is how many of r's prompt tokens the fleet holds (0 when
+// the policy does not say).
+func (s *Server) cachedTokens(r *routing.Request) int {
+	if s.opt.Cached == nil {
+		return 0
+	}
+	return s.opt.Cached(r)
+}
+
 // outputEstimate is the output st's request may ask for, as its cost in
 // the queue and its budget: its max_tokens, or 256 when it sets none, at
 // most 4,096 (a request's output is usually far below its cap); none for
@@ -498,7 +511,7 @@ type QueueStatus struct {
 	ByClass map[string]int `json:"by_class"`
 	// OldestSeconds is the longest wait so far (0: none waiting).
 	OldestSeconds float64 `json:"oldest_wait_seconds"`
-	// VirtualTime is the fair queue's virtual time (prompt plus output
+	// VirtualTime is the fair queue's virtual time (uncached prompt plus output
 	// tokens granted).
 	VirtualTime float64 `json:"virtual_time"`
 	// Tenants are the tenants the queue remembers: waiting, or still
@@ -509,6 +522,8 @@ type QueueStatus struct {
 	// is in arrival order (--queue-fifo).
 	MaxPerTenant int  `json:"max_queue_per_tenant"`
 	FIFO         bool `json:"fifo,omitempty"`
+	// Budgets are the tenants with a budget's limits in use (budgets.go).
+	Budgets []BudgetStatus `json:"budgets,omitempty"`
 }
 
 // TenantStatus is one tenant's part of the queue.
@@ -524,11 +539,12 @@ type TenantStatus struct {
 
 // QueueStatus returns the queue's state.
 func (s *Server) QueueStatus() QueueStatus {
+	budgets := s.budgetStatus()
 	q := &s.queue
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	st := QueueStatus{Waiting: len(q.waiting), ByClass: map[string]int{}, VirtualTime: q.vtime,
-		Max: q.max, MaxPerTenant: q.perTenant, FIFO: s.opt.Tenants.FIFO}
+		Max: q.max, MaxPerTenant: q.perTenant, FIFO: s.opt.Tenants.FIFO, Budgets: budgets}
 	now := time.Now()
 	for _, w := range q.waiting {
 		st.ByClass[w.class.String()]++

@@ -69,6 +69,11 @@ type Options struct {
 	// Budgets are the tenants' budgets in force at start (budgets.go;
 	// nil: none); SetBudgets replaces them.
 	Budgets *Budgets
+	// Cached, when set, estimates how many of a request's prompt tokens
+	// the fleet holds (the prefix policy's index): the queue charges a
+	// waiting request its uncached tokens and output, not its whole
+	// prompt.
+	Cached func(r *routing.Request) int
 	// AccessLog, when set, receives one line per request (accesslog.go),
 	// but for the share AccessLogSkip of successful ones (status < 400), at
 	// random: in zap's production JSON layout, or its console layout with

@@ -17,13 +17,14 @@ const (
 // ejected or draining), serves r's model (as far as its model list is
 // known), is not saturated (r.MaxInFlight; full: it answered 429 at the
 // load it still has, Endpoint.Full; with r.StartNow, with its batch and
-// the short queue a router keeps there full, Endpoint.QueueRoom) nor
+// the short queue a router keeps there full, Endpoint.QueueRoom; with
+// r.Alone too, without room, Endpoint.HasRoom) nor
 // shedding load (it answered 429 to
 // everything lately: Endpoint.Shedding), and r was not already sent
 // there. Every policy must pick only usable endpoints.
 func Usable(r *Request, e *discovery.Endpoint) bool {
 	return e.Routable() && !r.tried(e) && (r.MaxInFlight <= 0 || e.InFlight() < r.MaxInFlight) && e.Serves(r.Model) &&
-		!e.Shedding() && (r.StartNow && e.QueueRoom() || !r.StartNow && !e.Full())
+		!e.Shedding() && (!r.StartNow && !e.Full() || r.StartNow && (r.Alone && e.HasRoom() || !r.Alone && e.QueueRoom()))
 }
 
 // Room reports whether an endpoint of set that r may be sent to would

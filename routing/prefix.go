@@ -269,6 +269,24 @@ func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 	return d
 }
 
+// CachedTokens estimates how many of r's prompt tokens the fleet holds
+// already: the deepest match the index shows anywhere, in tokens, at most
+// r.PromptTokens. The queue charges a request the rest (its prefill).
+func (p *Prefix) CachedTokens(r *Request) int {
+	if len(r.Hashes) == 0 {
+		return 0
+	}
+	sp := p.scratch.Get().(*[]prefix.Match)
+	matches := p.index.Match(r.Hashes, *sp)
+	deepest := 0
+	for _, m := range matches {
+		deepest = max(deepest, m.Blocks)
+	}
+	*sp = matches[:0]
+	p.scratch.Put(sp)
+	return min(r.PromptTokens, int(float64(deepest*p.blockBytes)/p.BytesPerToken()))
+}
+
 // OnPlaced sets f to be told each pick's endpoint and chain after the
 // index recorded it (hashes is only valid during the call): the replicas'
 // gossip sends them to the other replicas, whose indexes record them too.
@@ -695,6 +713,8 @@ func skippedTerm(r *Request, e *discovery.Endpoint) Term {
 		why = "full (answered 429 at this load)"
 	case r.MaxInFlight > 0 && e.InFlight() >= r.MaxInFlight:
 		why = "at --max-in-flight-per-endpoint"
+	case r.StartNow && r.Alone && !e.HasRoom():
+		why = "no room (the request waited in the queue, alone of its tenant: it goes where it starts now)"
 	case r.StartNow && !e.QueueRoom():
 		why = "no room (its batch and short queue are full; the request waited in the queue)"
 	}

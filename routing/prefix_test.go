@@ -625,3 +625,26 @@ func TestSlowerTierCostsALoad(t *testing.T) {
 		t.Fatalf("%+v: want the CPU holder, warm, loading", d)
 	}
 }
+
+// CachedTokens is the deepest prefix the index shows anywhere, in tokens,
+// never more than the prompt: what the queue does not charge a request.
+func TestCachedTokens(t *testing.T) {
+	p := newTestPrefix(DefaultPrefixParams())
+	text := strings.Repeat("a shared system prompt. ", 300) // 7,200 bytes: 7 whole blocks
+	r := request(text)
+	if c := p.CachedTokens(r); c != 0 {
+		t.Fatalf("cold: %d cached", c)
+	}
+	p.Index().Record(1, r.Hashes[:3])
+	p.Index().Record(2, r.Hashes[:5])
+	if c, want := p.CachedTokens(r), 5*testBlock/4; c != want {
+		t.Errorf("cached %d, want the deepest match, %d", c, want)
+	}
+	p.Index().Record(3, r.Hashes)
+	if c := p.CachedTokens(r); c > r.PromptTokens || c < r.PromptTokens-testBlock/4 {
+		t.Errorf("all held: cached %d of %d", c, r.PromptTokens)
+	}
+	if c := p.CachedTokens(&Request{PromptTokens: 10}); c != 0 {
+		t.Errorf("no hashes: %d", c)
+	}
+}

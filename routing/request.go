@@ -72,6 +72,11 @@ type Request struct {
 	// not a long one that would hold it behind requests the router had
 	// no say over.
 	StartNow bool
+	// Alone, with StartNow, narrows it to the endpoints that start the
+	// request at once (Endpoint.HasRoom): nothing else of its tenant
+	// waits, so its own latency is what a wait in an engine's queue
+	// costs, not a backlog's cache hits.
+	Alone bool
 	// Prefill asks for a prefill endpoint (the Set's Prefill group) for
 	// the prefill leg of a disaggregated request; otherwise policies pick
 	// among the endpoints that answer clients (Serving).

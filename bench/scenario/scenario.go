@@ -491,40 +491,10 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 		}
 		front = p
 	}
-	var replicas []*Router // the policy's routers when they have a front
 	if p.Replicas > 0 {
-		// Independent replicas, each its own router and state over the
-		// fleet; in front of them a random-policy kvroute hands each a
-		// random share of the traffic, as a Service in front of several
-		// router pods would (one replica: the same hop in front of it).
-		pods := backends
-		backends = nil
-		gossip, err := gossipAddrs(p)
-		if err != nil {
-			return nil, seen, err
-		}
-		for i := 0; i < p.Replicas; i++ {
-			inner, err := StartRouter(gossipReplica(p, gossip, i, 0), pods, sc.simEngines(cfgs))
-			if err != nil {
-				return nil, seen, err
-			}
-			replicas, backends = append(replicas, inner), append(backends, inner.URL)
-		}
-		// replicas are the live ones at the end (a rolling update
-		// replaces them): close those.
-		defer func() {
-			for _, r := range replicas {
-				err = errors.Join(err, r.Close())
-			}
-		}()
-		if p.Rolling {
-			res, err = runRolling(ctx, lc, p, pods, sc.simEngines(cfgs), replicas, gossip, &seen)
-			return res, seen, err
-		}
-		if front, err = policyNamed("random"); err != nil {
-			return nil, seen, err
-		}
+		return sc.runReplicas(ctx, lc, p, backends, cfgs)
 	}
+	var replicas []*Router // the policy's routers when they have a front
 	rt, err := StartRouter(front, backends, sc.simEngines(cfgs))
 	if err != nil {
 		return nil, seen, err
@@ -691,4 +661,47 @@ func policyNamed(name string) (Policy, error) {
 		return Policy{}, err
 	}
 	return ps[0], nil
+}
+
+// runReplicas runs lc through p.Replicas independent replicas of p over
+// pods, each its own router and state over the fleet; in front of them a
+// Service hands each a random share of the traffic, as kube-proxy in front
+// of several router pods would (one replica: the same hop in front of it).
+// Not a kvroute: it took a replica for one engine, read a pod's /metrics
+// through it and held the traffic to one pod's batch (one replica: a third
+// of the fleet's throughput on multi-turn).
+func (sc *Scenario) runReplicas(ctx context.Context, lc load.Config, p Policy, pods []string, cfgs []sim.Config) (res *load.Result, seen routerState, err error) {
+	gossip, err := gossipAddrs(p)
+	if err != nil {
+		return nil, seen, err
+	}
+	var replicas []*Router
+	var backends []string
+	for i := 0; i < p.Replicas; i++ {
+		inner, err := StartRouter(gossipReplica(p, gossip, i, 0), pods, sc.simEngines(cfgs))
+		if err != nil {
+			return nil, seen, err
+		}
+		replicas, backends = append(replicas, inner), append(backends, inner.URL)
+	}
+	// replicas are the live ones at the end (a rolling update
+	// replaces them): close those.
+	defer func() {
+		for _, r := range replicas {
+			err = errors.Join(err, r.Close())
+		}
+	}()
+	if p.Rolling {
+		res, err = runRolling(ctx, lc, p, pods, sc.simEngines(cfgs), replicas, gossip, &seen)
+		return res, seen, err
+	}
+	svc, err := startService(backends)
+	if err != nil {
+		return nil, seen, err
+	}
+	defer svc.Close()
+	defer seen.read(replicas)
+	lc.BaseURL = svc.URL
+	res, err = load.Run(ctx, lc)
+	return res, seen, err
 }

@@ -494,17 +494,13 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 	if p.Replicas > 0 {
 		return sc.runReplicas(ctx, lc, p, backends, cfgs)
 	}
-	var replicas []*Router // the policy's routers when they have a front
 	rt, err := StartRouter(front, backends, sc.simEngines(cfgs))
 	if err != nil {
 		return nil, seen, err
 	}
 	defer func() { err = errors.Join(err, rt.Close()) }()
-	if replicas == nil {
-		replicas = []*Router{rt}
-		defer func() { seen.learned = rt.Learned() }()
-	}
-	defer seen.read(replicas)
+	defer func() { seen.learned = rt.Learned() }()
+	defer seen.read([]*Router{rt})
 	lc.BaseURL = rt.URL
 	res, err = load.Run(ctx, lc)
 	return res, seen, err

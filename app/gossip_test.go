@@ -13,20 +13,20 @@ import (
 
 	"github.com/miekg/dns"
 
+	"github.com/kvroute/kvroute/bench/proc"
 	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/peers"
 )
 
-// freeGossipAddr returns a loopback address with a free TCP port (its
-// UDP twin is free as a rule on loopback).
+// freeGossipAddr returns a loopback address whose TCP and UDP ports are
+// both free (proc.FreePort: below the ephemeral range).
 func freeGossipAddr(t *testing.T) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	addr, err := proc.FreeLoopback()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	return ln.Addr().String()
+	return addr
 }
 
 // Two router replicas over one fleet, each given both gossip addresses as

@@ -26,6 +26,8 @@ import (
 	"time"
 
 	"github.com/valyala/fasthttp"
+
+	"github.com/kvroute/kvroute/bench/proc"
 )
 
 // Config configures Run.
@@ -206,16 +208,6 @@ func (b *backend) handle(ctx *fasthttp.RequestCtx) {
 	})
 }
 
-// freePort returns a loopback port nobody listens on now.
-func freePort() (int, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port, nil
-}
-
 // nginxConf is nginx as a reverse proxy the way an operator would run it
 // in front of engines: keep-alive upstream connections, request and
 // response buffering off (streams pass event by event), an access log.
@@ -297,7 +289,7 @@ func (p *proxyProc) stop() {
 // answers.
 func startProxy(ctx context.Context, name, kvroute, bare, dir string, be *backend) (*proxyProc, error) {
 	backend := be.addr
-	port, err := freePort()
+	port, err := proc.FreePort()
 	if err != nil {
 		return nil, err
 	}
@@ -331,7 +323,7 @@ func startKvroute(ctx context.Context, name, kvroute, dir string, port int, be *
 	ports := make([]int, 5) // admin; with gossip, both gossip ports and the peer's API and admin
 	for i := range ports {
 		var err error
-		if ports[i], err = freePort(); err != nil {
+		if ports[i], err = proc.FreePort(); err != nil {
 			return nil, err
 		}
 	}

@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"github.com/valyala/fasthttp"
+
+	"github.com/kvroute/kvroute/bench/proc"
 )
 
 // Memory per stream and per idle connection: kvroute (its binary, default
@@ -224,11 +226,11 @@ func MeasureMemory(ctx context.Context, kvroute, dir string, n int) (*MemoryRepo
 // until. With KVHOP_HEAP_PROFILE=P, the heap profile with them open is
 // saved to P-phase.
 func memWith(ctx context.Context, kvroute, dir string, be *holdBackend, n int, req, until []byte, phase string) (before, with memSample, err error) {
-	port, err := freePort()
+	port, err := proc.FreePort()
 	if err != nil {
 		return before, with, err
 	}
-	admin, err := freePort()
+	admin, err := proc.FreePort()
 	if err != nil {
 		return before, with, err
 	}

@@ -15,6 +15,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
@@ -230,14 +231,38 @@ func decompress(src, dst string) error {
 	return nil
 }
 
-// FreePort returns a loopback port free a moment ago.
+// FreePort returns a loopback port whose TCP and UDP twins were both free
+// a moment ago, chosen at random below Linux's ephemeral range (32768 and
+// up): a port the kernel handed out and took back can go to the next
+// outgoing connection of any process before the server binds it, which
+// once failed a test run with "address already in use". Memberlist binds
+// both TCP and UDP on its port.
 func FreePort() (int, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
+	for range 200 {
+		port := 20000 + rand.IntN(12000)
+		addr := net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
+		ln, err := net.Listen("tcp", addr)
+		if err != nil {
+			continue
+		}
+		pc, err := net.ListenPacket("udp", addr)
+		ln.Close()
+		if err != nil {
+			continue
+		}
+		pc.Close()
+		return port, nil
 	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port, nil
+	return 0, errors.New("proc: no free loopback port in 20000–32000")
+}
+
+// FreeLoopback is FreePort as a host:port address on 127.0.0.1.
+func FreeLoopback() (string, error) {
+	port, err := FreePort()
+	if err != nil {
+		return "", err
+	}
+	return net.JoinHostPort("127.0.0.1", strconv.Itoa(port)), nil
 }
 
 // Process is one running server: a process started in a process group of

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/kvroute/kvroute/bench/load"
+	"github.com/kvroute/kvroute/bench/proc"
 	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/routing"
 )
@@ -358,7 +359,7 @@ func (ro *rollout) await(ctx context.Context, n int64) error {
 // replace starts slot i's successor, waits until it is ready, hands it
 // the old one's share of the Service and retires the old one.
 func (ro *rollout) replace(ctx context.Context, i int) error {
-	addr, err := freeLoopback()
+	addr, err := proc.FreeLoopback()
 	if err != nil {
 		return err
 	}

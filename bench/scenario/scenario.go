@@ -25,6 +25,7 @@ import (
 	"github.com/kvroute/kvroute/bench/llmd"
 	"github.com/kvroute/kvroute/bench/load"
 	"github.com/kvroute/kvroute/bench/localengine"
+	"github.com/kvroute/kvroute/bench/proc"
 	"github.com/kvroute/kvroute/bench/sim"
 	"github.com/kvroute/kvroute/bench/workload"
 )
@@ -569,7 +570,7 @@ func eventsLayout(sc Scenario, p Policy, cfgs []sim.Config) (zmq string, err err
 		if p.Replicas > 1 {
 			return "", fmt.Errorf("%w: %s: the llm-d simulator publishes its KV events to one subscriber, not %d router replicas", ErrConfig, p.Name, p.Replicas)
 		}
-		return freeLoopback()
+		return proc.FreeLoopback()
 	}
 	return "", nil
 }
@@ -613,7 +614,7 @@ func gossipAddrs(p Policy) ([]string, error) {
 	}
 	addrs := make([]string, p.Replicas)
 	for i := range addrs {
-		a, err := freeLoopback()
+		a, err := proc.FreeLoopback()
 		if err != nil {
 			return nil, err
 		}
@@ -638,16 +639,6 @@ func gossipReplica(p Policy, addrs []string, i, gen int) Policy {
 		c.Peers, c.GossipListen, c.GossipName = addrs, addrs[i], fmt.Sprintf("%s-%d.%d", p.Name, i, gen)
 	}
 	return p
-}
-
-// freeLoopback returns 127.0.0.1:port, a port free a moment ago.
-func freeLoopback() (string, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return "", err
-	}
-	defer ln.Close()
-	return ln.Addr().String(), nil
 }
 
 // policyNamed returns the entry of Policies() called name.

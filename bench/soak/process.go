@@ -8,7 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -21,6 +20,8 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
+
+	"github.com/kvroute/kvroute/bench/proc"
 )
 
 // kvroute's metrics the samples read (metrics/metrics.go, and the Go and
@@ -54,27 +55,17 @@ type router struct {
 	token string
 }
 
-// freePort returns a loopback port that was free a moment ago.
-func freePort() (string, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return "", err
-	}
-	defer ln.Close()
-	return ln.Addr().String(), nil
-}
-
 // startRouter runs bin with static backends and its own loopback
 // listeners, logging to logPath; extra arguments come last.
 func startRouter(bin string, backends []string, extra []string, logPath string) (*router, error) {
 	if _, err := os.Stat(bin); err != nil {
 		return nil, fmt.Errorf("kvroute binary: %w (build it with `make build`)", err)
 	}
-	api, err := freePort()
+	api, err := proc.FreeLoopback()
 	if err != nil {
 		return nil, err
 	}
-	admin, err := freePort()
+	admin, err := proc.FreeLoopback()
 	if err != nil {
 		return nil, err
 	}

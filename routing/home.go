@@ -593,15 +593,21 @@ func (h *homes) assign(eps []*discovery.Endpoint, factor float64, now time.Time)
 // (prev, the last assignment; else where their first request went) while
 // that endpoint of eps is below its bound, the highest rendezvous scores
 // first, and returns the keys left, to be assigned in rounds. The bound
-// that keeps a key is at least LoadFactor × the mean (homeBound), whatever
-// its engine is learned to keep: a count that fell bounds where new keys
-// go, and moves none. (On Ollama servers with four slots, where requests
+// that keeps a key is at least LoadFactor × the mean of the live keys,
+// recurring and seen once (homeBound; the bound placeAlone placed them
+// under), whatever its engine is learned to keep: a count that fell bounds
+// where new keys go, and moves none. (Bounded by the recurring keys alone,
+// two keys placed on one endpoint that recurred first were one too many:
+// one was homed elsewhere while it stayed cached where it was, that
+// endpoint looked emptier than it was, and the next new key went there
+// too: of eight prompt groups on four llama.cpp servers, three on one and
+// one on another.) (On Ollama servers with four slots, where requests
 // sharing a slot's prompt at once push each other's prompts out, counts
 // learned from those misses rose and fell, and every change moved homes:
 // 53 of 96 requests missed, against 19 for a client sending group g to
 // server g.)
 func (h *homes) keepHomes(pending []proposal, prev map[uint64]uint64, eps []*discovery.Endpoint, factor float64) []proposal {
-	keep := homeBound(factor, len(pending), len(eps))
+	keep := homeBound(factor, len(pending)+h.onceTotal, len(eps))
 	in := make(map[uint64]bool, len(eps))
 	for _, e := range eps {
 		in[e.ID] = true

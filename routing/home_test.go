@@ -192,6 +192,50 @@ func TestAloneHomesSpreadAndStay(t *testing.T) {
 	t.Logf("rendezvous alone put two of the four keys on one endpoint in %d of 200 trials", shared)
 }
 
+// A router alone keeps a recurring key where its first request went while
+// that endpoint is within the bound of all the live keys, not of the
+// recurring ones alone: eight keys on four endpoints, each new key placed
+// while earlier ones begin to recur, get two homes each and keep them. (On
+// llama.cpp servers, two keys placed on one endpoint that recurred before
+// the others did were over the bound of the three recurring keys; one was
+// homed elsewhere while it stayed cached where it was, so that endpoint
+// looked emptier than it was and the eighth key went there too: three
+// groups on one single-threaded server, one on another.)
+func TestAloneHomesKeepWhereKeysWent(t *testing.T) {
+	eps := testSet(t, 4).Mixed
+	rng := rand.New(rand.NewPCG(11, 12))
+	for trial := range 300 {
+		h := newHomes(time.Hour, time.Now)
+		var keys []uint64
+		first := map[uint64]uint64{}
+		for range 8 {
+			k := rng.Uint64()
+			e, _, _ := h.lookup(k, eps, 1.1, true, false, true)
+			h.placed(k, e, false)
+			first[k] = e
+			keys = append(keys, k)
+			for range rng.IntN(3) { // earlier keys recur meanwhile, at their homes
+				r := keys[rng.IntN(len(keys))]
+				if e, _, _ := h.lookup(r, eps, 1.1, true, false, true); e != first[r] {
+					t.Fatalf("trial %d: key %x moved from %x to %x when it recurred", trial, r, first[r], e)
+				}
+			}
+		}
+		per := map[uint64]int{}
+		for _, k := range keys {
+			per[first[k]]++
+			if e, _, _ := h.lookup(k, eps, 1.1, true, false, true); e != first[k] {
+				t.Fatalf("trial %d: key %x moved from %x to %x", trial, k, first[k], e)
+			}
+		}
+		for _, e := range eps {
+			if per[e.ID] != 2 {
+				t.Fatalf("trial %d: eight keys on four endpoints: %v", trial, per)
+			}
+		}
+	}
+}
+
 // The keys seen once are counted where their first requests went until they
 // recur, expire or their endpoint is forgotten.
 func TestOnceCounts(t *testing.T) {

@@ -41,16 +41,16 @@ type Policy struct {
 	// Router is the policy's name in the router's table (Name if empty).
 	Router string
 	// Replicas > 0 runs that many independent routers with this policy
-	// behind a random-policy kvroute, each given a random share of the
-	// traffic (no shared state but, with Gossip, their placements); one
-	// is the replicas' anchor, behind the same hop.
+	// behind the scenario's own Service (rollout.go's service: each
+	// request to a random replica, as kube-proxy picks), with no shared
+	// state but, with Gossip, what they gossip; one is the replicas'
+	// anchor, behind the same hop.
 	Replicas int
 	// Gossip: the replicas gossip their placements to each other
 	// (--peers, on loopback ports of their own).
 	Gossip bool
-	// Rolling replaces the replicas one at a time during the run, behind
-	// a Service of the scenario's own (rollout.go) instead of a
-	// random-policy kvroute.
+	// Rolling replaces the replicas one at a time during the run
+	// (rollout.go).
 	Rolling bool
 	// Configure, if set, adjusts the router's configuration for this
 	// policy after the benchmark's defaults (e.g. a peer's own engine
@@ -126,7 +126,9 @@ func optInPolicies() []Policy {
 			About:     "three kvroute replicas (prefix) gossiping their placements but not their requests in flight, a random third of the traffic each",
 			Configure: func(c *app.Config) { c.GossipNoLoad = true }},
 		{Name: PrefixOneReplica, Router: "prefix", Replicas: 1,
-			About: "one kvroute (prefix) behind the replicas' front (a random-policy kvroute): their anchor, with the same hop"},
+			About: "one kvroute (prefix) behind the replicas' Service: their anchor, with the same hop"},
+		{Name: PrefixEvents + "-1-replica", Router: "prefix", Events: true, Replicas: 1,
+			About: "one kvroute (prefix fed by KV events) behind the replicas' Service: the events replicas' anchor, with the same hop"},
 		{Name: PrefixGossip + "-rolling", Router: "prefix", Replicas: 3, Gossip: true, Rolling: true,
 			About: "three kvroute replicas (prefix) gossiping, a random third of the traffic each, replaced one at a time during the run (a rolling update)"},
 		{Name: "prefix-2-replicas-gossip", Router: "prefix", Replicas: 2, Gossip: true,
@@ -148,7 +150,7 @@ func optInPolicies() []Policy {
 // caller names them (kvbench --policies).
 func OptInPolicies() []Policy { return optInPolicies() }
 
-// PrefixOneReplica is one router of the prefix policy behind the front
+// PrefixOneReplica is one router of the prefix policy behind the Service
 // the replicas have, the anchor they are compared with.
 const PrefixOneReplica = "prefix-1-replica"
 

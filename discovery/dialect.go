@@ -191,9 +191,14 @@ func (f *Fleet) ensureDetected(ctx context.Context, e *Endpoint, health *answer)
 	e.SetDialect(d)
 	if d != old {
 		f.log.Info("engine dialect", zap.String("endpoint", e.URL), zap.Stringer("dialect", d), zap.Stringer("was", old))
-		// What the engine says of itself (llama.cpp's slots: its room)
-		// now, not at the models loop's next round.
+	}
+	// What the engine serves and says of itself (llama.cpp's slots: its
+	// room) now, not at the models loop's next round: its list waited for
+	// the dialect (readModels).
+	if f.o.Models.Disabled {
 		f.readInfo(ctx, e)
+	} else {
+		f.readModels(ctx, e)
 	}
 	f.event("detect", e)
 }

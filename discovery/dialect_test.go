@@ -17,11 +17,13 @@ import (
 // (another engine on the same address); it counts the requests per path.
 type engineServer struct {
 	*httptest.Server
-	kind     atomic.Uint32 // a Dialect
-	metrics  atomic.Bool   // llama.cpp's --metrics
-	fixtures map[string][]byte
-	mu       sync.Mutex
-	hits     map[string]int
+	kind    atomic.Uint32 // a Dialect
+	metrics atomic.Bool   // llama.cpp's --metrics
+	// versionDelay holds Ollama's /api/version answers (nanoseconds).
+	versionDelay atomic.Int64
+	fixtures     map[string][]byte
+	mu           sync.Mutex
+	hits         map[string]int
 }
 
 // startEngine serves dialect d until the test ends; metrics says whether
@@ -94,6 +96,7 @@ func (s *engineServer) serve(w http.ResponseWriter, r *http.Request) {
 		case "/":
 			send(200, "text/plain; charset=utf-8", []byte("Ollama is running"))
 		case "/api/version":
+			time.Sleep(time.Duration(s.versionDelay.Load()))
 			send(200, js, []byte(`{"version":"0.24.0"}`))
 		case "/v1/models":
 			send(200, js, fixture("models.json"))
@@ -215,6 +218,32 @@ func TestOllamaNeverProbedOnHealth(t *testing.T) {
 	}
 	if rec.count(0, "probe-unserved", e) != 0 || rec.count(0, "detect", e) != 1 {
 		t.Errorf("unserved %d, detections %d: want 0, 1", rec.count(0, "probe-unserved", e), rec.count(0, "detect", e))
+	}
+}
+
+// TestOllamaListWaitsForDialect: an Ollama server whose /api/version is
+// slow to answer (detection waits on it) while /v1/models answers at once
+// serves "tiny" all along: its list ("tiny:latest") is not matched by
+// another dialect's rules before its own is known. (Read first and matched
+// exactly, a request that came as the router started got 404.)
+func TestOllamaListWaitsForDialect(t *testing.T) {
+	srv := startEngine(t, DialectOllama, false)
+	srv.versionDelay.Store(int64(200 * time.Millisecond))
+	f, _, eps := staticFleet(t, dialectOptions(), srv.URL)
+	e := eps[0]
+	run(t, f)
+	deadline := time.Now().Add(10 * time.Second) // a deadlock guard
+	for e.Dialect() != DialectOllama || e.Models() == nil {
+		if !e.Serves("tiny") {
+			t.Fatalf("refused tiny with dialect %v and list %+v", e.Dialect(), e.Models())
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("dialect %v, list %+v", e.Dialect(), e.Models())
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if !e.Serves("tiny") || !e.Serves("TINY") || e.Serves("other") {
+		t.Errorf("after detection: tiny %v, TINY %v, other %v", e.Serves("tiny"), e.Serves("TINY"), e.Serves("other"))
 	}
 }
 

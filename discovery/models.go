@@ -139,10 +139,18 @@ func (f *Fleet) modelsLoop() loopConfig {
 // readModels reads e's /v1/models, and what its engine says of itself
 // (readInfo). A 404 or 405 (an engine without the endpoint) makes the list
 // unknown; other failures keep the last one. Without health probes, which
-// detect dialects otherwise, it detects e's.
+// detect dialects otherwise, it detects e's. Names match per dialect, so
+// an engine's list waits for its dialect (not pinned, not detected yet:
+// nothing read; its detection reads it at once, ensureDetected): read
+// before, four Ollama servers' "tiny:latest" was matched exactly, and a
+// request for "tiny" that came as the router started got 404 although
+// every server would have served it.
 func (f *Fleet) readModels(ctx context.Context, e *Endpoint) {
 	if f.o.Health.Disabled {
 		f.ensureDetected(ctx, e, nil)
+	}
+	if f.o.Dialect == DialectUnknown && !e.detected.Load() {
+		return
 	}
 	f.readInfo(ctx, e)
 	ctx, cancel := context.WithTimeout(ctx, f.o.Models.Timeout)

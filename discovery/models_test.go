@@ -32,6 +32,15 @@ func TestReadModels(t *testing.T) {
 	body := func(s string) func(http.ResponseWriter) {
 		return func(w http.ResponseWriter) { _, _ = w.Write([]byte(s)) }
 	}
+	// Before its dialect is detected nothing is read: names match per
+	// dialect.
+	answer.Store(body(`{"object":"list","data":[{"id":"base","object":"model"}]}`))
+	f.readModels(context.Background(), e)
+	if e.Models() != nil {
+		t.Fatalf("a list read before the dialect was known: %+v", e.Models())
+	}
+	e.SetDialect(DialectVLLM)
+	e.detected.Store(true)
 	steps := []struct {
 		name  string
 		ans   func(http.ResponseWriter)

@@ -663,6 +663,13 @@ func (sc *Scenario) runReplicas(ctx context.Context, lc load.Config, p Policy, p
 		return nil, seen, err
 	}
 	var replicas []*Router
+	// replicas are the live ones at the end (a rolling update replaces
+	// them), or those started before one failed to: close those.
+	defer func() {
+		for _, r := range replicas {
+			err = errors.Join(err, r.Close())
+		}
+	}()
 	var backends []string
 	for i := 0; i < p.Replicas; i++ {
 		inner, err := StartRouter(gossipReplica(p, gossip, i, 0), pods, sc.simEngines(cfgs))
@@ -671,13 +678,6 @@ func (sc *Scenario) runReplicas(ctx context.Context, lc load.Config, p Policy, p
 		}
 		replicas, backends = append(replicas, inner), append(backends, inner.URL)
 	}
-	// replicas are the live ones at the end (a rolling update
-	// replaces them): close those.
-	defer func() {
-		for _, r := range replicas {
-			err = errors.Join(err, r.Close())
-		}
-	}()
 	if p.Rolling {
 		res, err = runRolling(ctx, lc, p, pods, sc.simEngines(cfgs), replicas, gossip, &seen)
 		return res, seen, err

@@ -156,6 +156,14 @@ func TestQueueOrderThroughTheProxy(t *testing.T) {
 				go func() { defer wg.Done(); postAs(t, h.url, tc.floodKey, tc.floodTier) }()
 			}
 			queueLen(t, h.srv, flood-2) // one running, the rest waiting (one may be on its way)
+			// The running one has reached the engine (a grant is on its
+			// way to the engine for a moment: counted before, it made one
+			// more look like a queue jump).
+			for deadline := time.Now().Add(guard); len(e.order()) == 0; time.Sleep(time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatal("no request reached the engine")
+				}
+			}
 			before := len(e.order())
 			wg.Add(1)
 			go func() { defer wg.Done(); postAs(t, h.url, tc.quietKey, tc.quietTier) }()

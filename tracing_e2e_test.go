@@ -108,6 +108,15 @@ func startHeaderRecorder(t *testing.T, target string) (*headerRecorder, string) 
 			h.tps = append(h.tps, r.Header.Get("traceparent"))
 			h.mu.Unlock()
 		}
+		// Read whole first: the server closes an inbound body once the
+		// answer's headers are written, and the transport still reading
+		// it drops the connection mid-stream (golang/go#40747).
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		r.Body = io.NopCloser(bytes.NewReader(body))
 		rp.ServeHTTP(w, r)
 	})}
 	go func() { _ = srv.Serve(ln) }()

@@ -191,7 +191,15 @@ func (r *Router) newMesh(logger *zap.Logger) (*peers.Mesh, error) {
 		return slices.ContainsFunc(r.Pool.Load().Endpoints, func(e *discovery.Endpoint) bool { return e.ID == id })
 	}
 	idx := r.Prefix.Index()
-	pc.Record, pc.Export, pc.Import = idx.Record, idx.Export, idx.Import
+	pc.Export, pc.Import = idx.Export, idx.Import
+	pc.Record = func(id uint64, hashes []uint64) {
+		eps := r.Pool.Load().Endpoints
+		if i := slices.IndexFunc(eps, func(e *discovery.Endpoint) bool { return e.ID == id }); i >= 0 {
+			r.Prefix.PeerPlaced(eps[i], hashes)
+			return
+		}
+		idx.Record(id, hashes)
+	}
 	if !r.cfg.GossipNoLoad {
 		pc.Load = func(yield func(id uint64, n int64)) {
 			for _, e := range r.Pool.Load().Endpoints {

@@ -76,6 +76,9 @@ type Endpoint struct {
 	// peerInFlight is the other router replicas' requests in flight here,
 	// as their gossip last told (SetPeerInFlight).
 	peerInFlight atomic.Int64
+	// peerPrefill is the prompt tokens the replicas' placements here left
+	// to compute, as this router estimates them (AddPeerPrefill).
+	peerPrefill peerPrefill
 	// adapters counts the in-flight requests per LoRA adapter (Lease.
 	// ForAdapter); nil until the first.
 	adapterMu sync.Mutex

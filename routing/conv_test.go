@@ -149,3 +149,43 @@ func TestMeshedReplicasFollowTheIndex(t *testing.T) {
 		t.Fatalf("%d turns of %d moved to another endpoint than their conversation's last turn, want at most one a conversation and a few more", moved, convs*14)
 	}
 }
+
+// A gossiping peer's placement is merged into the index and counts as
+// prefill running where it went, for the blocks not held there, until the
+// endpoint's rates say it is computed; the peers' requests in flight
+// count in the spill test like this router's own, so that a pod every
+// replica sent its share to is relieved although none of them alone
+// loaded it.
+func TestPeersLoadCountsAsOwn(t *testing.T) {
+	set := testSet(t, 4)
+	p := newTestPrefix(DefaultPrefixParams())
+	p.Meshed(func() bool { return true })
+	sys := system(11, 16*testBlock)
+	r := request(sys + "first")
+	e := set.Endpoints[0]
+	p.PeerPlaced(e, r.Hashes)
+	want := int64(float64(len(r.Hashes)*testBlock) / p.BytesPerToken())
+	if got := e.PeerPrefill(); got != want {
+		t.Fatalf("peer prefill %d tokens, want %d", got, want)
+	}
+	p.PeerPlaced(e, r.Hashes) // held now: nothing more to compute
+	if got := e.PeerPrefill(); got != want {
+		t.Fatalf("the same chain again: %d tokens, want %d", got, want)
+	}
+	d, terms := p.Explain(request(sys+"second"), set)
+	if d.Endpoint != e || d.MatchedBlocks == 0 {
+		t.Fatalf("the peer's placement is not followed: %+v", d)
+	}
+	for _, term := range terms {
+		if term.Endpoint == e.URL && term.InFlightPrefill != want {
+			t.Errorf("/debug/route shows %d tokens pending there, want the peer's %d", term.InFlightPrefill, want)
+		}
+	}
+	// Every replica sent it requests: twelve in flight there, none of
+	// them this router's.
+	e.SetPeerInFlight(12)
+	defer e.SetPeerInFlight(0)
+	if d := p.Pick(request(sys+"third"), set); d.Endpoint == e || d.Reason != ReasonSpill {
+		t.Fatalf("a pod the peers load is not relieved: %+v", d)
+	}
+}

@@ -293,6 +293,42 @@ func (p *Prefix) CachedTokens(r *Request) int {
 // Set it before the policy serves.
 func (p *Prefix) OnPlaced(f func(id uint64, hashes []uint64)) { p.onPlaced = f }
 
+// maxPeerPrefill bounds how long a peer's placement counts as prefill
+// still running (PeerPlaced): a prediction further out is noise.
+const maxPeerPrefill = 10 * time.Second
+
+// PeerPlaced merges a router replica's placement on e (its gossip: the
+// request's block hashes) into the index, and counts the blocks e did not
+// hold as prefill running there until the endpoint's rates say they are
+// computed, after the prefill found pending there: as this router counts
+// its own requests' from the pick to their first byte. Without it, a pod
+// the replicas all placed new prompts on looked idle to each but for its
+// own few: eight replicas sent 68 of a multi-turn run's first 107
+// requests to one of eight pods (bench/sim), whose cache then thrashed.
+func (p *Prefix) PeerPlaced(e *discovery.Endpoint, hashes []uint64) {
+	sp := p.scratch.Get().(*[]prefix.Match)
+	matches := p.index.Match(hashes, *sp)
+	held, _ := matchedBlocks(matches, e.ID)
+	*sp = matches[:0]
+	p.scratch.Put(sp)
+	p.index.Record(e.ID, hashes)
+	if held >= len(hashes) {
+		return
+	}
+	prm := p.params.Load()
+	r := prm.ratesOf(e.Costs(), prm.pins())
+	tokens := float64(len(hashes)-held) * float64(p.blockBytes) / p.BytesPerToken()
+	if r.prefill <= 0 {
+		return
+	}
+	ahead := 0.0
+	if r.pending > 0 {
+		ahead = float64(e.PendingPrefill()+e.PeerPrefill()) / r.pending
+	}
+	d := min(ahead+tokens/r.prefill, maxPeerPrefill.Seconds())
+	e.AddPeerPrefill(int64(tokens), time.Now().Add(time.Duration(d*float64(time.Second))))
+}
+
 // Meshed sets f to report whether this router has live replicas (their
 // gossip): then it routes as one of several (conversations keyed by their
 // own blocks, new keys to the homes every replica computes alike),
@@ -805,12 +841,12 @@ func (ch *picks) preferHome(presume bool, prm *PrefixParams) candidate {
 // target applies the spill rule to the warm candidate, or for a prefix
 // warm nowhere to its home, and returns the pick and its reason.
 //
-// The spill test takes the target's wait in this router's own view: the
-// engine's queue is up to a scrape old and the same for every router
-// replica, so acting on it would make all of them spill the target's
-// prefixes at once for a whole interval, where each needs to relieve only
-// its share. (Which endpoint is idle enough to take a spill does consult
-// the engine.) A cold prefix goes to its home: a prefix the index forgot
+// The spill test takes the target's wait in the routers' own view (this
+// router's counters and its gossiping peers' reports): the engine's queue
+// is up to a scrape old, so acting on it would make every replica spill
+// the target's prefixes for a whole interval after the queue drained.
+// (Which endpoint is idle enough to take a spill does consult the
+// engine.) A cold prefix goes to its home: a prefix the index forgot
 // returns where it lived, and replicas that never saw it agree on where
 // that is. An established home leaves the request only when it is
 // saturated as a warm endpoint would be (its wait without the recompute):

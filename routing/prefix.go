@@ -301,10 +301,8 @@ const maxPeerPrefill = 10 * time.Second
 // request's block hashes) into the index, and counts the blocks e did not
 // hold as prefill running there until the endpoint's rates say they are
 // computed, after the prefill found pending there: as this router counts
-// its own requests' from the pick to their first byte. Without it, a pod
-// the replicas all placed new prompts on looked idle to each but for its
-// own few: eight replicas sent 68 of a multi-turn run's first 107
-// requests to one of eight pods (bench/sim), whose cache then thrashed.
+// its own requests' from the pick to their first byte, so that a pod the
+// peers just gave new prompts does not look idle to this one.
 func (p *Prefix) PeerPlaced(e *discovery.Endpoint, hashes []uint64) {
 	sp := p.scratch.Get().(*[]prefix.Match)
 	matches := p.index.Match(hashes, *sp)
@@ -312,15 +310,12 @@ func (p *Prefix) PeerPlaced(e *discovery.Endpoint, hashes []uint64) {
 	*sp = matches[:0]
 	p.scratch.Put(sp)
 	p.index.Record(e.ID, hashes)
-	if held >= len(hashes) {
-		return
-	}
 	prm := p.params.Load()
 	r := prm.ratesOf(e.Costs(), prm.pins())
-	tokens := float64(len(hashes)-held) * float64(p.blockBytes) / p.BytesPerToken()
-	if r.prefill <= 0 {
+	if held >= len(hashes) || r.prefill <= 0 {
 		return
 	}
+	tokens := float64(len(hashes)-held) * float64(p.blockBytes) / p.BytesPerToken()
 	ahead := 0.0
 	if r.pending > 0 {
 		ahead = float64(e.PendingPrefill()+e.PeerPrefill()) / r.pending

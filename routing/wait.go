@@ -73,9 +73,9 @@ func (p *PrefixParams) ratesOf(c *discovery.Costs, pinned pins) rates {
 // l with constants r. wait takes the larger of the
 // router's and the engine's view of each term; own is the routers' view
 // alone: this router's counters and what its gossiping peers reported,
-// without the engine's scrape. idle reports whether the endpoint may take spills: nothing queued
-// there in either view, a free place in its batch, and KV room in the
-// engine's view.
+// without the engine's scrape. idle reports whether the endpoint may take
+// spills: nothing queued there in either view, a free place in its batch,
+// and KV room in the engine's view.
 func (p *PrefixParams) wait(l load, r rates, uncached, loaded int) (wait, own float64, idle bool) {
 	prefill := float64(uncached)/r.prefill + float64(loaded)/r.load
 	queue := float64(l.pending) / r.pending

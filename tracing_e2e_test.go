@@ -17,6 +17,7 @@ import (
 	tracepb "go.opentelemetry.io/proto/otlp/trace/v1"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvroute/kvroute/bench/proc"
 	"github.com/kvroute/kvroute/bench/sim"
 )
 
@@ -97,6 +98,7 @@ func startHeaderRecorder(t *testing.T, target string) (*headerRecorder, string) 
 	u, _ := url.Parse(target)
 	rp := httputil.NewSingleHostReverseProxy(u)
 	rp.FlushInterval = -1
+	whole := proc.WholeBody(rp)
 	h := &headerRecorder{}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -108,16 +110,7 @@ func startHeaderRecorder(t *testing.T, target string) (*headerRecorder, string) 
 			h.tps = append(h.tps, r.Header.Get("traceparent"))
 			h.mu.Unlock()
 		}
-		// Read whole first: the server closes an inbound body once the
-		// answer's headers are written, and the transport still reading
-		// it drops the connection mid-stream (golang/go#40747).
-		body, err := io.ReadAll(r.Body)
-		if err != nil {
-			http.Error(w, err.Error(), http.StatusBadRequest)
-			return
-		}
-		r.Body = io.NopCloser(bytes.NewReader(body))
-		rp.ServeHTTP(w, r)
+		whole.ServeHTTP(w, r)
 	})}
 	go func() { _ = srv.Serve(ln) }()
 	t.Cleanup(func() { _ = srv.Close() })

@@ -146,10 +146,10 @@ func (f *Fleet) modelsLoop() loopConfig {
 // request for "tiny" that came as the router started got 404 although
 // every server would have served it.
 func (f *Fleet) readModels(ctx context.Context, e *Endpoint) {
-	if f.o.Health.Disabled {
-		f.ensureDetected(ctx, e, nil)
-	}
 	if f.o.Dialect == DialectUnknown && !e.detected.Load() {
+		if f.o.Health.Disabled {
+			f.ensureDetected(ctx, e, nil) // which reads the list once detected
+		}
 		return
 	}
 	f.readInfo(ctx, e)

@@ -424,3 +424,21 @@ func (t *tail) String() string {
 	defer t.mu.Unlock()
 	return string(bytes.TrimSpace(t.b))
 }
+
+// WholeBody wraps h, a reverse proxy in front of loopback servers, so that
+// it passes each request on with its body read whole first: Go's HTTP/1
+// server closes an inbound body once the answer's headers are written, and
+// a transport still reading it then drops its connection upstream in the
+// middle of the answer (golang/go#40747; a truncated stream in
+// TestRollingUpdate). A body that cannot be read gets 400.
+func WholeBody(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		h.ServeHTTP(w, r)
+	})
+}

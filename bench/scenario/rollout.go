@@ -1,7 +1,6 @@
 package scenario
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -84,20 +83,7 @@ func startService(urls []string) (*service, error) {
 			fmt.Fprintf(w, `{"error":{"message":%q,"type":"bad_gateway"}}`, "service: "+err.Error())
 		},
 	}
-	s.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		// The request body is read whole before it is passed on: Go's
-		// HTTP/1 server closes an inbound body once the answer's headers
-		// are written, and the transport still reading it to the end then
-		// drops its connection to the replica mid-stream (golang/go#40747;
-		// one truncated stream in TestRollingUpdate).
-		body, err := io.ReadAll(r.Body)
-		if err != nil {
-			http.Error(w, err.Error(), http.StatusBadRequest)
-			return
-		}
-		r.Body = io.NopCloser(bytes.NewReader(body))
-		rp.ServeHTTP(w, r)
-	}))
+	s.srv = httptest.NewServer(proc.WholeBody(rp))
 	s.URL = s.srv.URL
 	return s, nil
 }

@@ -92,6 +92,7 @@ func newFlags(c *config) *app.Flags {
 	backends.StringVar(&c.Tenants.PriorityHeader, "priority-header", c.Tenants.PriorityHeader, "request header whose value (priority, default, flex) sets a request's class over its body's service_tier (\"\": service_tier only)")
 	backends.StringVar(&c.BudgetsFile, "tenant-budgets", c.BudgetsFile, "JSON file of per-tenant budgets (weight, max_concurrency, tokens_per_minute, requests_per_minute, max_class; see docs/operations.md), reloaded when it changes; a bad file is refused and the budgets in force stay")
 	backends.BoolVar(&c.Tenants.EnginePriority, "engine-priority", c.Tenants.EnginePriority, "pass each request's class on to the engines as vLLM's priority field (priority -1, flex 1; for vLLM run with --scheduling-policy priority, which refuses the field otherwise)")
+	backends.IntVar(&c.Tenants.Reserve, "tenant-reserve", c.Tenants.Reserve, "free places of a saturated fleet that a tenant running its share of the fleet's batches or more leaves to active tenants running less than theirs (0: none; the queue is then fully work-conserving)")
 	backends.BoolVar(&c.Tenants.FIFO, "queue-fifo", c.Tenants.FIFO, "order the queue by arrival alone, ignoring tenants and classes (the order before tenants)")
 	backends.IntVar(&c.MaxInFlightPerEndpoint, "max-in-flight-per-endpoint", c.MaxInFlightPerEndpoint, "this router's requests in flight per endpoint before it counts as saturated (0: no cap but --max-conns-per-endpoint)")
 

@@ -317,8 +317,8 @@ func (c *Config) validateLimits(bad func(string, ...any)) {
 	if c.MaxConnsPerEndpoint <= 0 {
 		bad("--max-conns-per-endpoint must be positive, got %d", c.MaxConnsPerEndpoint)
 	}
-	if c.MaxHeaderBytes < 1024 || c.MaxPromptTokens < 1 || c.MaxQueue < 0 || c.Tenants.MaxQueue < 0 || c.MaxInFlightPerEndpoint < 0 || c.MinRetries < 0 || c.MaxMigrations < 0 {
-		bad("--max-header-bytes must be at least 1024, --max-prompt-tokens positive, --max-queue, --max-queue-per-tenant, --max-in-flight-per-endpoint, --min-retries and --max-migrations not negative")
+	if c.MaxHeaderBytes < 1024 || c.MaxPromptTokens < 1 || c.MaxQueue < 0 || c.Tenants.MaxQueue < 0 || c.Tenants.Reserve < 0 || c.MaxInFlightPerEndpoint < 0 || c.MinRetries < 0 || c.MaxMigrations < 0 {
+		bad("--max-header-bytes must be at least 1024, --max-prompt-tokens positive, --max-queue, --max-queue-per-tenant, --tenant-reserve, --max-in-flight-per-endpoint, --min-retries and --max-migrations not negative")
 	}
 	if c.RetryBudget < 0 || c.RetryBudget > 1 {
 		bad("--retry-budget must be in [0, 1], got %g", c.RetryBudget)

@@ -99,3 +99,14 @@ func (e *Endpoint) QueueRoom() bool {
 // beyond its room limit l once the fleet is saturated: half a batch, at
 // least one. The router orders the rest.
 func QueueSlack(l int64) int64 { return max(1, l/2) }
+
+// Free is the requests the engine would start now beyond the known load
+// (0 when it has no room), and its room limit; limit 0: unknown, no bound
+// the router knows of.
+func (e *Endpoint) Free() (free, limit int64) {
+	l := e.roomLimit()
+	if l == 0 || e.Full() {
+		return 0, l
+	}
+	return max(0, l-e.Load()), l
+}

@@ -103,6 +103,7 @@ func (s *Server) end(r *record, err error) {
 	s.opt.Metrics.InFlight(-1)
 	if r.admitted {
 		s.opt.Metrics.TenantInFlight(r.label, -1)
+		s.queue.runs.ended(flowOf(r.tenant, r.tier))
 	}
 	s.budgets.settle(&r.charge, r.ep != nil, r.spent)
 	s.queue.freed() // its endpoint's place (if it had one), and its tenant's, are free now

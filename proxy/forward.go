@@ -20,8 +20,9 @@ import (
 // forward sends the request to the endpoints the policy picks, one attempt
 // (try) after another, until one answers with a response to pass on or
 // the failure is the answer (the retry rule: mayRetry). A request that
-// the fleet cannot start now (routing.Room), or that finds others
-// waiting, waits in the queue (queue.go) for its turn; so does one whose
+// the fleet cannot start now (routing.Room), that finds others waiting,
+// or that must leave the fleet's last places to another tenant (the
+// reserve, reserve.go), waits in the queue (queue.go) for its turn; so does one whose
 // endpoints are all saturated (full, at --max-in-flight-per-endpoint,
 // out of connections, or answering 429 as backpressure). On success
 // st.lease holds the answering endpoint's lease and st.att its attempt.
@@ -44,7 +45,8 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 	// fleet has no room; a continued stream (migrating) does not, nor a
 	// request passed on unparsed (a probe through the API port), which
 	// takes no place in a batch.
-	wait := !st.migrating && st.req.Kind != routing.KindOther && (s.queue.busy() || !routing.Room(&st.req, set)) &&
+	wait := !st.migrating && st.req.Kind != routing.KindOther &&
+		(s.queue.busy() || !routing.Room(&st.req, set) || s.queue.reserved(&st.req, flowOf(st.tenant, st.class))) &&
 		saturated(set, &st.req, nil)
 	waited := false
 	for tries := 0; ; {
@@ -87,6 +89,7 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 			st.label = s.tenantLabel(st.tenant)
 			s.opt.Metrics.TenantAdmitted(st.label, st.class.String(), st.waited.Seconds(), st.waited > 0)
 			s.opt.Metrics.TenantInFlight(st.label, 1)
+			s.queue.runs.started(flowOf(st.tenant, st.class), s.weightOf(st.tenant))
 		}
 		resp, answered, f := s.try(ctx, st, set, d, tries)
 		if resp != nil {

@@ -120,6 +120,13 @@ type fairQueue struct {
 	room   func(r *routing.Request) bool
 	capped func(tenant uint64) bool
 	gauge  func(tenant string, d float64)
+	// reserve is the fleet's free places a tenant at its share leaves to
+	// others below theirs (reserve.go; 0: none); places counts the fleet's
+	// free and total places for a request; runs are the tenants' requests
+	// running.
+	reserve int
+	places  func(r *routing.Request) (free, total int64)
+	runs    tenantRuns
 	// kick wakes the dispatcher; handed tells it the grantee has taken
 	// its endpoint (or given up).
 	kick, handed chan struct{}
@@ -303,6 +310,12 @@ func (q *fairQueue) grant() bool {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	var none []string // models found without room in this pass
+	type tenantModel struct {
+		who   uint64
+		model string
+	}
+	var held []tenantModel // tenants held back from the reserve in this pass, per model
+	var shares shareView
 	var now time.Time
 	for _, w := range q.waiting {
 		if !w.notBefore.IsZero() {
@@ -328,10 +341,17 @@ func (q *fairQueue) grant() bool {
 		if plain && slices.Contains(none, w.req.Model) {
 			continue
 		}
+		if plain && slices.Contains(held, tenantModel{w.who, w.req.Model}) {
+			continue
+		}
 		if !q.room(w.req) {
 			if plain {
 				none = append(none, w.req.Model)
 			}
+			continue
+		}
+		if q.holdBack(&shares, w.req, flowOf(w.who, w.class)) {
+			held = append(held, tenantModel{w.who, w.req.Model})
 			continue
 		}
 		q.vtime = max(q.vtime, w.start)

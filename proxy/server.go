@@ -175,6 +175,9 @@ func New(opt Options) *Server {
 	s.budget.init(opt.RetryBudget, opt.MinRetries)
 	s.queue.init(opt.MaxQueue, opt.Tenants.MaxQueue, func(r *routing.Request) bool { return routing.Room(r, s.opt.Pool.Load()) },
 		s.budgets.atMax, opt.Metrics.TenantQueued)
+	if !opt.Tenants.FIFO {
+		s.queue.reserve, s.queue.places = opt.Tenants.Reserve, s.placesOf
+	}
 	s.budgets.cur.Store(opt.Budgets)
 	s.tenants.max = opt.Tenants.MetricTenants
 	s.states.New = func() any { return &reqState{wait: waiter{ready: make(chan struct{}, 1)}} }

@@ -36,11 +36,16 @@ type TenantOptions struct {
 	// (the order before tenants; the benchmarks' anchor). Tenants and
 	// classes are still counted.
 	FIFO bool
+	// Reserve is the fleet's free places that a tenant running its share
+	// of the fleet's places or more leaves, while the fleet is saturated,
+	// to the active tenants running less than theirs (reserve.go); 0: the
+	// queue is fully work-conserving. Not under FIFO.
+	Reserve int
 }
 
 // DefaultTenantOptions are the flags' defaults.
 func DefaultTenantOptions() TenantOptions {
-	return TenantOptions{MaxQueue: 256, MetricTenants: 32}
+	return TenantOptions{MaxQueue: 256, MetricTenants: 32, Reserve: 1}
 }
 
 // tenantOf returns the tenant of a request with header h: a hash of its

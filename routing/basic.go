@@ -39,6 +39,25 @@ func Room(r *Request, set *discovery.Set) bool {
 	return false
 }
 
+// Places returns the free places and the places in all of the batches of
+// the endpoints that may serve r (routable, serving its model, not
+// shedding load): what the fleet would start now and what it runs at once
+// (Endpoint.Free). total is 0 when an endpoint's room is unknown: the
+// fleet then has no bound the router knows of.
+func Places(r *Request, set *discovery.Set) (free, total int64) {
+	for _, e := range r.group(set) {
+		if !e.Routable() || !e.Serves(r.Model) || e.Shedding() {
+			continue
+		}
+		f, l := e.Free()
+		if l == 0 {
+			return 0, 0
+		}
+		free, total = free+f, total+l
+	}
+	return free, total
+}
+
 // usableAt returns the endpoint of eps usable for r, other than skip,
 // chosen by pick from their number m (pick(m) in [0, m)); nil if none.
 // Unusable endpoints' turns thus spread evenly over the usable ones,

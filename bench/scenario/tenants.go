@@ -66,14 +66,15 @@ func IsTenantScenario(name string) bool {
 // The policies a tenant scenario compares: kvroute's fair queue and the
 // same router with its queue in arrival order.
 const (
-	TenantFair   = "prefix"
-	TenantFIFO   = "prefix-fifo"
-	TenantBudget = "prefix-budget"
+	TenantFair      = "prefix"
+	TenantFIFO      = "prefix-fifo"
+	TenantBudget    = "prefix-budget"
+	TenantNoReserve = "prefix-no-reserve"
 )
 
 // queueName is a tenant policy's queue in the report.
 func queueName(policy string) string {
-	return map[string]string{TenantFair: "fair", TenantFIFO: "fifo", TenantBudget: "fair, flood capped"}[policy]
+	return map[string]string{TenantFair: "fair", TenantFIFO: "fifo", TenantBudget: "fair, flood capped", TenantNoReserve: "fair, no reserve"}[policy]
 }
 
 // tenantShape is the traffic of one tenant scenario.
@@ -226,7 +227,7 @@ func RunTenants(ctx context.Context, name, engine string, to TenantOptions, opt 
 	phases := []struct {
 		name, policy string
 		flood        bool
-	}{{"alone", TenantFair, false}, {"flood", TenantFair, true}, {"flood", TenantFIFO, true}}
+	}{{"alone", TenantFair, false}, {"flood", TenantFair, true}, {"flood", TenantNoReserve, true}, {"flood", TenantFIFO, true}}
 	var budgets string
 	if shape.capFlood {
 		phases = append(phases, struct {
@@ -283,6 +284,8 @@ func runTenantPhase(ctx context.Context, sc *Scenario, ps phaseSpec, to TenantOp
 	switch policy {
 	case TenantFIFO:
 		p.Configure = func(c *app.Config) { c.Tenants.FIFO = true }
+	case TenantNoReserve:
+		p.Configure = func(c *app.Config) { c.Tenants.Reserve = 0 }
 	case TenantBudget:
 		p.Configure = func(c *app.Config) { c.BudgetsFile = budgets }
 	}

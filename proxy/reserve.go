@@ -1,0 +1,171 @@
+package proxy
+
+import (
+	"sync"
+	"time"
+
+	"github.com/kvroute/kvroute/routing"
+)
+
+// The reserve: while flows share a saturated fleet, a flow running its
+// share of the fleet's places or more (its weight's part of them among the
+// active flows) is not granted the fleet's last free places
+// (--tenant-reserve) while another active flow runs less than its share:
+// those places wait for that flow's next request. A flow is one tenant's
+// requests of one class: a tenant's flex batch leaves them to its own
+// interactive traffic too. A fully
+// work-conserving queue gave a quiet tenant's request, first in order,
+// the next place a flood sequence freed, and it waited for one to end
+// (issue #38: the quiet tenants' TTFT p90 5–13× their own alone on the
+// simulators). A place held back costs the flood that place's output
+// while others are active (one place of a fleet of 16: up to 6%); a tenant
+// alone, or tenants all at their share, hold nothing back, and neither
+// does a fleet whose batch limits are unknown.
+
+// activeFor is how long a flow counts as active after its last request
+// ended: a quiet tenant's requests come a second or two apart.
+const activeFor = 3 * time.Second
+
+// flowOf is the flow of tenant's requests of class c.
+func flowOf(tenant uint64, c class) uint64 { return tenant ^ uint64(c)*0x9e3779b97f4a7c15 }
+
+// tenantRun is a flow's requests running through this router (admitted
+// and not ended), its tenant's weight, and when its last one ended.
+type tenantRun struct {
+	running int
+	weight  float64
+	ended   time.Time
+}
+
+// tenantRuns are the flows' runs, guarded by mu (taken after the queue's
+// mu, never before).
+type tenantRuns struct {
+	mu sync.Mutex
+	m  map[uint64]*tenantRun
+}
+
+// started counts a request of flow id (its tenant's weight) admitted to
+// the fleet.
+func (t *tenantRuns) started(id uint64, weight float64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.m == nil {
+		t.m = make(map[uint64]*tenantRun)
+	}
+	r := t.m[id]
+	if r == nil {
+		if len(t.m) >= maxTenants {
+			t.sweep(time.Now())
+		}
+		r = &tenantRun{}
+		t.m[id] = r
+	}
+	r.running++
+	r.weight = weight
+}
+
+// ended counts the end of a request of flow id that started.
+func (t *tenantRuns) ended(id uint64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if r := t.m[id]; r != nil {
+		r.running--
+		r.ended = time.Now()
+	}
+}
+
+// sweep forgets the flows no longer active; t.mu is held.
+func (t *tenantRuns) sweep(now time.Time) {
+	for id, r := range t.m {
+		if r.running <= 0 && now.Sub(r.ended) > activeFor {
+			delete(t.m, id)
+		}
+	}
+}
+
+// shareView is one grant pass's view of the active flows: running or
+// waiting, or ended within activeFor.
+type shareView struct {
+	built bool
+	sumW  float64
+	runs  map[uint64]tenantRun
+	// The fleet's places for the last request looked at (routing.Places),
+	// and its model.
+	placed      bool
+	model       string
+	free, total int64
+}
+
+// build takes the view; q.mu is held.
+func (v *shareView) build(q *fairQueue) {
+	v.built = true
+	v.runs = make(map[uint64]tenantRun, len(q.tenants)+4)
+	now := time.Now()
+	q.runs.mu.Lock()
+	q.runs.sweep(now)
+	for id, r := range q.runs.m {
+		v.runs[id] = *r
+	}
+	q.runs.mu.Unlock()
+	for _, w := range q.waiting {
+		f := flowOf(w.who, w.class)
+		if r := v.runs[f]; r.weight == 0 {
+			r.weight = w.tenant.weight
+			v.runs[f] = r
+		}
+	}
+	for _, r := range v.runs {
+		v.sumW += r.weight
+	}
+}
+
+// holdBack reports whether r, a request of flow me, must leave the
+// fleet's last free places to a flow below its share; q.mu is held.
+func (q *fairQueue) holdBack(v *shareView, r *routing.Request, me uint64) bool {
+	if q.reserve <= 0 || q.places == nil || r.Prefill || len(r.Tried) > 0 {
+		return false
+	}
+	if !v.placed || r.Model != v.model {
+		v.placed, v.model = true, r.Model
+		v.free, v.total = q.places(r)
+	}
+	if v.total == 0 || v.free > int64(q.reserve) {
+		return false
+	}
+	if !v.built {
+		v.build(q)
+	}
+	share := func(r tenantRun) float64 { return float64(v.total) * r.weight / v.sumW }
+	if r := v.runs[me]; float64(r.running) < share(r) {
+		return false
+	}
+	for id, r := range v.runs {
+		if id != me && float64(r.running) < share(r) {
+			return true
+		}
+	}
+	return false
+}
+
+// reserved reports whether a new request r of flow me, which the fleet has
+// room for and nobody waits before, must queue to leave the fleet's last
+// free places to a flow below its share. Below them it costs one count of
+// the fleet's places.
+func (q *fairQueue) reserved(r *routing.Request, me uint64) bool {
+	if q.reserve <= 0 || q.places == nil {
+		return false
+	}
+	var v shareView
+	v.placed, v.model = true, r.Model
+	if v.free, v.total = q.places(r); v.total == 0 || v.free > int64(q.reserve) {
+		return false
+	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.holdBack(&v, r, me)
+}
+
+// placesOf is the queue's view of the fleet's places for r.
+func (s *Server) placesOf(r *routing.Request) (free, total int64) {
+	return routing.Places(r, s.opt.Pool.Load())
+}

@@ -100,13 +100,18 @@ func (e *Endpoint) QueueRoom() bool {
 // least one. The router orders the rest.
 func QueueSlack(l int64) int64 { return max(1, l/2) }
 
-// Free is the requests the engine would start now beyond the known load
-// (0 when it has no room), and its room limit; limit 0: unknown, no bound
-// the router knows of.
+// Free is the engine's room limit less the known load — the requests it
+// would start now, or, below 0, those waiting in its own queue — at most
+// 0 when it is full; and its room limit (0: unknown, no bound the router
+// knows of).
 func (e *Endpoint) Free() (free, limit int64) {
 	l := e.roomLimit()
-	if l == 0 || e.Full() {
-		return 0, l
+	if l == 0 {
+		return 0, 0
 	}
-	return max(0, l-e.Load()), l
+	free = l - e.Load()
+	if e.Full() {
+		free = min(free, 0)
+	}
+	return free, l
 }

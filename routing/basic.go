@@ -41,9 +41,10 @@ func Room(r *Request, set *discovery.Set) bool {
 
 // Places returns the free places and the places in all of the batches of
 // the endpoints that may serve r (routable, serving its model, not
-// shedding load): what the fleet would start now and what it runs at once
-// (Endpoint.Free). total is 0 when an endpoint's room is unknown: the
-// fleet then has no bound the router knows of.
+// shedding load): what the fleet runs at once less the requests it has
+// (Endpoint.Free: requests waiting in an engine's queue take a place too),
+// and what it runs at once. total is 0 when an endpoint's room is
+// unknown: the fleet then has no bound the router knows of.
 func Places(r *Request, set *discovery.Set) (free, total int64) {
 	for _, e := range r.group(set) {
 		if !e.Routable() || !e.Serves(r.Model) || e.Shedding() {

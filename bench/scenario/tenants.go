@@ -116,6 +116,7 @@ type TenantReport struct {
 	Scenario string    `json:"scenario"`
 	Engine   string    `json:"engine"`
 	Pods     int       `json:"pods"`
+	Seqs     int       `json:"seqs_per_pod"`
 	Machine  Machine   `json:"machine"`
 	Started  time.Time `json:"started"`
 	// Capacity is the closed loop at twice the fleet's batch slots, and
@@ -187,6 +188,12 @@ type TenantOptions struct {
 	// that sequences started together do not all end together; 0: every
 	// request 64.
 	OutputSpread int
+	// Reserve, when not negative, is the fair-queue phases' --tenant-reserve
+	// (-1: kvroute's default).
+	Reserve int
+	// Seqs is each simulated pod's batch (max-num-seqs; 0: 4). llama.cpp
+	// keeps its own four slots.
+	Seqs int
 }
 
 // RunTenants runs tenant scenario name on engine and returns its report.
@@ -199,11 +206,15 @@ func RunTenants(ctx context.Context, name, engine string, to TenantOptions, opt 
 	if shape.maxWaiting > 0 && engine != EngineLLMD {
 		return nil, fmt.Errorf("%w: %s runs on %s (a waiting-queue bound)", ErrConfig, name, EngineLLMD)
 	}
+	seqs := tenantSeqs
+	if to.Seqs > 0 && engine != EngineLlamaCpp {
+		seqs = to.Seqs
+	}
 	sc := Scenario{Name: name, Pods: tenantPods, Engine: engine, Seed: 1,
-		Sim: sim.Config{Seed: 1, TimeScale: 1, MaxNumSeqs: tenantSeqs}, Workload: tenantWorkload(1),
+		Sim: sim.Config{Seed: 1, TimeScale: 1, MaxNumSeqs: seqs}, Workload: tenantWorkload(1),
 		llmdMaxWaiting: shape.maxWaiting}
 	sc.describeFleet()
-	rep := &TenantReport{Scenario: name, Engine: sc.engineName(), Pods: sc.Pods, Machine: ThisMachine(), Started: time.Now(),
+	rep := &TenantReport{Scenario: name, Engine: sc.engineName(), Pods: sc.Pods, Seqs: seqs, Machine: ThisMachine(), Started: time.Now(),
 		PhaseSeconds: phase.Seconds(), OutputSpread: to.OutputSpread}
 	defer func() { rep.WallSeconds = time.Since(rep.Started).Seconds() }()
 	logf := func(format string, a ...any) {
@@ -211,7 +222,7 @@ func RunTenants(ctx context.Context, name, engine string, to TenantOptions, opt 
 			fmt.Fprintf(opt.Log, format+"\n", a...)
 		}
 	}
-	slots := tenantPods * tenantSeqs
+	slots := tenantPods * seqs
 	capRun := tenantLoad{Name: "capacity", Key: "key-capacity", Seed: 31}
 	logf("%s on %s: capacity (closed loop of %d)", name, sc.engineName(), 2*slots)
 	runs, tput, err := runTenantPhase(ctx, &sc, phaseSpec{policy: TenantFair, ts: []tenantLoad{capRun}, closed: 2 * slots}, to, opt)
@@ -289,6 +300,14 @@ func runTenantPhase(ctx context.Context, sc *Scenario, ps phaseSpec, to TenantOp
 	case TenantBudget:
 		p.Configure = func(c *app.Config) { c.BudgetsFile = budgets }
 	}
+	if r := to.Reserve; r >= 0 && (policy == TenantFair || policy == TenantBudget) {
+		p.Configure = func(c *app.Config) {
+			c.Tenants.Reserve = r
+			if policy == TenantBudget {
+				c.BudgetsFile = budgets
+			}
+		}
+	}
 	rt, err := StartRouter(p, fleet.URLs(), sc.simEngines(cfgs))
 	if err != nil {
 		return nil, 0, err
@@ -362,13 +381,13 @@ func runTenantPhase(ctx context.Context, sc *Scenario, ps phaseSpec, to TenantOp
 // each phase's tenants with their TTFT against their own alone, and the
 // fleet's throughput against its capacity.
 func WriteTenantReport(w io.Writer, rep *TenantReport) {
-	fmt.Fprintf(w, "## %s on %s (%d pods × %d sequences)\n\n", rep.Scenario, rep.Engine, rep.Pods, tenantSeqs)
+	fmt.Fprintf(w, "## %s on %s (%d pods × %d sequences)\n\n", rep.Scenario, rep.Engine, rep.Pods, rep.Seqs)
 	if rep.OutputSpread > 0 {
 		fmt.Fprintf(w, "Output lengths drawn uniformly within %d ± %d tokens.\n\n", tenantOutput, rep.OutputSpread)
 	}
 	c := rep.Capacity.Sum
 	fmt.Fprintf(w, "Capacity (closed loop of %d, %.0f s): %.2f req/s, %.0f output tokens/s, TTFT p90 %.0f ms.\n\n",
-		2*rep.Pods*tenantSeqs, rep.PhaseSeconds, c.RequestThroughput, rep.CapacityThroughput, c.TTFT.P90)
+		2*rep.Pods*rep.Seqs, rep.PhaseSeconds, c.RequestThroughput, rep.CapacityThroughput, c.TTFT.P90)
 	alone := map[string]load.Summary{}
 	for _, ph := range rep.Phases {
 		if ph.Name == "alone" {

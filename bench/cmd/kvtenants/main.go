@@ -35,6 +35,8 @@ func run() error {
 	engines := pflag.StringSlice("engine", []string{scenario.EngineKVSim}, "engines: "+strings.Join(scenario.Engines(), ", "))
 	phase := pflag.Duration("phase", 30*time.Second, "sending time of each phase (capacity, alone, flood fair, flood fifo, flood capped)")
 	spread := pflag.Int("output-spread", 0, "draw each request's output length uniformly within 64 ± this many tokens (0: every request 64)")
+	reserve := pflag.Int("reserve", -1, "kvroute's --tenant-reserve in the fair-queue phases (-1: its default)")
+	seqs := pflag.Int("seqs", 0, "each simulated pod's batch, max-num-seqs (0: 4; llama.cpp keeps its four slots)")
 	out := pflag.String("out", "", "directory for report.md and the runs' JSON (default: stdout only)")
 	llmdBin := pflag.String("llmd-binary", os.Getenv("KVBENCH_LLMD"), "the llm-d inference simulator's binary (default $KVBENCH_LLMD, else found on PATH)")
 	pflag.Parse()
@@ -51,7 +53,7 @@ func run() error {
 			if name == scenario.NoisyNeighbour429 && engine != scenario.EngineLLMD {
 				continue
 			}
-			rep, err := scenario.RunTenants(ctx, name, engine, scenario.TenantOptions{Phase: *phase, OutputSpread: *spread},
+			rep, err := scenario.RunTenants(ctx, name, engine, scenario.TenantOptions{Phase: *phase, OutputSpread: *spread, Reserve: *reserve, Seqs: *seqs},
 				scenario.RunOptions{Log: os.Stderr, LLMDBinary: *llmdBin})
 			if err != nil {
 				return fmt.Errorf("%s on %s: %w", name, engine, err)
@@ -76,7 +78,7 @@ func run() error {
 	if err := os.WriteFile(filepath.Join(*out, "runs.json"), b, 0o644); err != nil {
 		return err
 	}
-	head := fmt.Sprintf("# Tenant scenarios\n\n`bin/kvtenants --engine %s --scenario %s --phase %s --output-spread %d --out %s`\n\n",
-		strings.Join(*engines, ","), strings.Join(*scenarios, ","), *phase, *spread, *out)
+	head := fmt.Sprintf("# Tenant scenarios\n\n`bin/kvtenants --engine %s --scenario %s --phase %s --output-spread %d --reserve %d --seqs %d --out %s`\n\n",
+		strings.Join(*engines, ","), strings.Join(*scenarios, ","), *phase, *spread, *reserve, *seqs, *out)
 	return os.WriteFile(filepath.Join(*out, "report.md"), []byte(head+md.String()), 0o644)
 }

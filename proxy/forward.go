@@ -46,7 +46,7 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 	// request passed on unparsed (a probe through the API port), which
 	// takes no place in a batch.
 	wait := !st.migrating && st.req.Kind != routing.KindOther &&
-		(s.queue.busy() || !routing.Room(&st.req, set) || s.queue.reserved(&st.req, flowOf(st.tenant, st.class))) &&
+		(s.queue.busy() || !routing.Room(&st.req, set) || s.queue.reserved(&st.req, flowOf(st.tenant, st.class), st.class)) &&
 		saturated(set, &st.req, nil)
 	waited := false
 	for tries := 0; ; {
@@ -89,7 +89,7 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 			st.label = s.tenantLabel(st.tenant)
 			s.opt.Metrics.TenantAdmitted(st.label, st.class.String(), st.waited.Seconds(), st.waited > 0)
 			s.opt.Metrics.TenantInFlight(st.label, 1)
-			s.queue.runs.started(flowOf(st.tenant, st.class), s.weightOf(st.tenant))
+			s.queue.runs.started(flowOf(st.tenant, st.class), s.weightOf(st.tenant), st.class)
 		}
 		resp, answered, f := s.try(ctx, st, set, d, tries)
 		if resp != nil {

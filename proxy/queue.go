@@ -350,7 +350,7 @@ func (q *fairQueue) grant() bool {
 			}
 			continue
 		}
-		if q.holdBack(&shares, w.req, flowOf(w.who, w.class)) {
+		if q.holdBack(&shares, w.req, flowOf(w.who, w.class), w.class) {
 			held = append(held, tenantModel{w.who, w.req.Model})
 			continue
 		}

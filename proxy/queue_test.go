@@ -36,7 +36,7 @@ func newTestQueue(t *testing.T, max, perTenant int) *testQueue {
 // waitFor enters a request of tenant id and class c, and returns its
 // waiter and a channel that gets it when granted.
 func (tq *testQueue) waitFor(t *testing.T, id uint64, c class) (*waiter, <-chan *waiter) {
-	w := &waiter{req: &routing.Request{}, class: c, cost: 500, ready: make(chan struct{}, 1)}
+	w := &waiter{req: &routing.Request{}, who: id, class: c, cost: 500, ready: make(chan struct{}, 1)}
 	if shed := tq.q.enter(w, id, "", 1, false); shed != "" {
 		t.Fatalf("shed: %s", shed)
 	}

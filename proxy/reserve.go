@@ -12,8 +12,9 @@ import (
 // active flows) is not granted the fleet's last free places
 // (--tenant-reserve) while another active flow runs less than its share:
 // those places wait for that flow's next request. A flow is one tenant's
-// requests of one class: a tenant's flex batch leaves them to its own
-// interactive traffic too. A fully
+// requests of one class, and classes go first: a flow also leaves the last
+// places to any active flow of a higher class, whatever their shares (a
+// tenant's flex batch to its own interactive traffic too). A fully
 // work-conserving queue gave a quiet tenant's request, first in order,
 // the next place a flood sequence freed, and it waited for one to end
 // (issue #38: the quiet tenants' TTFT p90 5–13× their own alone on the
@@ -34,6 +35,7 @@ func flowOf(tenant uint64, c class) uint64 { return tenant ^ uint64(c)*0x9e3779b
 type tenantRun struct {
 	running int
 	weight  float64
+	class   class
 	ended   time.Time
 }
 
@@ -44,9 +46,9 @@ type tenantRuns struct {
 	m  map[uint64]*tenantRun
 }
 
-// started counts a request of flow id (its tenant's weight) admitted to
-// the fleet.
-func (t *tenantRuns) started(id uint64, weight float64) {
+// started counts a request of flow id (its tenant's weight, its class c)
+// admitted to the fleet.
+func (t *tenantRuns) started(id uint64, weight float64, c class) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.m == nil {
@@ -61,7 +63,7 @@ func (t *tenantRuns) started(id uint64, weight float64) {
 		t.m[id] = r
 	}
 	r.running++
-	r.weight = weight
+	r.weight, r.class = weight, c
 }
 
 // ended counts the end of a request of flow id that started.
@@ -110,7 +112,7 @@ func (v *shareView) build(q *fairQueue) {
 	for _, w := range q.waiting {
 		f := flowOf(w.who, w.class)
 		if r := v.runs[f]; r.weight == 0 {
-			r.weight = w.tenant.weight
+			r.weight, r.class = w.tenant.weight, w.class
 			v.runs[f] = r
 		}
 	}
@@ -119,9 +121,10 @@ func (v *shareView) build(q *fairQueue) {
 	}
 }
 
-// holdBack reports whether r, a request of flow me, must leave the
-// fleet's last free places to a flow below its share; q.mu is held.
-func (q *fairQueue) holdBack(v *shareView, r *routing.Request, me uint64) bool {
+// holdBack reports whether r, a request of flow me and class c, must leave
+// the fleet's last free places to a flow of a higher class or below its
+// share; q.mu is held.
+func (q *fairQueue) holdBack(v *shareView, r *routing.Request, me uint64, c class) bool {
 	if q.reserve <= 0 || q.places == nil || r.Prefill || len(r.Tried) > 0 {
 		return false
 	}
@@ -136,11 +139,9 @@ func (q *fairQueue) holdBack(v *shareView, r *routing.Request, me uint64) bool {
 		v.build(q)
 	}
 	share := func(r tenantRun) float64 { return float64(v.total) * r.weight / v.sumW }
-	if r := v.runs[me]; float64(r.running) < share(r) {
-		return false
-	}
-	for id, r := range v.runs {
-		if id != me && float64(r.running) < share(r) {
+	under := float64(v.runs[me].running) < share(v.runs[me])
+	for id, o := range v.runs {
+		if o.class.rank() > c.rank() || id != me && !under && o.class == c && float64(o.running) < share(o) {
 			return true
 		}
 	}
@@ -151,7 +152,7 @@ func (q *fairQueue) holdBack(v *shareView, r *routing.Request, me uint64) bool {
 // room for and nobody waits before, must queue to leave the fleet's last
 // free places to a flow below its share. Below them it costs one count of
 // the fleet's places.
-func (q *fairQueue) reserved(r *routing.Request, me uint64) bool {
+func (q *fairQueue) reserved(r *routing.Request, me uint64, c class) bool {
 	if q.reserve <= 0 || q.places == nil {
 		return false
 	}
@@ -162,7 +163,7 @@ func (q *fairQueue) reserved(r *routing.Request, me uint64) bool {
 	}
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	return q.holdBack(&v, r, me)
+	return q.holdBack(&v, r, me, c)
 }
 
 // placesOf is the queue's view of the fleet's places for r.

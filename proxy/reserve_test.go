@@ -68,3 +68,51 @@ func TestReserveKeepsAPlaceForTheQuietTenant(t *testing.T) {
 		})
 	}
 }
+
+// The reserve's rule, on the queue: of a fleet of four places with one
+// free, a flex request is held back while a default flow is active even
+// above its share, and a default request of a tenant at its share is held
+// back only while another default flow is below its share.
+func TestReserveHoldsBackByClassAndShare(t *testing.T) {
+	tq := newTestQueue(t, 64, 64)
+	tq.q.reserve = 1
+	tq.q.places = func(*routing.Request) (int64, int64) { return tq.places.Load(), 4 }
+	const team, other = 1, 2
+	tq.q.runs.started(flowOf(team, classFlex), 1, classFlex)
+	for range 2 {
+		tq.q.runs.started(flowOf(team, classDefault), 1, classDefault)
+	}
+	_, flex := tq.waitFor(t, team, classFlex)
+	tq.places.Add(1)
+	select {
+	case <-flex:
+		t.Fatal("a flex request took the last place while a default flow was active")
+	case <-time.After(100 * time.Millisecond):
+	}
+	// A default request of another tenant, with its own flow below its
+	// share (none running), is not held back.
+	_, def := tq.waitFor(t, other, classDefault)
+	select {
+	case <-def:
+	case <-time.After(time.Second):
+		t.Fatal("a default request below its share was held back")
+	}
+	tq.q.runs.started(flowOf(other, classDefault), 1, classDefault)
+	// The team's default flow (two running, a share of 4×1/3) waits for
+	// the other tenant's (one running) while it is below its share...
+	_, team2 := tq.waitFor(t, team, classDefault)
+	tq.places.Add(1)
+	select {
+	case <-team2:
+		t.Fatal("a flow at its share took the last place from a flow below its share")
+	case <-time.After(100 * time.Millisecond):
+	}
+	// ...and takes it once that tenant has its share.
+	tq.q.runs.started(flowOf(other, classDefault), 1, classDefault)
+	tq.q.wake()
+	select {
+	case <-team2:
+	case <-time.After(time.Second):
+		t.Fatal("no flow was below its share, yet the place was held back")
+	}
+}

@@ -100,6 +100,7 @@ type tenantQ struct {
 	weight  float64 // its share (1 unless a budget says otherwise)
 	finish  float64 // the finish tag of its last queued request
 	waiting int
+	byClass [numClasses]int // waiting, by class
 }
 
 // fairQueue is the queue; its fields are guarded by mu.
@@ -228,6 +229,7 @@ func (q *fairQueue) enter(w *waiter, id uint64, label string, weight float64, ag
 	q.waiting = slices.Insert(q.waiting, i, w)
 	q.n.Store(int64(len(q.waiting)))
 	t.waiting++
+	t.byClass[w.class]++
 	w.state = waitQueued
 	q.gauge(t.label, 1)
 	q.wake()
@@ -252,6 +254,7 @@ func (q *fairQueue) remove(w *waiter, st waitState) {
 		q.n.Store(int64(len(q.waiting)))
 	}
 	w.tenant.waiting--
+	w.tenant.byClass[w.class]--
 	w.state = st
 	if w.atMax {
 		w.atMax = false
@@ -355,10 +358,11 @@ func (q *fairQueue) grant() bool {
 			continue
 		}
 		q.vtime = max(q.vtime, w.start)
-		// A backlogged tenant's request may wait at a warm engine's short
-		// queue (its backlog gains the cache hits); a tenant's only one
-		// goes where it starts now.
-		w.req.Alone = w.tenant.waiting == 1
+		// A backlogged flow's request may wait at a warm engine's short
+		// queue (its backlog gains the cache hits); a flow's only one
+		// (its tenant's only one of its class: a tenant's interactive
+		// request beside its own flex backlog) goes where it starts now.
+		w.req.Alone = w.tenant.byClass[w.class] == 1
 		q.remove(w, waitGranted)
 		return true
 	}

@@ -36,16 +36,17 @@ type TenantOptions struct {
 	// (the order before tenants; the benchmarks' anchor). Tenants and
 	// classes are still counted.
 	FIFO bool
-	// Reserve is the fleet's free places that a tenant running its share
-	// of the fleet's places or more leaves, while the fleet is saturated,
-	// to the active tenants running less than theirs (reserve.go); 0: the
-	// queue is fully work-conserving. Not under FIFO.
+	// Reserve is the fleet's free places that a flow (a tenant's requests
+	// of one class) running its share of the fleet's places or more leaves,
+	// while the fleet is saturated, to the active flows of its class
+	// running less than theirs and to any active flow of a higher class
+	// (reserve.go); 0: the queue is fully work-conserving. Not under FIFO.
 	Reserve int
 }
 
 // DefaultTenantOptions are the flags' defaults.
 func DefaultTenantOptions() TenantOptions {
-	return TenantOptions{MaxQueue: 256, MetricTenants: 32, Reserve: 1}
+	return TenantOptions{MaxQueue: 256, MetricTenants: 32, Reserve: 2}
 }
 
 // tenantOf returns the tenant of a request with header h: a hash of its

@@ -546,6 +546,9 @@ type QueueStatus struct {
 	// is in arrival order (--queue-fifo).
 	MaxPerTenant int  `json:"max_queue_per_tenant"`
 	FIFO         bool `json:"fifo,omitempty"`
+	// Reserve is the saturated fleet's last free places a flow at its
+	// share leaves to flows below theirs (--tenant-reserve; reserve.go).
+	Reserve int `json:"reserve"`
 	// Budgets are the tenants with a budget's limits in use (budgets.go).
 	Budgets []BudgetStatus `json:"budgets,omitempty"`
 }
@@ -568,7 +571,7 @@ func (s *Server) QueueStatus() QueueStatus {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	st := QueueStatus{Waiting: len(q.waiting), ByClass: map[string]int{}, VirtualTime: q.vtime,
-		Max: q.max, MaxPerTenant: q.perTenant, FIFO: s.opt.Tenants.FIFO, Budgets: budgets}
+		Max: q.max, MaxPerTenant: q.perTenant, FIFO: s.opt.Tenants.FIFO, Reserve: q.reserve, Budgets: budgets}
 	now := time.Now()
 	for _, w := range q.waiting {
 		st.ByClass[w.class.String()]++

@@ -112,7 +112,7 @@ bench-proxy: build ## one hop's cost against nginx, HAProxy and a bare proxy, me
 # Tenants (issue #38): noisy neighbour and priority floods, kvroute's fair
 # queue against its queue in arrival order, on bench/sim, the llm-d
 # simulator (also with short waiting queues that answer 429) and
-# llama.cpp's server where ../shared/engines has them. About 20 minutes.
+# llama.cpp's server where ../shared/engines has them. About 25 minutes.
 bench-tenants: build ## overload shared by tenants: fair queue against FIFO, every engine
 	$(GO) build -trimpath -o $(BIN)/kvtenants ./bench/cmd/kvtenants
 	./$(BIN)/kvtenants --engine kvsim,llm-d,llamacpp --out bench/results/tenants-38

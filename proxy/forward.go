@@ -22,10 +22,11 @@ import (
 // the failure is the answer (the retry rule: mayRetry). A request that
 // the fleet cannot start now (routing.Room), that finds others waiting,
 // or that must leave the fleet's last places to another tenant (the
-// reserve, reserve.go), waits in the queue (queue.go) for its turn; so does one whose
-// endpoints are all saturated (full, at --max-in-flight-per-endpoint,
-// out of connections, or answering 429 as backpressure). On success
-// st.lease holds the answering endpoint's lease and st.att its attempt.
+// reserve, reserve.go), waits in the queue (queue.go) for its turn; so
+// does one whose endpoints are all saturated (full, at
+// --max-in-flight-per-endpoint, out of connections, or answering 429 as
+// backpressure). On success st.lease holds the answering endpoint's lease
+// and st.att its attempt.
 func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Response, routing.Decision, error) {
 	set := s.opt.Pool.Load()
 	if v := set.Version; s.pruned.Load() != v {

@@ -121,10 +121,10 @@ type fairQueue struct {
 	room   func(r *routing.Request) bool
 	capped func(tenant uint64) bool
 	gauge  func(tenant string, d float64)
-	// reserve is the fleet's free places a tenant at its share leaves to
-	// others below theirs (reserve.go; 0: none); places counts the fleet's
-	// free and total places for a request; runs are the tenants' requests
-	// running.
+	// reserve is the fleet's free places a flow at its share leaves to
+	// flows below theirs and of higher classes (reserve.go; 0: none);
+	// places counts the fleet's free and total places for a request; runs
+	// are the flows' requests running.
 	reserve int
 	places  func(r *routing.Request) (free, total int64)
 	runs    tenantRuns

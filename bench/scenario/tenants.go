@@ -29,11 +29,11 @@ import (
 //     through kvroute — requests and output tokens per second at
 //     saturation;
 //  2. the quiet traffic alone, at rates set from that capacity;
-//  3. the quiet traffic beside the flood (4× capacity), once with
-//     kvroute's fair queue and once with its queue in arrival order
-//     (--queue-fifo, the anchor), in the same run; noisy-neighbour also
-//     once with a budget (--tenant-budgets) that caps the noisy tenant at
-//     half the fleet's sequences.
+//  3. the quiet traffic beside the flood (4× capacity), with kvroute's
+//     fair queue, with it fully work-conserving (--tenant-reserve 0) and
+//     with its queue in arrival order (--queue-fifo, the anchor), in the
+//     same run; noisy-neighbour also once with a budget (--tenant-budgets)
+//     that caps the noisy tenant at half the fleet's sequences.
 //
 // Rates come from the measured capacity, so that "4× capacity" holds on
 // every engine, real or simulated, without assuming its speed.

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"math"
 	"sync"
 	"time"
 
@@ -11,7 +12,11 @@ import (
 // share of the fleet's places or more (its weight's part of them among the
 // active flows) is not granted the fleet's last free places
 // (--tenant-reserve) while another active flow runs less than its share:
-// those places wait for that flow's next request. A flow is one tenant's
+// those places wait for that flow's next request. A flow at its share is
+// held back only while it runs the most of its class or its use averaged
+// over a few seconds (usageTau) is at its share too: a quiet tenant's
+// burst above its share for a moment, beside a flood that runs more, is
+// not held back, and a second flood is, once its average has risen. A flow is one tenant's
 // requests of one class, and classes go first: a flow also leaves the last
 // places to any active flow of a higher class, whatever their shares (a
 // tenant's flex batch to its own interactive traffic too). A fully
@@ -30,16 +35,34 @@ import (
 // ended: a quiet tenant's requests come a second or two apart.
 const activeFor = 3 * time.Second
 
+// usageTau is the time constant of a flow's average use of the fleet's
+// places: a flood's average passes a third of the fleet within about two
+// seconds of its start, and a quiet tenant's burst of a second moves its
+// own by a third of the burst.
+const usageTau = 3 * time.Second
+
 // flowOf is the flow of tenant's requests of class c.
 func flowOf(tenant uint64, c class) uint64 { return tenant ^ uint64(c)*0x9e3779b97f4a7c15 }
 
 // tenantRun is a flow's requests running through this router (admitted
-// and not ended), its tenant's weight, and when its last one ended.
+// and not ended), their average over time (usage, as of at), its tenant's
+// weight, and when its last one ended.
 type tenantRun struct {
 	running int
+	usage   float64
+	at      time.Time
 	weight  float64
 	class   class
 	ended   time.Time
+}
+
+// catchUp moves r's usage to now: toward what it ran since r.at.
+func (r *tenantRun) catchUp(now time.Time) {
+	if !r.at.IsZero() {
+		decay := math.Exp(-float64(now.Sub(r.at)) / float64(usageTau))
+		r.usage = float64(r.running) + (r.usage-float64(r.running))*decay
+	}
+	r.at = now
 }
 
 // tenantRuns are the flows' runs, guarded by mu (taken after the queue's
@@ -57,14 +80,16 @@ func (t *tenantRuns) started(id uint64, weight float64, c class) {
 	if t.m == nil {
 		t.m = make(map[uint64]*tenantRun)
 	}
+	now := time.Now()
 	r := t.m[id]
 	if r == nil {
 		if len(t.m) >= maxTenants {
-			t.sweep(time.Now())
+			t.sweep(now)
 		}
 		r = &tenantRun{}
 		t.m[id] = r
 	}
+	r.catchUp(now)
 	r.running++
 	r.weight, r.class = weight, c
 }
@@ -74,8 +99,9 @@ func (t *tenantRuns) ended(id uint64) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if r := t.m[id]; r != nil {
-		r.running--
 		r.ended = time.Now()
+		r.catchUp(r.ended)
+		r.running--
 	}
 }
 
@@ -109,7 +135,9 @@ func (v *shareView) build(q *fairQueue) {
 	q.runs.mu.Lock()
 	q.runs.sweep(now)
 	for id, r := range q.runs.m {
-		v.runs[id] = *r
+		c := *r
+		c.catchUp(now)
+		v.runs[id] = c
 	}
 	q.runs.mu.Unlock()
 	for _, w := range q.waiting {
@@ -142,13 +170,22 @@ func (q *fairQueue) holdBack(v *shareView, r *routing.Request, me uint64, c clas
 		v.build(q)
 	}
 	share := func(r tenantRun) float64 { return float64(v.total) * r.weight / v.sumW }
-	under := float64(v.runs[me].running) < share(v.runs[me])
+	mine := v.runs[me]
+	atShare := mine.weight > 0 && float64(mine.running) >= share(mine) // a flow not seen yet runs nothing
+	steady := mine.usage >= share(mine) // its average is at its share too
+	runsMost, other := true, false      // other: a flow of its class runs less than its share
 	for id, o := range v.runs {
-		if o.class.rank() > c.rank() || id != me && !under && o.class == c && float64(o.running) < share(o) {
+		switch {
+		case o.class.rank() > c.rank():
 			return true
+		case id == me || o.class != c:
+		case float64(o.running)/o.weight > float64(mine.running)/mine.weight:
+			runsMost = false
+		case float64(o.running) < share(o):
+			other = true
 		}
 	}
-	return false
+	return atShare && (runsMost || steady) && other
 }
 
 // reserved reports whether a new request r of flow me, which the fleet has

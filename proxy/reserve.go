@@ -171,9 +171,11 @@ func (q *fairQueue) holdBack(v *shareView, r *routing.Request, me uint64, c clas
 	}
 	share := func(r tenantRun) float64 { return float64(v.total) * r.weight / v.sumW }
 	mine := v.runs[me]
-	atShare := mine.weight > 0 && float64(mine.running) >= share(mine) // a flow not seen yet runs nothing
-	steady := mine.usage >= share(mine)                                // its average is at its share too
-	runsMost, other := true, false                                     // other: a flow of its class runs less than its share
+	// A flow not seen yet runs nothing; steady: its average is at its
+	// share too; other: a flow of its class runs less than its share.
+	atShare := mine.weight > 0 && float64(mine.running) >= share(mine)
+	steady := mine.usage >= share(mine)
+	runsMost, other := true, false
 	for id, o := range v.runs {
 		switch {
 		case o.class.rank() > c.rank():

@@ -116,3 +116,38 @@ func TestReserveHoldsBackByClassAndShare(t *testing.T) {
 		t.Fatal("no flow was below its share, yet the place was held back")
 	}
 }
+
+// A quiet tenant's burst above its share, beside a flood that runs more,
+// is not held back; the flood is. Of eight places with one free: the flood
+// runs 5 (and has for a while), the bursting tenant 3 (1 on average), a
+// third tenant none (active: its request ended just now).
+func TestReserveLetsABurstThrough(t *testing.T) {
+	tq := newTestQueue(t, 64, 64)
+	tq.q.reserve = 1
+	tq.q.places = func(*routing.Request) (int64, int64) { return tq.places.Load(), 8 }
+	const flood, burst, quiet = 1, 2, 3
+	runs := map[uint64]int{flood: 5, burst: 3, quiet: 1}
+	for id, n := range runs {
+		for range n {
+			tq.q.runs.started(flowOf(id, classDefault), 1, classDefault)
+		}
+	}
+	tq.q.runs.ended(flowOf(quiet, classDefault))
+	tq.q.runs.mu.Lock()
+	now := time.Now()
+	for id, avg := range map[uint64]float64{flood: 5, burst: 1} {
+		r := tq.q.runs.m[flowOf(id, classDefault)]
+		r.usage, r.at = avg, now
+	}
+	tq.q.runs.mu.Unlock()
+	_, f := tq.waitFor(t, flood, classDefault)
+	_, b := tq.waitFor(t, burst, classDefault)
+	tq.places.Add(1)
+	select {
+	case <-b:
+	case <-f:
+		t.Fatal("the flood took the last place")
+	case <-time.After(time.Second):
+		t.Fatal("the burst was held back beside a flood that runs more")
+	}
+}

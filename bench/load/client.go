@@ -59,8 +59,11 @@ type RequestResult struct {
 	CachedTokens int `json:"cached_tokens"`
 	// Status is the HTTP status (0 without response).
 	Status int `json:"status"`
-	// Err is "" on success, else one of the ErrKind values ("http_503").
-	Err string `json:"err,omitempty"`
+	// Err is "" on success, else one of the ErrKind values ("http_503");
+	// ErrDetail, when known, its start: the answer's body (a non-200) or
+	// the client's error (no answer), at most errDetailBytes.
+	Err       string `json:"err,omitempty"`
+	ErrDetail string `json:"err_detail,omitempty"`
 	// RetryAfter: the answer carried a Retry-After header.
 	RetryAfter bool `json:"retry_after,omitempty"`
 	// ITL holds every gap between consecutive content chunks, in modelled
@@ -235,6 +238,7 @@ func (c *client) do(ctx context.Context, body []byte, keepAnswer bool, scale flo
 		return ""
 	}
 	if err := c.hc.Do(req, resp); err != nil {
+		res.ErrDetail = detail([]byte(err.Error()))
 		return fail(classify(ctx, err, ErrKindConnection))
 	}
 	defer resp.CloseBodyStream() //nolint:errcheck // the stream is done either way
@@ -242,9 +246,15 @@ func (c *client) do(ctx context.Context, body []byte, keepAnswer bool, scale flo
 	res.RetryAfter = len(resp.Header.Peek(fasthttp.HeaderRetryAfter)) > 0
 	stream := resp.BodyStream()
 	if res.Status != fasthttp.StatusOK {
+		var body []byte
 		if stream != nil {
-			_, _ = io.Copy(io.Discard, io.LimitReader(stream, 64<<10))
+			var b bytes.Buffer
+			_, _ = io.Copy(&b, io.LimitReader(stream, 64<<10))
+			body = b.Bytes()
+		} else {
+			body = resp.Body()
 		}
+		res.ErrDetail = detail(body)
 		return fail(ErrKindHTTP + strconv.Itoa(res.Status))
 	}
 	if stream == nil {
@@ -414,3 +424,9 @@ func parseEvent(p *fastjson.Parser, payload []byte) event {
 	}
 	return ev
 }
+
+// errDetailBytes bounds a failure's detail (RequestResult.ErrDetail).
+const errDetailBytes = 256
+
+// detail is b's start as a failure's detail.
+func detail(b []byte) string { return string(b[:min(len(b), errDetailBytes)]) }

@@ -151,6 +151,9 @@ func TestClientStreams(t *testing.T) {
 				if res.E2EL <= 0 {
 					t.Fatal("a failure must still record its duration")
 				}
+				if tc.wantStatus != 200 && !strings.Contains(res.ErrDetail, `"code":503`) {
+					t.Fatalf("the error's detail is %q, want the answer's body", res.ErrDetail)
+				}
 				return
 			}
 			if res.OutputTokens != tc.wantOut || len(res.ITL) != tc.wantITL || answer != tc.wantAnswer {

@@ -89,8 +89,10 @@ type Summary struct {
 	Requests  int `json:"requests"`
 	Completed int `json:"completed"`
 	Failed    int `json:"failed"`
-	// Errors counts failures by kind (see RequestResult.Err).
-	Errors map[string]int `json:"errors,omitempty"`
+	// Errors counts failures by kind (see RequestResult.Err);
+	// ErrorSamples holds the first detail seen of each kind.
+	Errors       map[string]int    `json:"errors,omitempty"`
+	ErrorSamples map[string]string `json:"error_samples,omitempty"`
 	// Duration is from the first send to the last completion, in seconds.
 	Duration float64 `json:"duration_s"`
 	// RequestThroughput is completed requests per second; OutputThroughput
@@ -134,6 +136,12 @@ func Summarize(rs []RequestResult, slo SLO, duration float64) Summary {
 				s.Errors = make(map[string]int)
 			}
 			s.Errors[r.Err]++
+			if _, ok := s.ErrorSamples[r.Err]; !ok && r.ErrDetail != "" {
+				if s.ErrorSamples == nil {
+					s.ErrorSamples = make(map[string]string)
+				}
+				s.ErrorSamples[r.Err] = r.ErrDetail
+			}
 			continue
 		}
 		s.Completed++

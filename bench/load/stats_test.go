@@ -64,7 +64,7 @@ func TestSummarizeAndGoodput(t *testing.T) {
 		{Start: 0, TTFT: 0.1, E2EL: 1.1, OutputTokens: 51, PromptTokens: 100, CachedTokens: 50, ITL: []float32{0.02, 0.02}},
 		{Start: 1, TTFT: 0.3, E2EL: 1.3, OutputTokens: 51, PromptTokens: 100, CachedTokens: 0, ITL: []float32{0.02}},
 		{Start: 2, TTFT: 0.15, E2EL: 2.15, OutputTokens: 51, PromptTokens: 200, CachedTokens: 150},
-		{Start: 9, E2EL: 1, Err: "http_503", Status: 503},
+		{Start: 9, E2EL: 1, Err: "http_503", Status: 503, ErrDetail: "busy"},
 	}
 	for i := range rs {
 		if rs[i].Err == "" {
@@ -93,8 +93,9 @@ func TestSummarizeAndGoodput(t *testing.T) {
 			t.Errorf("%s = %v, want %v", c.name, c.got, c.want)
 		}
 	}
-	if s.Completed != 3 || s.Failed != 1 || !reflect.DeepEqual(s.Errors, map[string]int{"http_503": 1}) {
-		t.Fatalf("counts %d/%d %v", s.Completed, s.Failed, s.Errors)
+	if s.Completed != 3 || s.Failed != 1 || !reflect.DeepEqual(s.Errors, map[string]int{"http_503": 1}) ||
+		!reflect.DeepEqual(s.ErrorSamples, map[string]string{"http_503": "busy"}) {
+		t.Fatalf("counts %d/%d %v, samples %v", s.Completed, s.Failed, s.Errors, s.ErrorSamples)
 	}
 	if s.ITL.N != 3 {
 		t.Fatalf("ITL n = %d, want every gap", s.ITL.N)

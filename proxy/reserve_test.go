@@ -84,36 +84,41 @@ func TestReserveHoldsBackByClassAndShare(t *testing.T) {
 	}
 	_, flex := tq.waitFor(t, team, classFlex)
 	tq.places.Add(1)
-	select {
-	case <-flex:
-		t.Fatal("a flex request took the last place while a default flow was active")
-	case <-time.After(100 * time.Millisecond):
-	}
+	heldBack(t, flex, "a flex request took the last place while a default flow was active")
 	// A default request of another tenant, with its own flow below its
 	// share (none running), is not held back.
 	_, def := tq.waitFor(t, other, classDefault)
-	select {
-	case <-def:
-	case <-time.After(time.Second):
-		t.Fatal("a default request below its share was held back")
-	}
+	granted(t, def, "a default request below its share was held back")
 	tq.q.runs.started(flowOf(other, classDefault), 1, classDefault)
 	// The team's default flow (two running, a share of 4×1/3) waits for
 	// the other tenant's (one running) while it is below its share...
 	_, team2 := tq.waitFor(t, team, classDefault)
 	tq.places.Add(1)
-	select {
-	case <-team2:
-		t.Fatal("a flow at its share took the last place from a flow below its share")
-	case <-time.After(100 * time.Millisecond):
-	}
+	heldBack(t, team2, "a flow at its share took the last place from a flow below its share")
 	// ...and takes it once that tenant has its share.
 	tq.q.runs.started(flowOf(other, classDefault), 1, classDefault)
 	tq.q.wake()
+	granted(t, team2, "no flow was below its share, yet the place was held back")
+}
+
+// heldBack fails with why if g's waiter is granted within a tenth of a
+// second.
+func heldBack(t *testing.T, g <-chan *waiter, why string) {
+	t.Helper()
 	select {
-	case <-team2:
+	case <-g:
+		t.Fatal(why)
+	case <-time.After(100 * time.Millisecond):
+	}
+}
+
+// granted fails with why unless g's waiter is granted within a second.
+func granted(t *testing.T, g <-chan *waiter, why string) {
+	t.Helper()
+	select {
+	case <-g:
 	case <-time.After(time.Second):
-		t.Fatal("no flow was below its share, yet the place was held back")
+		t.Fatal(why)
 	}
 }
 

@@ -127,6 +127,9 @@ type Endpoint struct {
 	// latest successful scrape for introspection. scr is owned by the one
 	// scraper worker holding scraping.
 	scraping atomic.Bool
+	// rampAt is when the scrape the slow start last asked for is due
+	// (Unix ns; rampScrape).
+	rampAt atomic.Int64
 	// models is the endpoint's model list (nil: not known); listing is
 	// held by the models worker reading it.
 	models  atomic.Pointer[Models]

@@ -113,6 +113,9 @@ type Fleet struct {
 	// costs pools the endpoints' measured costs per role (roleIndex), the
 	// fallback of an endpoint not measured yet.
 	costs [3]*fleetCosts
+	// ramp takes the endpoints whose slow start asks for a scrape now
+	// (rampScrape); nil when scraping is off.
+	ramp chan *Endpoint
 
 	// reapEvery and reapGrace pace the reaping of drained endpoints:
 	// every second, an endpoint idle and draining for at least a second.
@@ -162,8 +165,12 @@ func New(o Options) (*Fleet, error) {
 		DisableCompression:  true, // spare the engines gzip; /metrics is ~50 KB
 		ForceAttemptHTTP2:   false,
 	}
+	var ramp chan *Endpoint
+	if !o.Scrape.Disabled {
+		ramp = make(chan *Endpoint, 64)
+	}
 	return &Fleet{
-		o: o, log: log,
+		o: o, log: log, ramp: ramp,
 		client:    &http.Client{Transport: tr, CheckRedirect: noRedirect},
 		m:         newFleetMetrics(),
 		costs:     [3]*fleetCosts{newFleetCosts(), newFleetCosts(), newFleetCosts()},

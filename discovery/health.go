@@ -310,6 +310,9 @@ type loopConfig struct {
 	newWorker func() func(context.Context, *Endpoint)
 	// sweep, when set, runs at the start of every round.
 	sweep func(now time.Time, set *Set)
+	// now, when set, takes endpoints to run the job on at once, between
+	// rounds.
+	now <-chan *Endpoint
 }
 
 // runLoop runs c until ctx is done and its workers have finished.
@@ -329,25 +332,37 @@ func (f *Fleet) runLoop(ctx context.Context, c loopConfig) {
 		close(jobs)
 		wg.Wait()
 	}()
+	// hand gives e to a worker unless its job is running; false when ctx
+	// is done.
+	hand := func(e *Endpoint) bool {
+		if !c.busy(e).CompareAndSwap(false, true) {
+			return true
+		}
+		select {
+		case jobs <- e:
+			return true
+		case <-ctx.Done():
+			c.busy(e).Store(false)
+			return false
+		}
+	}
 	t := time.NewTimer(0) // first round at once
 	defer t.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
+		case e := <-c.now:
+			if !hand(e) {
+				return
+			}
 		case now := <-t.C:
 			set := f.pool.Load()
 			if c.sweep != nil {
 				c.sweep(now, set)
 			}
 			for _, e := range set.Endpoints {
-				if !c.busy(e).CompareAndSwap(false, true) {
-					continue
-				}
-				select {
-				case jobs <- e:
-				case <-ctx.Done():
-					c.busy(e).Store(false)
+				if !hand(e) {
 					return
 				}
 			}

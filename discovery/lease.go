@@ -48,6 +48,7 @@ func (e *Endpoint) Acquire(prefillTokens int) Lease {
 	l := Lease{e: e, prefill: p, own: p, ahead: ahead, before: n - 1}
 	if e.calib != nil {
 		l.start = time.Now()
+		e.rampScrape(n)
 	}
 	return l
 }

@@ -53,26 +53,47 @@ func (e *Endpoint) HasRoom() bool {
 }
 
 // SlowStart is the room limit of an engine whose metrics are read before
-// they show its batch limit: twice the most it was seen running, at least
-// SlowStart. A fleet's first flood so doubles its way up, a scrape at a
-// time, instead of landing all at once in the engines' queues, where the
-// router can no longer order it (issue #38: a cold router sent four
-// seconds of a flood there in its first second).
-const SlowStart = 8
+// they show its batch limit and before it was seen running anything; then
+// the most it was seen running and a third as much again (rampLimit).
+// Each time the router's load reaches that limit, the engine is scraped at
+// once (rampScrape) rather than at the next round. A fleet's first flood
+// so climbs a scrape at a time to the batch limit and learns it there,
+// with at most a third of a batch waiting in each engine's queue, where
+// the router can no longer order it: one request on an engine of four
+// sequences; 16 steps, about 1.6 s, up to an engine of 256. Doubling once
+// a scrape round (1 s) from 8 sent a cold router's first flood four
+// requests deep into the queues of engines of four sequences, and the
+// quiet tenants' requests of its first two seconds waited behind them
+// (issue #38, kvsim: TTFT p90 0.4–0.6 s against 0.03 s settled); it also
+// held an engine of 256 sequences below its batch for five seconds.
+const SlowStart = 4
+
+// rampLimit is the slow start's room limit after the engine was seen
+// running peak requests at most.
+func rampLimit(peak int64) int64 { return max(SlowStart, peak+max(1, peak/3)) }
+
+// rampDelay is how long after the router's load reached the slow start's
+// limit the engine is scraped: time for the engine to admit what it was
+// sent, so that the scrape shows it running or waiting. rampGap is the
+// least time between two such scrapes of one endpoint.
+const (
+	rampDelay = 50 * time.Millisecond
+	rampGap   = 100 * time.Millisecond
+)
 
 // roomLimit is the known load at which the engine has no room: its batch
 // limit; while that is unknown, the slow start's on an engine whose
 // metrics are read (or not yet tried) and on a slot engine that has not
-// said its slots yet; none (0) without calibration, on an engine whose
-// metrics scrape fails (kvroute cannot see it queue: a cap would hold
-// its load at the slow start's for good), or on one that serves no
-// metrics and says nothing of its slots (Ollama), whose room is its own
-// affair.
+// said its slots yet; none (0) without calibration, when the router reads
+// no metrics (--scrape-interval 0), on an engine whose metrics scrape
+// fails (kvroute cannot see it queue: a cap would hold its load at the
+// slow start's for good), or on one that serves no metrics and says
+// nothing of its slots (Ollama), whose room is its own affair.
 func (e *Endpoint) roomLimit() int64 {
 	if l := e.BatchLimit(); l > 0 {
 		return l
 	}
-	if e.calib == nil || e.metricsFailing.Load() ||
+	if e.calib == nil || e.owner != nil && e.owner.o.Scrape.Disabled || e.metricsFailing.Load() ||
 		e.noMetricsUntil.Load() != 0 && (e.Dialect() != DialectLlamaCpp || e.Info() != nil) {
 		return 0
 	}
@@ -80,7 +101,34 @@ func (e *Endpoint) roomLimit() int64 {
 	if c := e.Costs(); c != nil {
 		peak = int64(c.PeakRunning)
 	}
-	return max(SlowStart, 2*peak)
+	return rampLimit(peak)
+}
+
+// rampScrape asks for a scrape of e when the router's load there, n of
+// its own requests in flight, has reached the slow start's limit: rampDelay
+// from now, or rampGap after the last one it asked for, unless that one is
+// still to come (it will see this load). Only while the batch limit is
+// unknown and the limit binds: a fleet whose load stays below it, or whose
+// batch limits are known, is scraped at its interval only.
+func (e *Endpoint) rampScrape(n int64) {
+	f := e.owner
+	if f == nil || f.ramp == nil || e.BatchLimit() > 0 {
+		return
+	}
+	if l := e.roomLimit(); l == 0 || n+e.PeerInFlight() < l {
+		return
+	}
+	now, last := time.Now().UnixNano(), e.rampAt.Load()
+	at := max(now+int64(rampDelay), last+int64(rampGap))
+	if last > now || !e.rampAt.CompareAndSwap(last, at) {
+		return
+	}
+	time.AfterFunc(time.Duration(at-now), func() {
+		select {
+		case f.ramp <- e:
+		default: // the scraper is behind: its next round comes anyway
+		}
+	})
 }
 
 // QueueRoom reports whether a request of a saturated fleet may still go to

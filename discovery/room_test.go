@@ -1,7 +1,10 @@
 package discovery
 
 import (
+	"fmt"
+	"net/http"
 	"testing"
+	"time"
 )
 
 func roomEndpoint(t *testing.T) *Endpoint {
@@ -15,16 +18,21 @@ func roomEndpoint(t *testing.T) *Endpoint {
 }
 
 // An engine's room: its batch limit once known, a slow start before
-// (twice the most it ran, at least SlowStart), none without metrics; a
-// short queue beyond it for requests of a saturated fleet.
+// (a third as much again as the most it ran, at least SlowStart), none
+// without metrics; a short queue beyond it for requests of a saturated
+// fleet.
 func TestRoom(t *testing.T) {
 	e := roomEndpoint(t)
 	if e.roomLimit() != SlowStart {
 		t.Fatalf("a new engine's room limit is %d, want the slow start %d", e.roomLimit(), SlowStart)
 	}
 	e.SetCosts(&Costs{PeakRunning: 6})
-	if e.roomLimit() != 12 {
-		t.Fatalf("after 6 running: %d, want 12", e.roomLimit())
+	if e.roomLimit() != 8 {
+		t.Fatalf("after 6 running: %d, want 8", e.roomLimit())
+	}
+	e.SetCosts(&Costs{PeakRunning: 1})
+	if e.roomLimit() != SlowStart {
+		t.Fatalf("after 1 running: %d, want the slow start %d", e.roomLimit(), SlowStart)
 	}
 	e.SetCosts(&Costs{BatchLimit: 4, PeakRunning: 4})
 	var leases []Lease
@@ -51,6 +59,15 @@ func TestRoom(t *testing.T) {
 	failing.metricsFailing.Store(true)
 	if failing.roomLimit() != 0 {
 		t.Fatalf("an engine whose scrape fails has a room limit %d: it would stay capped", failing.roomLimit())
+	}
+	unscraped, err := New(Options{Scrape: ScrapeConfig{Disabled: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	blind := roomEndpoint(t)
+	blind.owner = unscraped
+	if blind.roomLimit() != 0 {
+		t.Fatalf("with scraping off the room limit is %d: every engine would stay capped at the slow start", blind.roomLimit())
 	}
 	ollama := roomEndpoint(t)
 	ollama.SetDialect(DialectOllama)
@@ -96,4 +113,42 @@ func TestReportShed(t *testing.T) {
 		t.Fatal("a 429 with nothing else running is not a refusal")
 	}
 	d.Release()
+}
+
+// A cold router's slow start learns an engine's batch limit by scrapes it
+// asks for as its load reaches the limit, not at the scrape rounds (an
+// hour apart here): four run, then five are sent and four run while one
+// waits, and the limit is four.
+func TestSlowStartScrapesAsItClimbs(t *testing.T) {
+	const batch = 4
+	var e *Endpoint
+	p := startMetricsPod(t, nil)
+	p.during = func(*http.Request) {
+		n := e.InFlight()
+		p.text = fmt.Appendf(nil, "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} %d\nvllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} %d\n",
+			min(n, batch), max(0, n-batch))
+	}
+	o := Options{Health: HealthConfig{Disabled: true},
+		Scrape: ScrapeConfig{Interval: time.Hour, StaleAfter: 2 * time.Hour, Jitter: 0.01}}
+	f, rec, eps := staticFleet(t, o, p.URL)
+	e = eps[0]
+	run(t, f)
+	rec.wait(t, 0, "scrape", e, 1)
+	var leases []Lease
+	defer func() {
+		for _, l := range leases {
+			l.Release()
+		}
+	}()
+	climb := func(want int64) {
+		for e.HasRoom() {
+			leases = append(leases, e.Acquire(0))
+		}
+		rec.until(t, fmt.Sprintf("room limit %d", want), func() bool { return e.roomLimit() == want })
+	}
+	climb(rampLimit(batch))
+	climb(batch)
+	if e.BatchLimit() != batch || e.InFlight() != rampLimit(batch) {
+		t.Fatalf("batch limit %d with %d in flight; want %d with %d", e.BatchLimit(), e.InFlight(), batch, rampLimit(batch))
+	}
 }

@@ -451,7 +451,7 @@ func loraSlots(f *dto.MetricFamily) *LoRAStats {
 func (f *Fleet) scraperLoop() loopConfig {
 	c := f.o.Scrape
 	return loopConfig{
-		interval: c.Interval, jitter: c.Jitter, workers: c.Workers,
+		interval: c.Interval, jitter: c.Jitter, workers: c.Workers, now: f.ramp,
 		busy: func(e *Endpoint) *atomic.Bool { return &e.scraping },
 		newWorker: func() func(context.Context, *Endpoint) {
 			w := &scrapeWorker{f: f}

@@ -7,7 +7,7 @@ import (
 )
 
 // tenantMetrics are the per-tenant families. Tenant labels are bounded by
-// the proxy (its first tenants by hash, the rest "other"); class is a
+// the proxy (its busiest tenants by hash, the rest "other"); class is a
 // service tier (priority, default, flex).
 type tenantMetrics struct {
 	tQueued   *prometheus.GaugeVec   // tenant
@@ -28,7 +28,7 @@ func (m *Metrics) registerTenants(reg prometheus.Registerer) {
 	}
 	t.tQueued = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Namespace: Namespace, Name: "tenant_queued_requests",
-		Help: "Requests waiting in kvroute's queue, by tenant (a hash of its API key or tenant header; the first tenants seen, the rest as other).",
+		Help: "Requests waiting in kvroute's queue, by tenant (a hash of its API key or tenant header; the busiest tenants, the rest as other).",
 	}, []string{"tenant"})
 	t.tRunning = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Namespace: Namespace, Name: "tenant_in_flight_requests",
@@ -111,6 +111,20 @@ func (m *Metrics) TenantAdmitted(tenant, class string, wait float64, queued bool
 		s.wait.Add(wait)
 		t.waitHist.WithLabelValues(class).Observe(wait)
 	}
+}
+
+// DropTenant deletes tenant's series (a label the proxy gave another
+// tenant, with nothing of its own queued or in flight).
+func (m *Metrics) DropTenant(tenant string) {
+	t := &m.tenants
+	t.tCache.Delete(tenant)
+	l := prometheus.Labels{"tenant": tenant}
+	t.tQueued.DeletePartialMatch(l)
+	t.tRunning.DeletePartialMatch(l)
+	t.tRequests.DeletePartialMatch(l)
+	t.tShed.DeletePartialMatch(l)
+	t.tWait.DeletePartialMatch(l)
+	t.tTokens.DeletePartialMatch(l)
 }
 
 // TenantShed counts a request of tenant and class answered 429 from the

@@ -88,6 +88,7 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 				st.waited = time.Since(w.since)
 			}
 			st.label = s.tenantLabel(st.tenant)
+			s.countAdmitted(st.tenant)
 			s.opt.Metrics.TenantAdmitted(st.label, st.class.String(), st.waited.Seconds(), st.waited > 0)
 			s.opt.Metrics.TenantInFlight(st.label, 1)
 			s.queue.runs.started(flowOf(st.tenant, st.class), s.weightOf(st.tenant), st.class)

@@ -3,9 +3,6 @@ package proxy
 import (
 	"crypto/sha256"
 	"encoding/binary"
-	"encoding/hex"
-	"sync"
-	"sync/atomic"
 
 	"github.com/valyala/fasthttp"
 	"github.com/valyala/fastjson"
@@ -25,7 +22,7 @@ type TenantOptions struct {
 	// it the tenant's requests get 429 while others still queue.
 	MaxQueue int
 	// MetricTenants is how many tenants have metric labels of their own
-	// (the first seen); the rest share "other".
+	// (the busiest: labels.go); the rest share "other".
 	MetricTenants int
 	// EnginePriority passes each request's class on to the engine, as
 	// vLLM's "priority" body field (lower is earlier: priority -1, flex
@@ -77,40 +74,6 @@ func (s *Server) classOfHeader(h *fasthttp.RequestHeader, st *reqState) bool {
 		}
 	}
 	return true
-}
-
-// tenantLabels names tenants in metrics with bounded cardinality: a
-// tenant named in the budgets file by its name, the first max others seen
-// "t-" and 12 hex digits of their hash, the rest "other", the default
-// tenant "default".
-type tenantLabels struct {
-	max    int
-	labels sync.Map // uint64 → string
-	n      atomic.Int64
-}
-
-func (s *Server) tenantLabel(id uint64) string {
-	if name := s.budgetName(id); name != "" {
-		return name
-	}
-	if id == 0 {
-		return "default"
-	}
-	t := &s.tenants
-	if v, ok := t.labels.Load(id); ok {
-		return v.(string)
-	}
-	if t.n.Load() >= int64(t.max) {
-		return "other"
-	}
-	var b [8]byte
-	binary.BigEndian.PutUint64(b[:], id)
-	l := "t-" + hex.EncodeToString(b[:6])
-	if v, loaded := t.labels.LoadOrStore(id, l); loaded {
-		return v.(string)
-	}
-	t.n.Add(1)
-	return l
 }
 
 // enginePriority is c as vLLM's priority field: lower is earlier; 0, the

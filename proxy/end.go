@@ -19,10 +19,13 @@ import (
 func (s *Server) answer(ctx *fasthttp.RequestCtx, st *reqState, err error, start time.Time) {
 	status := writeError(ctx, err)
 	var rl *rateLimitError
+	var shed *overloadedError
 	switch {
 	case errors.As(err, &rl):
 		ctx.Response.Header.Set("Retry-After", strconv.Itoa(rl.retryAfterSeconds()))
 		s.opt.Metrics.TenantShed(s.tenantLabel(st.tenant), st.class.String(), "rate_limit")
+	case errors.As(err, &shed):
+		ctx.Response.Header.Set("Retry-After", strconv.Itoa(shed.retry))
 	case errors.Is(err, ErrOverloaded):
 		ctx.Response.Header.Set("Retry-After", "1")
 	case errors.Is(err, ErrClientGone):

@@ -128,6 +128,8 @@ type fairQueue struct {
 	reserve int
 	places  func(r *routing.Request) (free, total int64)
 	runs    tenantRuns
+	// pace is the rate of grants (pace.go).
+	pace pace
 	// kick wakes the dispatcher; handed tells it the grantee has taken
 	// its endpoint (or given up).
 	kick, handed chan struct{}
@@ -364,6 +366,7 @@ func (q *fairQueue) grant() bool {
 		// request beside its own flex backlog) goes where it starts now.
 		w.req.Alone = w.tenant.byClass[w.class] == 1
 		q.remove(w, waitGranted)
+		q.pace.granted(time.Now())
 		return true
 	}
 	return false
@@ -498,11 +501,16 @@ func (s *Server) handOff(st *reqState) {
 	}
 }
 
-// shed answers st's request 429 for reason (the queue's), counted.
+// shed answers st's request 429 for reason (the queue's), counted, with
+// the Retry-After the queue's pace gives.
 func (s *Server) shed(st *reqState, reason string) error {
 	s.opt.Metrics.Overloaded()
 	s.opt.Metrics.TenantShed(s.tenantLabel(st.tenant), st.class.String(), reason)
-	return ErrOverloaded
+	id := st.tenant
+	if s.opt.Tenants.FIFO {
+		id = 0
+	}
+	return &overloadedError{retry: s.queue.retryAfter(id, reason)}
 }
 
 // cachedTokens is how many of r's prompt tokens the fleet holds (0 when

@@ -180,3 +180,43 @@ func TestFairQueueTenantBoundShedsFlexFirst(t *testing.T) {
 	tq.evicted(t, flex[1], "the tenant's default request at its bound")
 	tq.grantedNext(t, def, "the default request")
 }
+
+// A shed's Retry-After is the time the queue, at its recent pace, takes
+// to grant what is ahead: a tenant at its bound, its own backlog at its
+// share of the grants; otherwise every waiter.
+func TestShedRetryAfterFollowsThePace(t *testing.T) {
+	tq := newTestQueue(t, 1024, 20)
+	q := &tq.q
+	if got := q.retryAfter(1, shedFull); got != 1 {
+		t.Fatalf("an idle queue's Retry-After is %d, want 1", got)
+	}
+	// Ten grants a second for a minute: the average is at ten a second.
+	now := time.Now()
+	q.mu.Lock()
+	for i := 600; i > 0; i-- {
+		q.pace.granted(now.Add(-time.Duration(i) * 100 * time.Millisecond))
+	}
+	q.mu.Unlock()
+	// The rate read is about ten a second: a boundary's ceiling may be
+	// one more.
+	near := func(what string, got, want int) {
+		if got < want || got > want+1 {
+			t.Errorf("%s: Retry-After %d, want %d", what, got, want)
+		}
+	}
+	for range 20 {
+		tq.waitFor(t, 1, classDefault)
+	}
+	near("20 waiting alone at 10 a second", q.retryAfter(1, shedTenant), 2)
+	for range 20 {
+		tq.waitFor(t, 2, classDefault)
+	}
+	near("20 waiting at half of 10 a second", q.retryAfter(1, shedTenant), 4)
+	near("a full queue of 40 at 10 a second", q.retryAfter(3, shedFull), 4)
+	q.mu.Lock()
+	q.pace = pace{rate: 0.01, at: now}
+	q.mu.Unlock()
+	if got := q.retryAfter(1, shedTenant); got != maxRetryAfter {
+		t.Errorf("a queue that barely moves: Retry-After %d, want the bound %d", got, maxRetryAfter)
+	}
+}

@@ -95,6 +95,7 @@ type deployBuild struct {
 	Workloads []deployWorkload
 	Services  []*corev1.Service
 	Secrets   []*corev1.Secret
+	Maps      []*corev1.ConfigMap
 	PDBs      []*policyv1.PodDisruptionBudget
 	SAs       []*corev1.ServiceAccount
 }
@@ -233,6 +234,8 @@ func deployRun(t *testing.T, dir string) *deployBuild {
 			b.Services = append(b.Services, v)
 		case *corev1.Secret:
 			b.Secrets = append(b.Secrets, v)
+		case *corev1.ConfigMap:
+			b.Maps = append(b.Maps, v)
 		case *policyv1.PodDisruptionBudget:
 			b.PDBs = append(b.PDBs, v)
 		case *corev1.ServiceAccount:
@@ -555,6 +558,7 @@ func deployCheckKvroute(t *testing.T, b *deployBuild, w deployWorkload, leaf boo
 	// The admin token comes from a Secret that exists.
 	deployCheckAdminToken(t, fail, b, c, rawSecrets)
 	deployCheckGossip(fail, b, w, c, cfg, rawSecrets)
+	deployCheckBudgets(fail, b, w, c, cfg)
 	deployCheckClientService(fail, b, w, httpPort)
 	deployCheckPDB(fail, b, w)
 	if leaf {
@@ -693,6 +697,45 @@ func deployCheckSecretFile(fail func(string, ...any), b *deployBuild, w deployWo
 		}
 	}
 	fail("%s=%s is not in a volume mounted from a Secret", flag, path)
+}
+
+// deployCheckBudgets: a --tenant-budgets file is a key of a ConfigMap of
+// the build, mounted as a directory (a subPath mount never sees the
+// ConfigMap's updates, which kvroute reloads), and kvroute takes it.
+func deployCheckBudgets(fail func(string, ...any), b *deployBuild, w deployWorkload, c corev1.Container, cfg *config) {
+	path := cfg.BudgetsFile
+	if path == "" {
+		return
+	}
+	for _, m := range c.VolumeMounts {
+		rel, ok := strings.CutPrefix(path, strings.TrimSuffix(m.MountPath, "/")+"/")
+		if !ok {
+			continue
+		}
+		if m.SubPath != "" {
+			fail("--tenant-budgets=%s is mounted with subPath: the ConfigMap's updates never reach it", path)
+		}
+		for _, v := range w.Template.Spec.Volumes {
+			if v.Name != m.Name || v.ConfigMap == nil {
+				continue
+			}
+			for _, cm := range b.Maps {
+				if cm.Name != v.ConfigMap.Name {
+					continue
+				}
+				text, ok := cm.Data[rel]
+				if !ok {
+					fail("--tenant-budgets=%s: ConfigMap %s has no key %s", path, cm.Name, rel)
+				} else if _, err := proxy.ParseBudgets([]byte(text)); err != nil {
+					fail("--tenant-budgets=%s: ConfigMap %s: %v", path, cm.Name, err)
+				}
+				return
+			}
+			fail("--tenant-budgets=%s: no ConfigMap %s in the build", path, v.ConfigMap.Name)
+			return
+		}
+	}
+	fail("--tenant-budgets=%s is not in a volume mounted from a ConfigMap", path)
 }
 
 // deployCheckRollout checks that the rollout is graceful: the args (flags)

@@ -40,13 +40,14 @@ type tenantLabels struct {
 	score map[uint64]float64
 }
 
-// label is id's label among the hashed ones: "t-" and 12 hex digits.
+// hashLabel is tenant id's own label: "t-" and 12 hex digits of its hash.
 func hashLabel(id uint64) string {
 	var b [8]byte
 	binary.BigEndian.PutUint64(b[:], id)
 	return "t-" + hex.EncodeToString(b[:6])
 }
 
+// tenantLabel is tenant id's metric label (see above).
 func (s *Server) tenantLabel(id uint64) string {
 	if name := s.budgetName(id); name != "" {
 		return name
@@ -151,9 +152,15 @@ func (s *Server) rankTenants() {
 		if i < 0 || t.score[c] <= 2*t.score[in[i]] {
 			return
 		}
+		// Its new requests count in "other" from here; one that took its
+		// label just before keeps it, and the label, to its end.
+		t.labels.Delete(in[i])
+		if !s.tenantIdle(in[i]) {
+			t.labels.Store(in[i], hashLabel(in[i]))
+			return
+		}
 		w := in[i]
 		in = slices.Delete(in, i, i+1)
-		t.labels.Delete(w)
 		s.opt.Metrics.DropTenant(hashLabel(w))
 		t.labels.Store(c, hashLabel(c))
 	}

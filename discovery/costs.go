@@ -67,6 +67,9 @@ type Costs struct {
 	// PeakRunning is the most requests a scrape showed the engine running
 	// since it (re)started: no batch limit is below it.
 	PeakRunning int `json:"peak_running"`
+	// Queued: a scrape showed requests waiting with a full KV cache (the
+	// engine queues on memory, not at a batch limit).
+	Queued bool `json:"queued_on_kv,omitempty"`
 	// FromFleet names the fields above that were not measured on this
 	// endpoint yet and are the median of the other endpoints of its fleet
 	// instead (pods behind one Service usually run one configuration):
@@ -169,6 +172,8 @@ type calibrator struct {
 	// peak is the most requests any scrape showed running since the
 	// engine (re)started: no batch limit is below it.
 	peak int64
+	// kvQueued: a scrape showed requests waiting with the KV cache full.
+	kvQueued bool
 	// The inter-token latency histogram at the last scrape.
 	lastITLSum, lastITLCount float64
 	haveITL                  bool
@@ -239,6 +244,7 @@ func (c *calibrator) observeEngine(itlSum, itlCount float64, itlOK bool, running
 		c.limits[c.limitN%limitWindow] = int(min(running, math.MaxInt32))
 		c.limitN++
 	}
+	c.kvQueued = c.kvQueued || waiting > 0 && kvFull
 	c.publish()
 }
 
@@ -248,7 +254,7 @@ func (c *calibrator) observeEngine(itlSum, itlCount float64, itlOK bool, running
 func (c *calibrator) restart() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	c.haveITL, c.limitN, c.peak = false, 0, 0
+	c.haveITL, c.limitN, c.peak, c.kvQueued = false, 0, 0, false
 	c.publish()
 }
 
@@ -301,6 +307,7 @@ func (c *calibrator) publish() {
 		PrefillTokens:       c.prefillTokens,
 		BatchLimit:          c.limit(1),
 		PeakRunning:         int(min(c.peak, math.MaxInt32)),
+		Queued:              c.kvQueued,
 		TTFTSamples:         c.fit.n,
 		DecodeSamples:       c.streamN,
 		StepSamples:         c.stepN,

@@ -30,6 +30,10 @@ func TestRoom(t *testing.T) {
 	if e.roomLimit() != 8 {
 		t.Fatalf("after 6 running: %d, want 8", e.roomLimit())
 	}
+	e.SetCosts(&Costs{PeakRunning: 6, Queued: true})
+	if e.roomLimit() != 12 {
+		t.Fatalf("after 6 running and a queue on a full KV cache: %d, want 12", e.roomLimit())
+	}
 	e.SetCosts(&Costs{PeakRunning: 1})
 	if e.roomLimit() != SlowStart {
 		t.Fatalf("after 1 running: %d, want the slow start %d", e.roomLimit(), SlowStart)

@@ -441,10 +441,7 @@ func (s *Server) queueWait(ctx *fasthttp.RequestCtx, st *reqState, again bool) e
 	if s.opt.QueueTimeout <= 0 {
 		return s.shed(st, shedFull)
 	}
-	id := st.tenant
-	if s.opt.Tenants.FIFO {
-		id = 0 // one tenant
-	}
+	id := s.queueTenant(st)
 	if !again {
 		w.since = time.Now()
 		w.req, w.class, w.who = &st.req, st.class, st.tenant
@@ -506,11 +503,16 @@ func (s *Server) handOff(st *reqState) {
 func (s *Server) shed(st *reqState, reason string) error {
 	s.opt.Metrics.Overloaded()
 	s.opt.Metrics.TenantShed(s.tenantLabel(st.tenant), st.class.String(), reason)
-	id := st.tenant
+	return &overloadedError{retry: s.queue.retryAfter(s.queueTenant(st), reason)}
+}
+
+// queueTenant is st's tenant in the queue: under --queue-fifo every
+// request is the one tenant 0.
+func (s *Server) queueTenant(st *reqState) uint64 {
 	if s.opt.Tenants.FIFO {
-		id = 0
+		return 0
 	}
-	return &overloadedError{retry: s.queue.retryAfter(id, reason)}
+	return st.tenant
 }
 
 // cachedTokens is how many of r's prompt tokens the fleet holds (0 when

@@ -16,10 +16,11 @@ import (
 // held back only while it runs the most of its class or its use averaged
 // over a few seconds (usageTau) is at its share too: a quiet tenant's
 // burst above its share for a moment, beside a flood that runs more, is
-// not held back, and a second flood is, once its average has risen. A flow is one tenant's
-// requests of one class, and classes go first: a flow also leaves the last
-// places to any active flow of a higher class, whatever their shares (a
-// tenant's flex batch to its own interactive traffic too). A fully
+// not held back, and a second flood is, once its average has risen. A
+// flow is one tenant's requests of one class, and classes go first: a
+// flow also leaves the last places to any active flow of a higher class,
+// whatever their shares (a tenant's flex batch to its own interactive
+// traffic too). A fully
 // work-conserving queue gave a quiet tenant's request, first in order,
 // the next place a flood sequence freed, and it waited for one to end
 // (issue #38: the quiet tenants' TTFT p90 5–13× their own alone on the

@@ -291,23 +291,19 @@ func runTenantPhase(ctx context.Context, sc *Scenario, ps phaseSpec, to TenantOp
 		return nil, 0, err
 	}
 	defer func() { err = errors.Join(err, fleet.Close()) }()
-	p := Policy{Name: policy, Router: "prefix"}
-	switch policy {
-	case TenantFIFO:
-		p.Configure = func(c *app.Config) { c.Tenants.FIFO = true }
-	case TenantNoReserve:
-		p.Configure = func(c *app.Config) { c.Tenants.Reserve = 0 }
-	case TenantBudget:
-		p.Configure = func(c *app.Config) { c.BudgetsFile = budgets }
-	}
-	if r := to.Reserve; r >= 0 && (policy == TenantFair || policy == TenantBudget) {
-		p.Configure = func(c *app.Config) {
-			c.Tenants.Reserve = r
-			if policy == TenantBudget {
-				c.BudgetsFile = budgets
-			}
+	p := Policy{Name: policy, Router: "prefix", Configure: func(c *app.Config) {
+		if to.Reserve >= 0 {
+			c.Tenants.Reserve = to.Reserve // the fair phases' reserve
 		}
-	}
+		switch policy {
+		case TenantFIFO:
+			c.Tenants.FIFO = true
+		case TenantNoReserve:
+			c.Tenants.Reserve = 0
+		case TenantBudget:
+			c.BudgetsFile = budgets
+		}
+	}}
 	rt, err := StartRouter(p, fleet.URLs(), sc.simEngines(cfgs))
 	if err != nil {
 		return nil, 0, err
@@ -401,10 +397,15 @@ func WriteTenantReport(w io.Writer, rep *TenantReport) {
 	for _, ph := range rep.Phases {
 		queue := queueName(ph.Policy)
 		for _, r := range ph.Runs {
-			ratio, settled := "—", fmt.Sprintf("%.0f", r.SettledP90)
+			ratio, settled := "—", "—" // nothing sent after the settling time
+			if r.SettledP90 > 0 {
+				settled = fmt.Sprintf("%.0f", r.SettledP90)
+			}
 			if a, ok := alone[r.Tenant.Name]; ok && ph.Name != "alone" && a.TTFT.P90 > 0 {
 				ratio = fmt.Sprintf("%.2f×", r.Sum.TTFT.P90/a.TTFT.P90)
-				settled += fmt.Sprintf(", %.2f×", r.SettledP90/a.TTFT.P90)
+				if r.SettledP90 > 0 {
+					settled += fmt.Sprintf(", %.2f×", r.SettledP90/a.TTFT.P90)
+				}
 			}
 			tier := r.Tenant.Tier
 			if tier == "" {

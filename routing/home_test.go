@@ -194,43 +194,48 @@ func TestAloneHomesSpreadAndStay(t *testing.T) {
 
 // A router alone keeps a recurring key where its first request went while
 // that endpoint is within the bound of all the live keys, not of the
-// recurring ones alone: eight keys on four endpoints, each new key placed
-// while earlier ones begin to recur, get two homes each and keep them. (On
+// recurring ones alone, and places new keys evenly: eight keys on four
+// endpoints and 64 on eight, each new key placed while earlier ones begin to
+// recur, get two and eight homes on each endpoint and keep them. (On
 // llama.cpp servers, two keys placed on one endpoint that recurred before
 // the others did were over the bound of the three recurring keys; one was
 // homed elsewhere while it stayed cached where it was, so that endpoint
 // looked emptier than it was and the eighth key went there too: three
-// groups on one single-threaded server, one on another.)
+// groups on one single-threaded server, one on another. On kvsim pods
+// sized for eight prompt groups each, new keys placed under LoadFactor ×
+// the mean went up to nine on a pod, and those pods queued.)
 func TestAloneHomesKeepWhereKeysWent(t *testing.T) {
-	eps := testSet(t, 4).Mixed
-	rng := rand.New(rand.NewPCG(11, 12))
-	for trial := range 300 {
-		h := newHomes(time.Hour, time.Now)
-		var keys []uint64
-		first := map[uint64]uint64{}
-		for range 8 {
-			k := rng.Uint64()
-			e, _, _ := h.lookup(k, eps, 1.1, true, false, true)
-			h.placed(k, e, false)
-			first[k] = e
-			keys = append(keys, k)
-			for range rng.IntN(3) { // earlier keys recur meanwhile, at their homes
-				r := keys[rng.IntN(len(keys))]
-				if e, _, _ := h.lookup(r, eps, 1.1, true, false, true); e != first[r] {
-					t.Fatalf("trial %d: key %x moved from %x to %x when it recurred", trial, r, first[r], e)
+	for _, tc := range []struct{ eps, keys, trials int }{{4, 8, 300}, {8, 64, 50}} {
+		eps := testSet(t, tc.eps).Mixed
+		rng := rand.New(rand.NewPCG(11, uint64(tc.eps)))
+		for trial := range tc.trials {
+			h := newHomes(time.Hour, time.Now)
+			var keys []uint64
+			first := map[uint64]uint64{}
+			for range tc.keys {
+				k := rng.Uint64()
+				e, _, _ := h.lookup(k, eps, 1.1, true, false, true)
+				h.placed(k, e, false)
+				first[k] = e
+				keys = append(keys, k)
+				for range rng.IntN(3) { // earlier keys recur meanwhile, at their homes
+					r := keys[rng.IntN(len(keys))]
+					if e, _, _ := h.lookup(r, eps, 1.1, true, false, true); e != first[r] {
+						t.Fatalf("%d keys, trial %d: key %x moved from %x to %x when it recurred", tc.keys, trial, r, first[r], e)
+					}
 				}
 			}
-		}
-		per := map[uint64]int{}
-		for _, k := range keys {
-			per[first[k]]++
-			if e, _, _ := h.lookup(k, eps, 1.1, true, false, true); e != first[k] {
-				t.Fatalf("trial %d: key %x moved from %x to %x", trial, k, first[k], e)
+			per := map[uint64]int{}
+			for _, k := range keys {
+				per[first[k]]++
+				if e, _, _ := h.lookup(k, eps, 1.1, true, false, true); e != first[k] {
+					t.Fatalf("%d keys, trial %d: key %x moved from %x to %x", tc.keys, trial, k, first[k], e)
+				}
 			}
-		}
-		for _, e := range eps {
-			if per[e.ID] != 2 {
-				t.Fatalf("trial %d: eight keys on four endpoints: %v", trial, per)
+			for _, e := range eps {
+				if per[e.ID] != tc.keys/tc.eps {
+					t.Fatalf("%d keys, trial %d: on %d endpoints: %v", tc.keys, trial, tc.eps, per)
+				}
 			}
 		}
 	}

@@ -603,11 +603,11 @@ func (h *homes) assign(eps []*discovery.Endpoint, factor float64, now time.Time)
 // that keeps a key is at least LoadFactor × the mean of the live keys,
 // recurring and seen once (homeBound; placeAlone placed them under the
 // mean, so this is slack), whatever its engine is learned to keep: a count
-// that fell bounds where new keys go, and moves none. (Bounded by the recurring keys alone,
-// two keys placed on one endpoint that recurred first were one too many:
-// one was homed elsewhere while it stayed cached where it was, that
-// endpoint looked emptier than it was, and the next new key went there
-// too: of eight prompt groups on four llama.cpp servers, three on one and
+// that fell bounds where new keys go, and moves none. (Bounded by the
+// recurring keys alone, two keys placed on one endpoint that recurred first
+// were one too many: one was homed elsewhere while it stayed cached where it
+// was, that endpoint looked emptier than it was, and the next new key went
+// there too: of eight prompt groups on four llama.cpp servers, three on one and
 // one on another.) (On Ollama servers with four slots, where requests
 // sharing a slot's prompt at once push each other's prompts out, counts
 // learned from those misses rose and fell, and every change moved homes:

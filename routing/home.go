@@ -248,21 +248,9 @@ func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, se
 	defer h.mu.Unlock()
 	now := h.now()
 	h.expire(now.Unix())
-	v, seen := h.lru.Peek(key)
+	v, _ := h.lru.Peek(key)
 	if see {
-		changed := !seen || v.seen != now.Unix()
-		if seen && !v.recurring && !branch {
-			v.recurring, changed = true, true
-			h.recurring[key] = struct{}{}
-			h.dirty = true
-			h.uncount(v)
-		}
-		if changed {
-			v.seen = now.Unix()
-			h.lru.Add(key, v)
-		} else {
-			h.lru.Get(key) // recency only
-		}
+		v = h.sight(key, branch, now.Unix())
 	}
 	if alone != h.alone {
 		h.alone, h.dirty = alone, true
@@ -288,6 +276,41 @@ func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, se
 		return v.at, v, true
 	}
 	return h.place(key, first, eps, factor), v, true
+}
+
+// sight counts a request of key at now (unix seconds): a key seen before
+// recurs (a branch's never joins the assignment), a new one is recorded.
+// h.mu is held.
+func (h *homes) sight(key uint64, branch bool, now int64) homeKey {
+	v, seen := h.lru.Peek(key)
+	changed := !seen || v.seen != now
+	if seen && !v.recurring && !branch {
+		v.recurring, changed = true, true
+		h.recurring[key] = struct{}{}
+		h.dirty = true
+		h.uncount(v)
+	}
+	if changed {
+		v.seen = now
+		h.lru.Add(key, v)
+	} else {
+		h.lru.Get(key) // recency only
+	}
+	return v
+}
+
+// peerSaw counts a router replica's request of key (its gossiped
+// placement) as if this router had seen it: replicas that each count only
+// their own requests see a key recur up to n times later than one router
+// would, and meanwhile disagree on its home (decide places a key seen once
+// where the assignment would put it if it recurred, computed over this
+// replica's recurring keys).
+func (h *homes) peerSaw(key uint64, branch bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	now := h.now().Unix()
+	h.expire(now)
+	h.sight(key, branch, now)
 }
 
 // family takes the deepest match (in blocks) the index found anywhere for a

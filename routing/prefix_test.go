@@ -648,3 +648,31 @@ func TestCachedTokens(t *testing.T) {
 		t.Errorf("no hashes: %d", c)
 	}
 }
+
+// A gossiping peer's request counts as this router's own would: its prefix
+// key recurs at its second request anywhere, not at this replica's second,
+// and the keys the peers send an endpoint count in a key's distance there
+// (warmth), so that replicas agree on the recurring keys and learn what an
+// engine keeps from every replica's traffic.
+func TestPeersRequestsCountAsSeen(t *testing.T) {
+	set := testSet(t, 4)
+	p := newTestPrefix(DefaultPrefixParams())
+	p.Meshed(func() bool { return true })
+	e := set.Endpoints[0]
+	sys := system(60, 8192)
+	p.PeerPlaced(e, request(sys+"a").Hashes)
+	if p.Homes() != 0 {
+		t.Fatalf("%d recurring keys after one request", p.Homes())
+	}
+	p.PeerPlaced(set.Endpoints[1], request(sys+"b").Hashes)
+	if p.Homes() != 1 {
+		t.Fatalf("%d recurring keys after two peers' requests of one prefix, want 1", p.Homes())
+	}
+	d := p.Pick(request(sys+"c"), set)
+	for g := range 3 { // the peers send three other prefixes where this one went
+		p.PeerPlaced(d.Endpoint, request(system(70+g, 8192)+"x").Hashes)
+	}
+	if dist := p.warm.see(d.Endpoint.ID, d.PrefixKey); dist != 3 {
+		t.Fatalf("the prefix's distance on %s: %d, want 3 (the peers' three keys since)", d.Endpoint, dist)
+	}
+}

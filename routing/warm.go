@@ -14,9 +14,10 @@ import (
 // prompt cache holds — and the index, sized in blocks, cannot tell one long
 // prompt from many short ones.
 //
-// Every dispatch of a keyed request puts its key at the head of the
-// endpoint's stack of recent keys (see): the key's distance is how many
-// other keys went there since it last did. Every answer whose cache use is
+// Every dispatch of a keyed request, this router's or a gossiping
+// replica's, puts its key at the head of the endpoint's stack of recent keys
+// (see): the key's distance is how many other keys went there since it last
+// did. Every answer whose cache use is
 // known — the engine's cached tokens, or, where the engine reports none,
 // its time to first token (Prefix.LearnTTFT) — is an outcome at that
 // distance (outcome): the engine served the key's blocks from cache or

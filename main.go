@@ -116,7 +116,7 @@ func newFlags(c *config) *app.Flags {
 	pfx.Float64Var(&c.Prefix.TieSec, "prefix-tie", c.Prefix.TieSec, "waits closer than this are ties, broken by rendezvous hashing")
 	pfx.Float64Var(&c.Prefix.QueueCostSec, "prefix-queue-cost", c.Prefix.QueueCostSec, "prior seconds of wait per request queued in the engine, scraped (learned per endpoint as its mean prefill time or batch turnover; setting it pins it)")
 	pfx.Float64Var(&c.Prefix.KVCostSec, "prefix-kv-cost", c.Prefix.KVCostSec, "seconds of wait at a full KV cache (scraped usage 1.0), linear in usage")
-	pfx.Float64Var(&c.Prefix.HomeLoadFactor, "prefix-home-load-factor", c.Prefix.HomeLoadFactor, "no endpoint homes more than this × the mean number of recurring prefixes (a prefix is homed on its rendezvous winner unless that endpoint is full)")
+	pfx.Float64Var(&c.Prefix.HomeLoadFactor, "prefix-home-load-factor", c.Prefix.HomeLoadFactor, "no endpoint homes more than this × the mean number of recurring prefixes (a prefix is homed on its rendezvous winner unless that endpoint is full; a router alone places a new prefix below the mean)")
 
 	kv.IntVar(&c.KVEventsPort, "kv-events-port", c.KVEventsPort, "subscribe to every endpoint's KV-cache events at tcp://<endpoint host>:PORT (vLLM --kv-events-config publisher zmq, endpoint tcp://*:5557; SGLang likewise), following discovery: the engines' stores, evictions and restarts then correct the prefix index (0: off)")
 	kv.StringVar(&c.KVEventsListen, "kv-events-listen", c.KVEventsListen, "bind a ZeroMQ SUB socket at tcp://HOST:PORT or HOST:PORT (host * or empty: every interface) for publishers that dial in (e.g. the llm-d inference simulator's --zmq-endpoint); endpoints are told apart by the topic kv@<ip>:<port>@<model> (off when empty)")

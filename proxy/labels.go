@@ -18,10 +18,10 @@ import (
 // requests as the least busy labelled one (counts halved at each ranking)
 // takes that one's label, if that tenant has nothing queued or in flight:
 // its series are deleted and it counts in "other" until it is among the
-// busiest again. A
-// router restarted beside a steady crowd of small callers so still names
-// the caller that later floods it, instead of the first 32 it saw, and
-// the series exported stay bounded by the labels, whatever the churn.
+// busiest again. A router restarted beside a steady crowd of small callers
+// so still names the caller that later floods it, instead of the first 32
+// it saw, and the series exported stay bounded by the labels, whatever the
+// churn.
 
 // rankEvery is how often the busiest tenants are ranked.
 const rankEvery = time.Minute

@@ -20,9 +20,9 @@ import (
 // flow is one tenant's requests of one class, and classes go first: a
 // flow also leaves the last places to any active flow of a higher class,
 // whatever their shares (a tenant's flex batch to its own interactive
-// traffic too). A fully
-// work-conserving queue gave a quiet tenant's request, first in order,
-// the next place a flood sequence freed, and it waited for one to end
+// traffic too). A fully work-conserving queue gave a quiet tenant's
+// request, first in order, the next place a flood sequence freed, and it
+// waited for one to end
 // (issue #38: the quiet tenants' TTFT p90 5–13× their own alone on the
 // simulators). Two places (the default) keep a flow's wait short while
 // it brings up to about half of the fleet's requests (a Poisson flow then

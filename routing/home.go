@@ -189,24 +189,25 @@ func (h *homes) uncount(v homeKey) {
 	}
 }
 
-// prefixKey returns r's prefix key (see rendezvousKey), whether r has one
+// keyOf returns the prefix key of a request whose chain is hashes (see
+// rendezvousKey; prefill: for the prefill pool), whether it has one
 // (keyed: a prompt of MinMatchBlocks blocks at least), and, when the key is
 // a conversation's own under a shared prefix (homes.family; among
 // replicas), the shared part's depth in blocks (branch, presumed held at
 // the branch's home; 0 otherwise). deepest is the deepest match in the
 // index; see is decide's (the request counts).
-func (p *Prefix) prefixKey(r *Request, prm *PrefixParams, deepest int, replicated, see bool) (key uint64, keyed bool, branch int) {
-	key = rendezvousKey(r.Hashes, prm.MinMatchBlocks)
-	keyed = len(r.Hashes) >= prm.MinMatchBlocks
+func (p *Prefix) keyOf(hashes []uint64, prefill bool, prm *PrefixParams, deepest int, replicated, see bool) (key uint64, keyed bool, branch int) {
+	key = rendezvousKey(hashes, prm.MinMatchBlocks)
+	keyed = len(hashes) >= prm.MinMatchBlocks
 	if keyed {
 		// A family of conversations under one shared prefix: each
 		// branch (conversation) is keyed by its own first block.
 		shared, chained := p.homes.family(key, deepest, prm.MinMatchBlocks, see)
-		if chained && shared < len(r.Hashes) && replicated {
-			key, branch = r.Hashes[shared], shared
+		if chained && shared < len(hashes) && replicated {
+			key, branch = hashes[shared], shared
 		}
 	}
-	if r.Prefill {
+	if prefill {
 		// The prefill pool homes a prefix apart from the serving one.
 		key = prefix.Mix64(key ^ prefillPoolSalt)
 	}

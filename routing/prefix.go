@@ -278,10 +278,7 @@ func (p *Prefix) CachedTokens(r *Request) int {
 	}
 	sp := p.scratch.Get().(*[]prefix.Match)
 	matches := p.index.Match(r.Hashes, *sp)
-	deepest := 0
-	for _, m := range matches {
-		deepest = max(deepest, m.Blocks)
-	}
+	deepest := deepestMatch(matches)
 	*sp = matches[:0]
 	p.scratch.Put(sp)
 	return min(r.PromptTokens, int(float64(deepest*p.blockBytes)/p.BytesPerToken()))
@@ -342,21 +339,18 @@ func (p *Prefix) PeerPlaced(e *discovery.Endpoint, hashes []uint64) {
 // this router would give the request (a chained family's branch included;
 // matches is the index's view before the placement is recorded).
 func (p *Prefix) peerKey(e *discovery.Endpoint, hashes []uint64, matches []prefix.Match, prm *PrefixParams) {
+	key, _, branch := p.keyOf(hashes, e.Role == discovery.RolePrefill, prm, deepestMatch(matches), true, false)
+	p.homes.peerSaw(key, branch > 0)
+	p.warm.see(e.ID, key)
+}
+
+// deepestMatch is the deepest of matches, in blocks (0: none).
+func deepestMatch(matches []prefix.Match) int {
 	deepest := 0
 	for _, m := range matches {
 		deepest = max(deepest, m.Blocks)
 	}
-	key := rendezvousKey(hashes, prm.MinMatchBlocks)
-	shared, chained := p.homes.family(key, deepest, prm.MinMatchBlocks, false)
-	branch := chained && shared < len(hashes)
-	if branch {
-		key = hashes[shared]
-	}
-	if e.Role == discovery.RolePrefill {
-		key = prefix.Mix64(key ^ prefillPoolSalt)
-	}
-	p.homes.peerSaw(key, branch)
-	p.warm.see(e.ID, key)
+	return deepest
 }
 
 // Meshed sets f to report whether this router has live replicas (their
@@ -502,14 +496,11 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	sp := p.scratch.Get().(*[]prefix.Match)
 	matches := p.index.Match(r.Hashes, *sp)
 	defer func() { *sp = matches[:0]; p.scratch.Put(sp) }()
-	deepest := 0
-	for _, m := range matches {
-		deepest = max(deepest, m.Blocks)
-	}
+	deepest := deepestMatch(matches)
 
 	meshed := p.meshed != nil && p.meshed()
 	replicated := p.Foreign() >= sharedFleet || meshed
-	key, keyed, branch := p.prefixKey(r, prm, deepest, replicated, see)
+	key, keyed, branch := p.keyOf(r.Hashes, r.Prefill, prm, deepest, replicated, see)
 	group := r.group(set)
 	// The key's home; established when the key recurs.
 	var homeID uint64

@@ -130,7 +130,7 @@ func New(cfg Config, logger *zap.Logger) (*Router, error) {
 				return int(float64(cfg.PrefixBlockBytes) / bpt)
 			}}}}
 	if r.Prefix != nil {
-		opt.Learner, opt.Cached = r.Prefix, r.Prefix.CachedTokens
+		opt.Learner, opt.Cached, opt.Warm = r.Prefix, r.Prefix.CachedTokens, r.Prefix.WarmRoom
 		metrics.RegisterIndex(r.Registry, func() metrics.IndexSample {
 			s := r.Prefix.Index().Stats()
 			return metrics.IndexSample{Endpoints: s.Endpoints, Hashes: s.Hashes, Entries: s.Entries,

@@ -36,7 +36,12 @@ func newTestQueue(t *testing.T, max, perTenant int) *testQueue {
 // waitFor enters a request of tenant id and class c, and returns its
 // waiter and a channel that gets it when granted.
 func (tq *testQueue) waitFor(t *testing.T, id uint64, c class) (*waiter, <-chan *waiter) {
-	w := &waiter{req: &routing.Request{}, who: id, class: c, cost: 500, ready: make(chan struct{}, 1)}
+	return tq.waitForReq(t, id, c, &routing.Request{})
+}
+
+// waitForReq is waitFor of request r.
+func (tq *testQueue) waitForReq(t *testing.T, id uint64, c class, r *routing.Request) (*waiter, <-chan *waiter) {
+	w := &waiter{req: r, who: id, class: c, cost: 500, ready: make(chan struct{}, 1)}
 	if shed := tq.q.enter(w, id, "", 1, false); shed != "" {
 		t.Fatalf("shed: %s", shed)
 	}
@@ -103,6 +108,71 @@ func TestFairQueueNewTenantGoesFirst(t *testing.T) {
 	case <-time.After(time.Second):
 		t.Fatal("nothing was granted")
 	}
+}
+
+// A backlogged flow's first waiter whose cached prompt has no room gives
+// its turn to a later waiter of its flow that starts warm, or has nothing
+// cached, at most maxPassed times; a flow's only waiter, and other flows'
+// waiters, are never passed over that way.
+func TestFairQueueGrantsWarmFirst(t *testing.T) {
+	tq := newTestQueue(t, 1024, 1024)
+	// The request's model says where its prompt is: "full" cached where
+	// there is no room, "warm" cached where there is, "" nowhere.
+	tq.warmByModel(t)
+	req := func(model string) *routing.Request { return &routing.Request{Model: model} }
+	take := func(g <-chan *waiter, why string) *waiter { t.Helper(); return tq.take(t, g, why) }
+	// Another tenant's only waiter, whose cache is full, goes first.
+	_, alone := tq.waitForReq(t, 2, classDefault, req("full"))
+	head, first := tq.waitForReq(t, 1, classDefault, req("full"))
+	var later []<-chan *waiter
+	for i := range maxPassed + 1 {
+		model := "warm"
+		if i == 0 {
+			model = "" // nothing cached: it may take the place too
+		}
+		_, g := tq.waitForReq(t, 1, classDefault, req(model))
+		later = append(later, g)
+	}
+	take(alone, "the other tenant's only waiter")
+	for i := range maxPassed {
+		select {
+		case <-first:
+			t.Fatalf("the head whose cache is full took grant %d, want a later waiter of its flow", i)
+		default:
+		}
+		if w := take(later[i], "a later warm waiter"); w.req.Alone {
+			t.Error("a backlog's waiter was granted as alone")
+		}
+	}
+	take(first, "the head after maxPassed turns")
+	if head.passed != maxPassed {
+		t.Errorf("the head was passed over %d times, want %d", head.passed, maxPassed)
+	}
+	take(later[maxPassed], "the last waiter")
+}
+
+// warmByModel makes the request's model say where its prompt is cached:
+// "full" where there is no room, "warm" where there is, "" nowhere.
+func (tq *testQueue) warmByModel(t *testing.T) {
+	tq.q.warm = func(r *routing.Request) (bool, bool) {
+		if !r.StartNow {
+			t.Error("warm was asked of a request not marked StartNow")
+		}
+		return r.Model != "", r.Model == "warm"
+	}
+}
+
+// take hands out one place and returns g's waiter once granted.
+func (tq *testQueue) take(t *testing.T, g <-chan *waiter, why string) *waiter {
+	t.Helper()
+	tq.places.Add(1)
+	select {
+	case w := <-g:
+		return w
+	case <-time.After(time.Second):
+		t.Fatalf("%s was not granted", why)
+	}
+	return nil
 }
 
 // Tenants with backlogs share the places by cost: each gets half.

@@ -74,6 +74,11 @@ type Options struct {
 	// waiting request its uncached tokens and output, not its whole
 	// prompt.
 	Cached func(r *routing.Request) int
+	// Warm, when set, reports whether a request's prompt is cached on
+	// set and whether an endpoint holding it has room (the prefix
+	// policy's index): the queue gives a freed place to a waiter that
+	// starts warm before one of its flow that would recompute its prompt.
+	Warm func(r *routing.Request, set *discovery.Set) (placed, room bool)
 	// AccessLog, when set, receives one line per request (accesslog.go),
 	// but for the share AccessLogSkip of successful ones (status < 400), at
 	// random: in zap's production JSON layout, or its console layout with
@@ -175,6 +180,9 @@ func New(opt Options) *Server {
 	s.budget.init(opt.RetryBudget, opt.MinRetries)
 	s.queue.init(opt.MaxQueue, opt.Tenants.MaxQueue, func(r *routing.Request) bool { return routing.Room(r, s.opt.Pool.Load()) },
 		s.budgets.atMax, opt.Metrics.TenantQueued)
+	if opt.Warm != nil {
+		s.queue.warm = func(r *routing.Request) (bool, bool) { return opt.Warm(r, s.opt.Pool.Load()) }
+	}
 	if !opt.Tenants.FIFO {
 		s.queue.reserve, s.queue.places = opt.Tenants.Reserve, s.placesOf
 	}

@@ -284,6 +284,36 @@ func (p *Prefix) CachedTokens(r *Request) int {
 	return min(r.PromptTokens, int(float64(deepest*p.blockBytes)/p.BytesPerToken()))
 }
 
+// WarmRoom reports, for a request waiting in the router's queue, whether
+// its prompt is cached in its group (placed: the index shows its deepest
+// match, of MinMatchBlocks blocks at least, on an endpoint of the group)
+// and whether one endpoint holding that match may take it now (Usable:
+// with r.StartNow, room in its batch or short queue). The queue gives a
+// freed place to a waiter whose cache has room before one of the same
+// flow whose cache has none, which would recompute its prompt elsewhere
+// (and copy it there). It records nothing.
+func (p *Prefix) WarmRoom(r *Request, set *discovery.Set) (placed, room bool) {
+	if len(r.Hashes) == 0 {
+		return false, false
+	}
+	sp := p.scratch.Get().(*[]prefix.Match)
+	matches := p.index.Match(r.Hashes, *sp)
+	defer func() { *sp = matches[:0]; p.scratch.Put(sp) }()
+	deepest := deepestMatch(matches)
+	if deepest < p.params.Load().MinMatchBlocks {
+		return false, false
+	}
+	for _, e := range r.group(set) {
+		if b, _ := matchedBlocks(matches, e.ID); b == deepest {
+			placed = true
+			if Usable(r, e) {
+				return true, true
+			}
+		}
+	}
+	return placed, false
+}
+
 // OnPlaced sets f to be told each pick's endpoint and chain after the
 // index recorded it (hashes is only valid during the call): the replicas'
 // gossip sends them to the other replicas, whose indexes record them too.

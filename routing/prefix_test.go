@@ -676,3 +676,34 @@ func TestPeersRequestsCountAsSeen(t *testing.T) {
 		t.Fatalf("the prefix's distance on %s: %d, want 3 (the peers' three keys since)", d.Endpoint, dist)
 	}
 }
+
+// WarmRoom tells the queue whether a waiting request's deepest match has
+// room: a shallower copy elsewhere does not count, nor a match shorter
+// than MinMatchBlocks.
+func TestWarmRoom(t *testing.T) {
+	set := testSet(t, 3)
+	p := newTestPrefix(DefaultPrefixParams())
+	r := request(strings.Repeat("a shared system prompt. ", 300)) // 7 whole blocks
+	r.StartNow, r.MaxInFlight = true, 1
+	if placed, room := p.WarmRoom(r, set); placed || room {
+		t.Fatalf("cold: placed %v, room %v", placed, room)
+	}
+	deep, shallow := set.Serving[0], set.Serving[1]
+	p.Index().Record(deep.ID, r.Hashes[:5])
+	p.Index().Record(shallow.ID, r.Hashes[:3])
+	if placed, room := p.WarmRoom(r, set); !placed || !room {
+		t.Fatalf("deepest match idle: placed %v, room %v", placed, room)
+	}
+	release := occupy(deep, 1, 0) // at r.MaxInFlight
+	if placed, room := p.WarmRoom(r, set); !placed || room {
+		t.Errorf("deepest match at its cap: placed %v, room %v (a shallower copy has room)", placed, room)
+	}
+	release()
+	prm := DefaultPrefixParams()
+	prm.MinMatchBlocks = 3
+	short := newTestPrefix(prm)
+	short.Index().Record(deep.ID, r.Hashes[:2])
+	if placed, _ := short.WarmRoom(r, set); placed {
+		t.Error("a match shorter than MinMatchBlocks counts as placed")
+	}
+}

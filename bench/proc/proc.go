@@ -21,6 +21,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -236,10 +237,19 @@ func decompress(src, dst string) error {
 // up): a port the kernel handed out and took back can go to the next
 // outgoing connection of any process before the server binds it, which
 // once failed a test run with "address already in use". Memberlist binds
-// both TCP and UDP on its port.
+// both TCP and UDP on its port. Nor does it hand out a port it handed out
+// lately: a caller may take several before it binds any (a replica set's
+// gossip addresses), and a port free again after its check can come up
+// again (eight replicas' gossip got one port twice, and the run failed
+// with "address already in use").
 func FreePort() (int, error) {
+	given.Lock()
+	defer given.Unlock()
 	for range 200 {
 		port := 20000 + rand.IntN(12000)
+		if slices.Contains(given.ports[:], port) {
+			continue
+		}
 		addr := net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
 		ln, err := net.Listen("tcp", addr)
 		if err != nil {
@@ -251,9 +261,18 @@ func FreePort() (int, error) {
 			continue
 		}
 		pc.Close()
+		given.ports[given.next%len(given.ports)] = port
+		given.next++
 		return port, nil
 	}
 	return 0, errors.New("proc: no free loopback port in 20000–32000")
+}
+
+// given are the ports FreePort handed out last.
+var given struct {
+	sync.Mutex
+	ports [1024]int
+	next  int
 }
 
 // FreeLoopback is FreePort as a host:port address on 127.0.0.1.

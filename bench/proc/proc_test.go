@@ -51,3 +51,19 @@ func TestWaitReadyExited(t *testing.T) {
 		t.Errorf("WaitReady = %v, want ErrStart with the output", err)
 	}
 }
+
+// Ports taken one after another before any is bound are distinct: a port
+// free again after FreePort's check does not come up twice.
+func TestFreePortsDistinct(t *testing.T) {
+	seen := make(map[int]bool)
+	for range 500 {
+		port, err := FreePort()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if seen[port] {
+			t.Fatalf("port %d handed out twice", port)
+		}
+		seen[port] = true
+	}
+}

@@ -418,7 +418,7 @@ func (q *fairQueue) eligible(p *grantPass, w *waiter) bool {
 // crowding that endpoint's cache (llm-d simulator, shared-prefix past
 // capacity: 81–84% of prompt tokens cached with one router, 72–75% with
 // eight replicas, each granting from its own queue; 85–86% and 77–79%
-// with warmer grants).
+// with warm grants).
 const (
 	warmLookAhead = 16
 	maxPassed     = 8

@@ -1,14 +1,17 @@
 package proxy
 
 import (
+	"bytes"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvroute/kvroute/bench/sim"
+	"github.com/kvroute/kvroute/discovery"
 	"github.com/kvroute/kvroute/prefix"
 	"github.com/kvroute/kvroute/routing"
 )
@@ -118,4 +121,91 @@ func TestPassThroughIsNoDecision(t *testing.T) {
 	if n != 1 {
 		t.Fatalf("%v routing decisions counted, want the completion's only", n)
 	}
+}
+
+// pickLog is the prefix policy, recording each pick's request name (the
+// prompt's "#name" tail) and endpoint.
+type pickLog struct {
+	*routing.Prefix
+	mu    sync.Mutex
+	picks []string // "name@endpoint URL"
+}
+
+func (l *pickLog) Pick(r *routing.Request, set *discovery.Set) routing.Decision {
+	d := l.Prefix.Pick(r, set)
+	if d.Endpoint != nil {
+		name, _, _ := strings.Cut(string(r.Body[bytes.LastIndexByte(r.Body, '#')+1:]), `"`)
+		l.mu.Lock()
+		l.picks = append(l.picks, name+"@"+d.Endpoint.URL)
+		l.mu.Unlock()
+	}
+	return d
+}
+
+// wait returns the picks once there are n.
+func (l *pickLog) wait(t *testing.T, n int) []string {
+	t.Helper()
+	for deadline := time.Now().Add(guard); ; time.Sleep(time.Millisecond) {
+		l.mu.Lock()
+		picks := slices.Clone(l.picks)
+		l.mu.Unlock()
+		if len(picks) >= n {
+			return picks
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d picks, want %d: %q", len(picks), n, picks)
+		}
+	}
+}
+
+// Through the proxy, on simulated pods that each take one request of the
+// router (--max-in-flight-per-endpoint 1) and hold it until released: a
+// backlog's freed place goes to the waiter whose prompt is cached where it
+// freed, not to the first waiter, whose own pod is busy (it would
+// recompute its prompt there and copy it).
+func TestWarmGrantOnSimulatedPods(t *testing.T) {
+	cfg := sim.DefaultConfig()
+	cfg.TimeScale = 100
+	cfg.Faults.StallUntilRelease = true
+	fleet := startSimFleet(t, 2, cfg)
+	policy := &pickLog{Prefix: routing.NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1000}), 1024, routing.DefaultPrefixParams())}
+	h := startProxy(t, policy, Options{Learner: policy, Warm: policy.WarmRoom,
+		Limits: Limits{MaxInFlightPerEndpoint: 1, QueueTimeout: guard, MaxQueue: 100}}, fleet.URLs()...)
+
+	var wg sync.WaitGroup
+	send := func(group, name string) {
+		system := strings.Repeat(fmt.Sprintf("[group %s] follow the support policy. ", group), 80) // 2.7 KB
+		body := fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":4}`, cfg.Model, system+"#"+name)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			resp := post(t, h.url+"/v1/completions", body)
+			if got := readAll(t, resp); resp.StatusCode != 200 {
+				t.Errorf("%s: status %d: %s", name, resp.StatusCode, got)
+			}
+		}()
+	}
+	eps := h.pool.Load().Endpoints
+	send("A", "a0")
+	podA := policy.wait(t, 1)[0]
+	send("B", "b0") // pod A is at its cap: pod B
+	podB := policy.wait(t, 2)[1]
+	if podA[3:] == podB[3:] {
+		t.Fatalf("a0 and b0 on one pod: %q, %q", podA, podB)
+	}
+	send("A", "a1")
+	queueLen(t, h.srv, 1)
+	send("A", "a2")
+	queueLen(t, h.srv, 2)
+	send("B", "b1")
+	queueLen(t, h.srv, 3)
+
+	b := slices.IndexFunc(eps, func(e *discovery.Endpoint) bool { return strings.HasSuffix(podB, "@"+e.URL) })
+	fleet.Pod(b).ReleaseStalls() // b0 ends, and pod B takes requests at once from now on
+	if got, want := policy.wait(t, 3)[2], "b1"+podB[2:]; got != want {
+		t.Errorf("%s took pod B's freed place, want %s (group B is cached there; a1 and a2 wait for pod A)", got, want)
+	}
+	fleet.Pod(1 - b).ReleaseStalls()
+	wg.Wait()
+	h.waitIdle(t)
 }

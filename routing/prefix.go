@@ -276,10 +276,8 @@ func (p *Prefix) CachedTokens(r *Request) int {
 	if len(r.Hashes) == 0 {
 		return 0
 	}
-	sp := p.scratch.Get().(*[]prefix.Match)
-	matches := p.index.Match(r.Hashes, *sp)
-	deepest := deepestMatch(matches)
-	*sp = matches[:0]
+	sp := p.match(r.Hashes)
+	deepest := deepestMatch(*sp)
 	p.scratch.Put(sp)
 	return min(r.PromptTokens, int(float64(deepest*p.blockBytes)/p.BytesPerToken()))
 }
@@ -296,9 +294,9 @@ func (p *Prefix) WarmRoom(r *Request, set *discovery.Set) (placed, room bool) {
 	if len(r.Hashes) == 0 {
 		return false, false
 	}
-	sp := p.scratch.Get().(*[]prefix.Match)
-	matches := p.index.Match(r.Hashes, *sp)
-	defer func() { *sp = matches[:0]; p.scratch.Put(sp) }()
+	sp := p.match(r.Hashes)
+	defer p.scratch.Put(sp)
+	matches := *sp
 	deepest := deepestMatch(matches)
 	if deepest < p.params.Load().MinMatchBlocks {
 		return false, false
@@ -343,13 +341,11 @@ const maxPeerPrefill = 10 * time.Second
 // home moved after the first 24 s.
 func (p *Prefix) PeerPlaced(e *discovery.Endpoint, hashes []uint64) {
 	prm := p.params.Load()
-	sp := p.scratch.Get().(*[]prefix.Match)
-	matches := p.index.Match(hashes, *sp)
-	held, _ := matchedBlocks(matches, e.ID)
+	sp := p.match(hashes)
+	held, _ := matchedBlocks(*sp, e.ID)
 	if len(hashes) >= prm.MinMatchBlocks {
-		p.peerKey(e, hashes, matches, prm)
+		p.peerKey(e, hashes, *sp, prm)
 	}
-	*sp = matches[:0]
 	p.scratch.Put(sp)
 	p.index.Record(e.ID, hashes)
 	r := prm.ratesOf(e.Costs(), prm.pins())
@@ -372,6 +368,14 @@ func (p *Prefix) peerKey(e *discovery.Endpoint, hashes []uint64, matches []prefi
 	key, _, branch := p.keyOf(hashes, e.Role == discovery.RolePrefill, prm, deepestMatch(matches), true, false)
 	p.homes.peerSaw(key, branch > 0)
 	p.warm.see(e.ID, key)
+}
+
+// match returns the index's matches of hashes in a slice of the scratch
+// pool, which the caller puts back (p.scratch.Put) once done with them.
+func (p *Prefix) match(hashes []uint64) *[]prefix.Match {
+	sp := p.scratch.Get().(*[]prefix.Match)
+	*sp = p.index.Match(hashes, (*sp)[:0])
+	return sp
 }
 
 // deepestMatch is the deepest of matches, in blocks (0: none).
@@ -523,9 +527,9 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	// (terms wanted) records nothing.
 	see := terms == nil
 	prm := p.params.Load()
-	sp := p.scratch.Get().(*[]prefix.Match)
-	matches := p.index.Match(r.Hashes, *sp)
-	defer func() { *sp = matches[:0]; p.scratch.Put(sp) }()
+	sp := p.match(r.Hashes)
+	defer p.scratch.Put(sp)
+	matches := *sp
 	deepest := deepestMatch(matches)
 
 	meshed := p.meshed != nil && p.meshed()

@@ -244,6 +244,30 @@ func TestLeaseObservations(t *testing.T) {
 	}
 }
 
+// A lease's load is what the request met from all the router replicas:
+// the peers' requests in flight and prefill (their gossip) count with this
+// router's own. Eight replicas' fits, each seeing an eighth of the load,
+// ascribed it to the prompt: cold prompts, sent where the fleet was idle,
+// came back faster than warm ones sent where it was busy, and some
+// endpoints' prefill rates were learned at the bound, 2,000,000 tokens a
+// second, which made every spill there look free (issue #37).
+func TestLeaseCountsThePeersLoad(t *testing.T) {
+	e, err := NewEndpoint("http://10.0.0.1:8000", RoleMixed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.calib = newCalibrator(CalibrationConfig{}, &e.costs, nil)
+	own := e.Acquire(300)
+	e.SetPeerInFlight(7)
+	e.AddPeerPrefill(2000, time.Now().Add(time.Minute))
+	l := e.Acquire(100)
+	if l.before != 8 || l.ahead != 2300 {
+		t.Errorf("the lease met %d in flight and %d tokens ahead, want 8 and 2300", l.before, l.ahead)
+	}
+	l.Release()
+	own.Release()
+}
+
 // An endpoint that has not seen its engine saturate uses the median batch
 // limit (and decode times) its peers measured, marked as such; its own
 // measurement replaces it.

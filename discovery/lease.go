@@ -47,6 +47,10 @@ func (e *Endpoint) Acquire(prefillTokens int) Lease {
 	e.requests.Add(1)
 	l := Lease{e: e, prefill: p, own: p, ahead: ahead, before: n - 1}
 	if e.calib != nil {
+		// The load the request meets is the router replicas' together,
+		// as the wait model counts it (their gossip).
+		l.ahead += e.PeerPrefill()
+		l.before += e.PeerInFlight()
 		l.start = time.Now()
 		e.rampScrape(n)
 	}

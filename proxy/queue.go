@@ -328,10 +328,11 @@ func (q *fairQueue) grant() bool {
 			continue
 		}
 		// A backlogged flow's request may wait at a warm engine's short
-		// queue (its backlog gains the cache hits); a flow's only one
-		// (its tenant's only one of its class: a tenant's interactive
-		// request beside its own flex backlog) goes where it starts now.
-		alone := w.tenant.byClass[w.class] == 1
+		// queue (its backlog gains the cache hits); a quiet flow's only
+		// one (its tenant's only one of its class, beside flows that run
+		// more: a tenant's interactive request beside its own flex
+		// backlog) goes where it starts now.
+		alone := w.tenant.byClass[w.class] == 1 && q.quiet(&p, w)
 		turn := w // the place is its turn: the virtual time is its start
 		if !alone {
 			if o := q.warmer(&p, i, w); o != nil {
@@ -346,6 +347,26 @@ func (q *fairQueue) grant() bool {
 		return true
 	}
 	return false
+}
+
+// quiet reports whether w's flow runs less than its share of this
+// router's requests running (its weight's part among the active flows):
+// a flow at its share is the backlog, even with one waiter here — with
+// router replicas each queue holds a fraction of a flood, often a single
+// request, and sending it where it starts now computed its prompt cold
+// beside the warm engine's short queue (llm-d simulator, shared-prefix
+// past capacity, eight replicas: issue #37). q.mu is held.
+func (q *fairQueue) quiet(p *grantPass, w *waiter) bool {
+	v := &p.shares
+	if !v.built {
+		v.build(q)
+	}
+	var running float64
+	for _, r := range v.runs {
+		running += float64(r.running)
+	}
+	mine := v.runs[flowOf(w.who, w.class)]
+	return running == 0 || float64(mine.running)*v.sumW < running*mine.weight
 }
 
 // grantPass is what one pass of grant learned of the fleet.

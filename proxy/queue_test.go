@@ -151,6 +151,35 @@ func TestFairQueueGrantsWarmFirst(t *testing.T) {
 	take(later[maxPassed], "the last waiter")
 }
 
+// A flow's only waiter goes where it starts now (Alone) only while its
+// flow runs less than its share of the router's requests running: a
+// flood's, a single waiter in the queue of one of several router replicas,
+// may wait at its warm engine's short queue like the rest of the backlog.
+func TestFairQueueLoneWaiterOfABacklog(t *testing.T) {
+	tq := newTestQueue(t, 1024, 1024)
+	granted := func(id uint64) *waiter {
+		t.Helper()
+		_, g := tq.waitFor(t, id, classDefault)
+		return tq.take(t, g, "the only waiter")
+	}
+	if w := granted(1); !w.req.Alone {
+		t.Error("with nothing running, a flow's only waiter was not alone")
+	}
+	for range 6 {
+		tq.q.runs.started(flowOf(1, classDefault), 1, classDefault) // the flood
+	}
+	if w := granted(1); w.req.Alone {
+		t.Error("the only flow running: its only waiter was granted as alone")
+	}
+	tq.q.runs.started(flowOf(2, classDefault), 1, classDefault)
+	if w := granted(2); !w.req.Alone {
+		t.Error("a quiet tenant's only waiter beside the flood was not alone")
+	}
+	if w := granted(1); w.req.Alone {
+		t.Error("the flood's only waiter beside a quiet tenant was granted as alone")
+	}
+}
+
 // warmByModel makes the request's model say where its prompt is cached:
 // "full" where there is no room, "warm" where there is, "" nowhere.
 func (tq *testQueue) warmByModel(t *testing.T) {

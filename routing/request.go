@@ -74,8 +74,9 @@ type Request struct {
 	StartNow bool
 	// Alone, with StartNow, narrows it to the endpoints that start the
 	// request at once (Endpoint.HasRoom): nothing else of its tenant
-	// waits, so its own latency is what a wait in an engine's queue
-	// costs, not a backlog's cache hits.
+	// waits and its tenant runs less than its share (a quiet tenant's
+	// request, not a flood's), so its own latency is what a wait in an
+	// engine's queue costs, not a backlog's cache hits.
 	Alone bool
 	// Prefill asks for a prefill endpoint (the Set's Prefill group) for
 	// the prefill leg of a disaggregated request; otherwise policies pick

@@ -361,12 +361,8 @@ func (q *fairQueue) quiet(p *grantPass, w *waiter) bool {
 	if !v.built {
 		v.build(q)
 	}
-	var running float64
-	for _, r := range v.runs {
-		running += float64(r.running)
-	}
 	mine := v.runs[flowOf(w.who, w.class)]
-	return running == 0 || float64(mine.running)*v.sumW < running*mine.weight
+	return v.running == 0 || float64(mine.running)*v.sumW < float64(v.running)*mine.weight
 }
 
 // grantPass is what one pass of grant learned of the fleet.

@@ -118,9 +118,10 @@ func (t *tenantRuns) sweep(now time.Time) {
 // shareView is one grant pass's view of the active flows: running or
 // waiting, or ended within activeFor.
 type shareView struct {
-	built bool
-	sumW  float64
-	runs  map[uint64]tenantRun
+	built   bool
+	sumW    float64
+	running int // the flows' requests running through this router
+	runs    map[uint64]tenantRun
 	// The fleet's places for the last request looked at (routing.Places),
 	// and its model.
 	placed      bool
@@ -150,6 +151,7 @@ func (v *shareView) build(q *fairQueue) {
 	}
 	for _, r := range v.runs {
 		v.sumW += r.weight
+		v.running += r.running
 	}
 }
 

@@ -408,7 +408,13 @@ func (h *homes) placed(key, at uint64, strayed bool) {
 }
 
 // recur makes key recurring (an engine reported it cached: it was seen
-// before, by this router or another).
+// before, by this router or another). A key seen once leaves the count of
+// the endpoint its request went to, as when it is seen again (sight):
+// counted there and among the recurring keys too, it was one key more in
+// every bound, and stayed so after it expired. (Stock Ollama servers, whose
+// answers' TTFTs made a key recurring after its first request: eight prompt
+// groups went 3-2-2-1 on four servers, the bound of 8 keys having risen to
+// three.)
 func (h *homes) recur(key uint64) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -419,6 +425,7 @@ func (h *homes) recur(key uint64) {
 	if v.seen == 0 {
 		v.seen = h.now().Unix()
 	}
+	h.uncount(v)
 	v.recurring = true
 	h.recurring[key] = struct{}{}
 	h.dirty = true

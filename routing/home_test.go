@@ -264,9 +264,14 @@ func TestOnceCounts(t *testing.T) {
 	if h.onceTotal != 5 {
 		t.Fatalf("a key that recurs is still counted once: total %d", h.onceTotal)
 	}
+	h.recur(3) // an engine served it cached
+	if h.onceTotal != 4 || len(h.recurring) != 2 {
+		t.Fatalf("a key an engine served cached is still counted once: total %d, %d recurring", h.onceTotal, len(h.recurring))
+	}
 	v, _ := h.lru.Peek(2)
+	left := h.onceTotal - h.once[v.at]
 	h.forget(v.at)
-	if h.onceTotal != 3 || h.once[v.at] != 0 {
+	if h.onceTotal != left || h.once[v.at] != 0 {
 		t.Fatalf("after forgetting an endpoint: total %d, its count %d", h.onceTotal, h.once[v.at])
 	}
 	now = now.Add(2 * time.Minute)

@@ -286,10 +286,8 @@ func (h *homes) sight(key uint64, branch bool, now int64) homeKey {
 	v, seen := h.lru.Peek(key)
 	changed := !seen || v.seen != now
 	if seen && !v.recurring && !branch {
-		v.recurring, changed = true, true
-		h.recurring[key] = struct{}{}
-		h.dirty = true
-		h.uncount(v)
+		h.turnRecurring(key, &v)
+		changed = true
 	}
 	if changed {
 		v.seen = now
@@ -408,13 +406,13 @@ func (h *homes) placed(key, at uint64, strayed bool) {
 }
 
 // recur makes key recurring (an engine reported it cached: it was seen
-// before, by this router or another). A key seen once leaves the count of
-// the endpoint its request went to, as when it is seen again (sight):
-// counted there and among the recurring keys too, it was one key more in
-// every bound, and stayed so after it expired. (Stock Ollama servers, whose
-// answers' TTFTs made a key recurring after its first request: eight prompt
-// groups went 3-2-2-1 on four servers, the bound of 8 keys having risen to
-// three.)
+// before, by this router or another), through turnRecurring as sight
+// does: a key seen once leaves the count of the endpoint its request went
+// to. Counted there and among the recurring keys too, it was one key more
+// in every bound, and stayed so after it expired. (Stock Ollama servers,
+// whose answers' TTFTs made a key recurring after its first request: eight
+// prompt groups went 3-2-2-1 on four servers, the bound of 8 keys having
+// risen to three.)
 func (h *homes) recur(key uint64) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -425,11 +423,18 @@ func (h *homes) recur(key uint64) {
 	if v.seen == 0 {
 		v.seen = h.now().Unix()
 	}
-	h.uncount(v)
+	h.turnRecurring(key, &v)
+	h.lru.Add(key, v)
+}
+
+// turnRecurring makes key (its value v, stored by the caller) one of the
+// recurring keys and takes it off the seen-once count of the endpoint its
+// first request went to. h.mu is held.
+func (h *homes) turnRecurring(key uint64, v *homeKey) {
+	h.uncount(*v)
 	v.recurring = true
 	h.recurring[key] = struct{}{}
 	h.dirty = true
-	h.lru.Add(key, v)
 }
 
 // place returns the home of a key that the assignment does not place (seen

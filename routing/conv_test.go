@@ -189,3 +189,40 @@ func TestPeersLoadCountsAsOwn(t *testing.T) {
 		t.Fatalf("a pod the peers load is not relieved: %+v", d)
 	}
 }
+
+// A conversation of gossiping replicas whose deepest copy, away from its
+// home, lost most of its history (the endpoint evicted it) goes home;
+// while that copy holds most of it, the conversation stays with it.
+func TestLostConversationGoesHome(t *testing.T) {
+	set := testSet(t, 8)
+	replicas := []*Prefix{newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams())}
+	for _, p := range replicas {
+		p.Meshed(func() bool { return true })
+	}
+	conversations(t, set, replicas, 16) // the family is seen chained
+	p := replicas[0]
+	conv := system(9, 2500) + "user 99: " + strings.Repeat("a long first question of its own. ", 400)
+	first := request(conv)
+	d := p.Pick(first, set)
+	if !d.branch {
+		t.Fatalf("the conversation is not keyed by its own branch: %+v", d)
+	}
+	home := d.Endpoint
+	away := set.Endpoints[0]
+	if away == home {
+		away = set.Endpoints[1]
+	}
+	// Its history went elsewhere (another replica spilled it there).
+	p.Index().Drop(home.ID, first.Hashes...)
+	p.Index().Record(away.ID, first.Hashes)
+	conv += "assistant: an answer\nuser 99: a second question"
+	if d := p.Pick(request(conv), set); d.Endpoint != away {
+		t.Fatalf("a conversation left the copy holding its history for %s", d.Endpoint.URL)
+	}
+	// That endpoint evicted all but three blocks of it.
+	p.Index().Drop(away.ID, request(conv).Hashes[3:]...)
+	conv += "assistant: an answer\nuser 99: a third question"
+	if d := p.Pick(request(conv), set); d.Endpoint != home || !d.Home {
+		t.Fatalf("a conversation whose copy lost most of its history went to %s (home %v), want its home %s", d.Endpoint.URL, d.Home, home.URL)
+	}
+}

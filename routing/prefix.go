@@ -578,7 +578,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		}
 	}
 	established := hk.recurring && ch.home.e.ID == homeID
-	ch.shared = branch
+	ch.shared, ch.blocks = branch, len(r.Hashes)
 	// A home is presumed to hold its keys only where other routers share
 	// the engines unseen: they route the keys home too (a branch's from
 	// its first sight here: the conversation's earlier turns went there
@@ -820,8 +820,9 @@ type picks struct {
 	home candidate // the candidate of the key's home
 	top  candidate // the plain rendezvous winner
 	// shared is the family's shared part (blocks) when the key is a
-	// branch's own (see homes.family), 0 otherwise.
-	shared int
+	// branch's own (see homes.family), 0 otherwise; blocks is the
+	// request's.
+	shared, blocks int
 	// n counts the candidates, everywhere those matching as deep as warm.
 	n, everywhere int
 }
@@ -874,7 +875,19 @@ func (ch *picks) add(c candidate, home bool, tie float64) {
 func (ch *picks) preferHome(presume bool, prm *PrefixParams) candidate {
 	warm, h := ch.warm, ch.home
 	presumed := presume && h.blocks <= ch.shared
-	if warm.e == nil || h.e == warm.e || !(h.blocks == warm.blocks || presumed) {
+	if warm.e == nil || h.e == warm.e {
+		return warm
+	}
+	if !presumed && ch.lost() {
+		// The move costs the recompute of what the copy still holds;
+		// only the home's load may keep the conversation where it is.
+		saved := float64(h.uncached-warm.uncached) / h.rates.prefill
+		if h.wait-saved <= warm.wait*prm.SpillRatio+prm.SpillMarginSec {
+			return h
+		}
+		return warm
+	}
+	if !(h.blocks == warm.blocks || presumed) {
 		return warm
 	}
 	if !presumed && ch.everywhere == ch.n {
@@ -891,6 +904,22 @@ func (ch *picks) preferHome(presume bool, prm *PrefixParams) candidate {
 		return h
 	}
 	return warm
+}
+
+// lost reports whether the key is a conversation's own (a branch of a
+// chained family) whose deepest copy, away from its home, holds less than
+// half of what the conversation added to the family's shared part: that
+// endpoint evicted most of its history, so a request there recomputes most
+// of it anyway, and the conversation goes home, where its next turns find
+// it, unless the home is saturated. (Staying where the deepest copy was,
+// the conversations that a first wave had crowded onto one endpoint —
+// replicas that had each kept their own under the spill rule there —
+// recomputed most of their histories every turn until they ended: three
+// gossiping replicas 0.89 of one router's requests/s on bench/sim
+// multi-turn.)
+func (ch *picks) lost() bool {
+	return ch.shared > 0 && ch.home.e != nil && ch.blocks > ch.shared &&
+		2*(ch.warm.blocks-ch.shared) < ch.blocks-ch.shared
 }
 
 // target applies the spill rule to the warm candidate, or for a prefix

@@ -31,10 +31,31 @@ const maxPeerPending = 1024
 // AddPeerPrefill counts tokens of prompt that a router replica's
 // placement on e left to compute, until until.
 func (e *Endpoint) AddPeerPrefill(tokens int64, until time.Time) {
+	e.peerPrefill.add(tokens, until)
+}
+
+// PeerPrefill returns the prompt tokens the replicas' placements on e are
+// expected to be still computing (AddPeerPrefill). One atomic load while
+// none is counted.
+func (e *Endpoint) PeerPrefill() int64 { return e.peerPrefill.load() }
+
+// AddUnheardPrefill counts tokens of prompt that the router replicas are
+// expected to have sent e and not yet told of, until until: the prefill a
+// router's own dispatch stands for at the others (Prefix.Pick). It is
+// apart from PeerPrefill, which the endpoint's cost learning reads as
+// load met (Acquire): these are a guess, and the request's own.
+func (e *Endpoint) AddUnheardPrefill(tokens int64, until time.Time) {
+	e.unheard.add(tokens, until)
+}
+
+// UnheardPrefill returns the tokens AddUnheardPrefill counts now.
+func (e *Endpoint) UnheardPrefill() int64 { return e.unheard.load() }
+
+// add counts tokens until until.
+func (p *peerPrefill) add(tokens int64, until time.Time) {
 	if tokens <= 0 {
 		return
 	}
-	p := &e.peerPrefill
 	u := until.UnixNano()
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -51,11 +72,8 @@ func (e *Endpoint) AddPeerPrefill(tokens int64, until time.Time) {
 	}
 }
 
-// PeerPrefill returns the prompt tokens the replicas' placements on e are
-// expected to be still computing (AddPeerPrefill). One atomic load while
-// none is counted.
-func (e *Endpoint) PeerPrefill() int64 {
-	p := &e.peerPrefill
+// load returns the tokens counted now, dropping those due.
+func (p *peerPrefill) load() int64 {
 	if n := p.next.Load(); n != 0 {
 		if now := time.Now().UnixNano(); now >= n {
 			p.mu.Lock()

@@ -134,7 +134,7 @@ func TestMeshedReplicasFollowTheIndex(t *testing.T) {
 	set := testSet(t, 8)
 	replicas := []*Prefix{newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams())}
 	for _, p := range replicas {
-		p.Meshed(func() bool { return true })
+		p.Meshed(func() bool { return true }, nil)
 		p.OnPlaced(func(id uint64, hashes []uint64) {
 			for _, q := range replicas {
 				if q != p {
@@ -159,7 +159,7 @@ func TestMeshedReplicasFollowTheIndex(t *testing.T) {
 func TestPeersLoadCountsAsOwn(t *testing.T) {
 	set := testSet(t, 4)
 	p := newTestPrefix(DefaultPrefixParams())
-	p.Meshed(func() bool { return true })
+	p.Meshed(func() bool { return true }, nil)
 	sys := system(11, 16*testBlock)
 	r := request(sys + "first")
 	e := set.Endpoints[0]
@@ -197,7 +197,7 @@ func TestLostConversationGoesHome(t *testing.T) {
 	set := testSet(t, 8)
 	replicas := []*Prefix{newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams())}
 	for _, p := range replicas {
-		p.Meshed(func() bool { return true })
+		p.Meshed(func() bool { return true }, nil)
 	}
 	conversations(t, set, replicas, 16) // the family is seen chained
 	p := replicas[0]

@@ -298,18 +298,23 @@ func (h *homes) sight(key uint64, branch bool, now int64) homeKey {
 	return v
 }
 
-// peerSaw counts a router replica's request of key (its gossiped
-// placement) as if this router had seen it: replicas that each count only
-// their own requests see a key recur up to n times later than one router
-// would, and meanwhile disagree on its home (decide places a key seen once
-// where the assignment would put it if it recurred, computed over this
-// replica's recurring keys).
-func (h *homes) peerSaw(key uint64, branch bool) {
+// peerSaw counts a router replica's request of key, placed on endpoint at
+// (its gossip), as if this router had seen it: replicas that each count
+// only their own requests see a key recur up to n times later than one
+// router would, and meanwhile disagree on its home. A key seen for the
+// first time is placed where the peer placed it (placed), so that
+// gossiping replicas, which route as a router alone does (Prefix.decide),
+// home it there as its first request's router does, and count it there
+// when they place new keys.
+func (h *homes) peerSaw(key uint64, branch bool, at uint64) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	now := h.now().Unix()
 	h.expire(now)
-	h.sight(key, branch, now)
+	v := h.sight(key, branch, now)
+	if !branch && !v.recurring && v.at == 0 {
+		h.placeLocked(key, at, false)
+	}
 }
 
 // family takes the deepest match (in blocks) the index found anywhere for a
@@ -392,6 +397,11 @@ func (h *homes) family(key uint64, deepest, minMatch int, see bool) (shared int,
 func (h *homes) placed(key, at uint64, strayed bool) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	h.placeLocked(key, at, strayed)
+}
+
+// placeLocked is placed with h.mu held.
+func (h *homes) placeLocked(key, at uint64, strayed bool) {
 	v, ok := h.lru.Peek(key)
 	if !ok || v.recurring || (v.at != 0 && (v.strayed || !strayed)) {
 		return

@@ -2,6 +2,7 @@ package routing
 
 import (
 	"math"
+	"math/rand/v2"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -106,8 +107,13 @@ type Prefix struct {
 	// the index recorded it (the replicas' gossip, OnPlaced).
 	onPlaced func(id uint64, hashes []uint64)
 	// meshed, when set, reports whether other router replicas share the
-	// engines (the replicas' gossip, Meshed).
+	// engines (the replicas' gossip, Meshed), and others how many are
+	// live.
 	meshed func() bool
+	others func() int
+	// salt breaks this replica's ties among idle spill targets (picks.add)
+	// while meshed; its own, random.
+	salt uint64
 }
 
 // Bytes per token: the rule of thumb for English (OpenAI: a token is about
@@ -262,12 +268,28 @@ func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 		if d.PrefixKey != 0 {
 			d.distance = p.warm.see(d.Endpoint.ID, d.PrefixKey)
 		}
+		if p.others != nil && d.Prefill > 0 {
+			if n := p.others(); n > 0 {
+				d.Endpoint.AddUnheardPrefill(int64(n*d.Prefill), time.Now().Add(unheardFor))
+			}
+		}
 	}
 	if strayed := (d.Reason == ReasonCold || d.branch) && !d.Home; d.PrefixKey != 0 && d.Endpoint != nil && (d.unplaced || strayed) {
 		p.homes.placed(d.PrefixKey, d.Endpoint.ID, strayed)
 	}
 	return d
 }
+
+// unheardFor is how long a pick stands for the gossiping replicas' picks
+// of the same moment at its endpoint (Endpoint.AddUnheardPrefill): their
+// placements go out every 10 ms (peers' flushEvery) and arrive within
+// about as long. A client spreading requests over n replicas sends each
+// the same mix, and replicas deciding on the same view decide alike: a
+// burst's first requests of one prompt, each replica seeing its own few
+// and none of the others', went to the prompt's home three or four from
+// each replica, eleven conversations of 24 on one of eight kvsim pods,
+// where one router sends three and spills the rest.
+const unheardFor = 20 * time.Millisecond
 
 // CachedTokens estimates how many of r's prompt tokens the fleet holds
 // already: the deepest match the index shows anywhere, in tokens, at most
@@ -366,7 +388,7 @@ func (p *Prefix) PeerPlaced(e *discovery.Endpoint, hashes []uint64) {
 // matches is the index's view before the placement is recorded).
 func (p *Prefix) peerKey(e *discovery.Endpoint, hashes []uint64, matches []prefix.Match, prm *PrefixParams) {
 	key, _, branch := p.keyOf(hashes, e.Role == discovery.RolePrefill, prm, deepestMatch(matches), true, false)
-	p.homes.peerSaw(key, branch > 0)
+	p.homes.peerSaw(key, branch > 0, e.ID)
 	p.warm.see(e.ID, key)
 }
 
@@ -387,13 +409,28 @@ func deepestMatch(matches []prefix.Match) int {
 	return deepest
 }
 
-// Meshed sets f to report whether this router has live replicas (their
-// gossip): then it routes as one of several (conversations keyed by their
-// own blocks, new keys to the homes every replica computes alike),
-// whatever share of the engines' requests it sees as others' (an engine
-// without /metrics shows none), but presumes no home holds a key: the
-// replicas' placements are in its index. Set it before the policy serves.
-func (p *Prefix) Meshed(f func() bool) { p.meshed = f }
+// Meshed sets shared to report whether this router has live replicas
+// (their gossip), and others to count them: then it routes as one of
+// several (conversations keyed by their own blocks), whatever share of the
+// engines' requests it sees as others' (an engine without /metrics shows
+// none), but presumes no home holds a key: the replicas' placements are in
+// its index. Knowing where each of them placed a key's first request
+// (PeerPlaced), it homes keys as a router alone does, where that request
+// went. Each of its picks counts, at the endpoint, the prefill the others
+// most likely sent there meanwhile and have yet to tell (Pick). Set it
+// before the policy serves.
+func (p *Prefix) Meshed(shared func() bool, others func() int) {
+	p.meshed, p.others, p.salt = shared, others, rand.Uint64()|1
+}
+
+// spreadSalt returns the salt that breaks ties among idle spill targets:
+// this replica's while meshed, 0 (the rendezvous scores alone) otherwise.
+func (p *Prefix) spreadSalt() uint64 {
+	if p.meshed != nil && p.meshed() {
+		return p.salt
+	}
+	return 0
+}
 
 // Explain returns the decision Pick would make and its terms, without
 // recording anything.
@@ -541,7 +578,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	var hk homeKey
 	var hasHome bool
 	if keyed {
-		homeID, hk, hasHome = p.homes.lookup(key, group, prm.HomeLoadFactor, see, branch > 0, !replicated)
+		homeID, hk, hasHome = p.homes.lookup(key, group, prm.HomeLoadFactor, see, branch > 0, !replicated || meshed)
 	}
 	bpt := p.BytesPerToken()
 	promptTokens := r.PromptTokens
@@ -619,6 +656,8 @@ type homeKeyed struct {
 func (p *Prefix) gather(r *Request, group []*discovery.Endpoint, k *costing, matches []prefix.Match, home homeKeyed, see bool, terms *[]Term) picks {
 	var ch, full picks         // full: the candidates left out, should none be left
 	var engines, foreign int64 // the fresh scrapes' requests, and those not this router's
+	ch.salt = p.spreadSalt()
+	full.salt = ch.salt
 	for _, e := range group {
 		if !Usable(r, e) {
 			if terms != nil {
@@ -825,6 +864,13 @@ type picks struct {
 	shared, blocks int
 	// n counts the candidates, everywhere those matching as deep as warm.
 	n, everywhere int
+	// salt breaks ties among idle spill targets (free) when not 0: router
+	// replicas, each with its own, that decide alike on the same view
+	// spread a burst's spills instead of each sending its k-th to the same
+	// endpoint (with the others' picks yet untold, eight replicas sent a
+	// burst of 24 conversations 8-7-5-3-1 over five of eight pods, where
+	// one router sends three to each).
+	salt uint64
 }
 
 // add considers c; home tells whether c is the key's home.
@@ -835,7 +881,7 @@ func (ch *picks) add(c candidate, home bool, tie float64) {
 	if home {
 		ch.home = c
 	}
-	if c.idle && c.beats(ch.free, tie) {
+	if c.idle && c.beatsBy(ch.free, tie, ch.salt) {
 		ch.free = c
 	}
 	if c.beats(ch.best, tie) {
@@ -979,12 +1025,18 @@ func (c candidate) stall() float64 {
 
 // beats reports whether c is a better pick than o (an empty o loses): a
 // wait shorter by more than tie, or a tie won on rendezvous score.
-func (c candidate) beats(o candidate, tie float64) bool {
+func (c candidate) beats(o candidate, tie float64) bool { return c.beatsBy(o, tie, 0) }
+
+// beatsBy is beats with ties won on the rendezvous scores mixed with salt
+// (0: the scores alone).
+func (c candidate) beatsBy(o candidate, tie float64, salt uint64) bool {
 	switch {
 	case o.e == nil || c.wait < o.wait-tie:
 		return true
 	case c.wait > o.wait+tie:
 		return false
+	case salt != 0:
+		return prefix.Mix64(c.score^salt) > prefix.Mix64(o.score^salt)
 	}
 	return c.score > o.score
 }

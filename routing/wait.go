@@ -6,13 +6,13 @@ import "github.com/kvroute/kvroute/discovery"
 type load struct {
 	inFlight int64                  // this router's requests in flight
 	peer     int64                  // the gossiping replicas' requests in flight (their last report)
-	pending  int64                  // prefill tokens not yet computed: this router's, and its peers' placements' (their gossip)
+	pending  int64                  // prefill tokens not yet computed: this router's, its peers' placements' (their gossip), and those not yet told (Endpoint.UnheardPrefill)
 	eng      *discovery.EngineStats // the engine's own view; nil unless freshly scraped
 	costs    *discovery.Costs       // the endpoint's learned costs; nil until measured
 }
 
 func loadOf(e *discovery.Endpoint) load {
-	return load{inFlight: e.InFlight(), peer: e.PeerInFlight(), pending: e.PendingPrefill() + e.PeerPrefill(), eng: e.Engine(), costs: e.Costs()}
+	return load{inFlight: e.InFlight(), peer: e.PeerInFlight(), pending: e.PendingPrefill() + e.PeerPrefill() + e.UnheardPrefill(), eng: e.Engine(), costs: e.Costs()}
 }
 
 // rates are the wait model's constants for one endpoint: its learned costs

@@ -226,3 +226,65 @@ func TestLostConversationGoesHome(t *testing.T) {
 		t.Fatalf("a conversation whose copy lost most of its history went to %s (home %v), want its home %s", d.Endpoint.URL, d.Home, home.URL)
 	}
 }
+
+// A gossiping replica that learns of a key from a peer's placement homes
+// it where the peer sent it, as its own first request would: the home
+// stays there when the index forgets the prompt.
+func TestPeerPlacementHomesTheKey(t *testing.T) {
+	set := testSet(t, 4)
+	p := newTestPrefix(DefaultPrefixParams())
+	p.Meshed(func() bool { return true }, func() int { return 1 })
+	sys := system(21, 16*testBlock)
+	first := request(sys + "the first question")
+	d, _ := p.Explain(first, set) // where this replica would have put it
+	at := set.Endpoints[0]
+	if at == d.Endpoint {
+		at = set.Endpoints[1]
+	}
+	p.PeerPlaced(at, first.Hashes)
+	p.Index().Drop(at.ID, first.Hashes...)
+	_, terms := p.Explain(request(sys+"a second question"), set)
+	for _, term := range terms {
+		if term.Home != (term.Endpoint == at.URL) {
+			t.Fatalf("home %s is %v, want the peer's placement %s", term.Endpoint, term.Home, at.URL)
+		}
+	}
+}
+
+// Gossiping replicas that each get a burst of one new prompt before any
+// placement of the others arrives spread it as one router does: each pick
+// counts the prefill the others most likely sent its endpoint meanwhile,
+// and each replica breaks ties among idle spill targets its own way.
+// Deciding alike, each had sent three of its eight to the prompt's home.
+func TestUnheardPicksSpreadABurst(t *testing.T) {
+	burst := func(others int) (most int) {
+		// Each replica its own endpoints (the same eight servers), its
+		// own counters.
+		replicas := make([]*Prefix, 3)
+		sets := make([]*discovery.Set, 3)
+		for i := range replicas {
+			replicas[i], sets[i] = newTestPrefix(DefaultPrefixParams()), testSet(t, 8)
+			replicas[i].Meshed(func() bool { return true }, func() int { return others })
+		}
+		sys := system(23, 4*testBlock)
+		served := map[string]int{}
+		var leases []discovery.Lease
+		for i := range 24 {
+			d := replicas[i%3].Pick(request(sys+fmt.Sprintf("conversation %d: %s", i, strings.Repeat("x", 1500))), sets[i%3])
+			leases = append(leases, d.Endpoint.Acquire(d.Prefill))
+			served[d.Endpoint.URL]++
+			most = max(most, served[d.Endpoint.URL])
+		}
+		for i := range leases {
+			leases[i].Release()
+		}
+		return most
+	}
+	if most := burst(2); most > 4 {
+		t.Errorf("one endpoint took %d of a burst of 24 on 8 from 3 replicas, want at most 4", most)
+	}
+	// The control: not counting the others' picks, the burst herds.
+	if most := burst(0); most < 6 {
+		t.Errorf("without counting the others' picks one endpoint took %d, want the herd (6 or more) the test is about", most)
+	}
+}

@@ -3,9 +3,7 @@ package scenario
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
-	"io"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -305,20 +303,20 @@ func routerConfig(p Policy, backends []string, engines []sim.Config) app.Config 
 // access log (each request's endpoint, reason, home, matched blocks,
 // prefix key, prompt and cached tokens) as JSON in a file of its own
 // there, named for the policy and the start time, for diagnosing
-// decisions. Close the returned file (nil without one) after the router.
-func routerLog(cfg *app.Config, policy string) (*zap.Logger, io.Closer, error) {
+// decisions. The file stays open until the process exits (Router.Close).
+func routerLog(cfg *app.Config, policy string) (*zap.Logger, error) {
 	dir := os.Getenv("KVBENCH_ACCESS_LOG")
 	if dir == "" {
-		return zap.NewNop(), nil, nil
+		return zap.NewNop(), nil
 	}
 	f, err := os.Create(filepath.Join(dir, fmt.Sprintf("%s-%d.log", policy, time.Now().UnixNano())))
 	if err != nil {
-		return nil, nil, fmt.Errorf("KVBENCH_ACCESS_LOG: %w", err)
+		return nil, fmt.Errorf("KVBENCH_ACCESS_LOG: %w", err)
 	}
 	w := zapcore.Lock(f) // one writer for both logs: whole lines, never interleaved
 	cfg.AccessLog, cfg.AccessLogSample, cfg.AccessLogTo = true, 1, w
 	core := zapcore.NewCore(zapcore.NewJSONEncoder(zap.NewProductionEncoderConfig()), w, zap.InfoLevel)
-	return zap.New(core), f, nil
+	return zap.New(core), nil
 }
 
 // routerShutdownGrace is how long a benchmark router's in-flight streams
@@ -337,7 +335,6 @@ type Router struct {
 	// batches it handed the picker.
 	subDone     chan struct{}
 	peerBatches atomic.Int64
-	logFile     io.Closer // KVBENCH_ACCESS_LOG's file, nil without
 }
 
 // countingSink counts the KV-event batches handed to a sink.
@@ -368,7 +365,7 @@ func (c countingSink) KVBatch(e *discovery.Endpoint, b *kvevents.Batch) {
 // same settings feeds it until Close.
 func StartRouter(p Policy, backends []string, engines []sim.Config) (*Router, error) {
 	cfg := routerConfig(p, backends, engines)
-	lg, logFile, err := routerLog(&cfg, p.Name)
+	lg, err := routerLog(&cfg, p.Name)
 	if err != nil {
 		return nil, err
 	}
@@ -390,7 +387,7 @@ func StartRouter(p Policy, backends []string, engines []sim.Config) (*Router, er
 	if err != nil {
 		return nil, err
 	}
-	r := &Router{rt: rt, done: make(chan error, 1), logFile: logFile}
+	r := &Router{rt: rt, done: make(chan error, 1)}
 	var sub *kvevents.Subscriber
 	if sink, ok := rt.Picker.(kvevents.Sink); ok && p.Events && rt.Prefix == nil {
 		pool := rt.Pool
@@ -547,9 +544,9 @@ func (r *Router) Close() error {
 	if r.subDone != nil {
 		<-r.subDone
 	}
-	if r.logFile != nil {
-		err = errors.Join(err, r.logFile.Close())
-	}
+	// The access log's file stays open (the process's exit closes it):
+	// closed here, a replaced replica's last lines, written after Close
+	// returned, were lost ("file already closed" in rolling updates).
 	return err
 }
 

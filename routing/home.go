@@ -39,7 +39,8 @@ import (
 //
 // That is for router replicas, which share the engines and so must agree.
 // A router alone (lookup's alone: no other router's requests show in the
-// engines' load) knows where each key went and makes homes sticky instead:
+// engines' load), or replicas that gossip their placements (peerSaw),
+// knows where each key went and makes homes sticky instead:
 // a new key goes to its rendezvous winner unless that endpoint already
 // homes its share of the live keys, recurring or seen once (their mean,
 // rounded up), and then to its next choice below it (bounded-load
@@ -235,7 +236,8 @@ func rendezvousKey(hashes []uint64, minMatch int) uint64 {
 // what is known of the key (homeKey). When see is set the request counts: it refreshes
 // the key, makes a key seen before recurring, and records a new one;
 // /debug/route leaves it unset. alone is set for a router whose requests
-// are all the engines see (homes are then sticky; see the type). ok is
+// are all the engines see, and for gossiping replicas, which know where
+// each other's keys went (homes are then sticky; see the type). ok is
 // false for an empty eps. A branch's
 // key (a conversation's, see family) is homed on its plain rendezvous
 // winner and never joins the balanced assignment: conversations begin and

@@ -423,15 +423,6 @@ func (p *Prefix) Meshed(shared func() bool, others func() int) {
 	p.meshed, p.others, p.salt = shared, others, rand.Uint64()|1
 }
 
-// spreadSalt returns the salt that breaks ties among idle spill targets:
-// this replica's while meshed, 0 (the rendezvous scores alone) otherwise.
-func (p *Prefix) spreadSalt() uint64 {
-	if p.meshed != nil && p.meshed() {
-		return p.salt
-	}
-	return 0
-}
-
 // Explain returns the decision Pick would make and its terms, without
 // recording anything.
 func (p *Prefix) Explain(r *Request, set *discovery.Set) (Decision, []Term) {
@@ -590,6 +581,9 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	if keyed {
 		k.warm = p.warm
 	}
+	if meshed {
+		k.salt = p.salt
+	}
 
 	// A router alone places a key seen for the first time on a slot
 	// engine (llama.cpp, Ollama: a few prompts cached per sequence slot)
@@ -656,8 +650,7 @@ type homeKeyed struct {
 func (p *Prefix) gather(r *Request, group []*discovery.Endpoint, k *costing, matches []prefix.Match, home homeKeyed, see bool, terms *[]Term) picks {
 	var ch, full picks         // full: the candidates left out, should none be left
 	var engines, foreign int64 // the fresh scrapes' requests, and those not this router's
-	ch.salt = p.spreadSalt()
-	full.salt = ch.salt
+	ch.salt, full.salt = k.salt, k.salt
 	for _, e := range group {
 		if !Usable(r, e) {
 			if terms != nil {
@@ -750,6 +743,7 @@ type costing struct {
 	promptTokens   int
 	tokensPerBlock float64
 	warm           *warmth // what engines keep (warmth.at); nil: the request has no key
+	salt           uint64  // breaks ties among idle spill targets (picks.salt): this replica's while meshed, else 0
 }
 
 // candidate reads e's load and applies the wait model for the request's
@@ -921,35 +915,30 @@ func (ch *picks) add(c candidate, home bool, tie float64) {
 func (ch *picks) preferHome(presume bool, prm *PrefixParams) candidate {
 	warm, h := ch.warm, ch.home
 	presumed := presume && h.blocks <= ch.shared
-	if warm.e == nil || h.e == warm.e {
+	// A conversation's copy that lost most of it (lost) leaves the home
+	// judged by its load alone, as a presumed home is; the home keeps its
+	// real cost, the recompute the move pays once.
+	lost := !presumed && ch.lost()
+	if warm.e == nil || h.e == warm.e || !(h.blocks == warm.blocks || presumed || lost) {
 		return warm
 	}
-	if !presumed && ch.lost() {
-		// The move costs the recompute of what the copy still holds;
-		// only the home's load may keep the conversation where it is.
-		saved := float64(h.uncached-warm.uncached) / h.rates.prefill
-		if h.wait-saved <= warm.wait*prm.SpillRatio+prm.SpillMarginSec {
-			return h
-		}
-		return warm
-	}
-	if !(h.blocks == warm.blocks || presumed) {
-		return warm
-	}
-	if !presumed && ch.everywhere == ch.n {
+	if !presumed && !lost && ch.everywhere == ch.n {
 		// Every endpoint holds the prefix as deep, the home no more: no
 		// copy is extra, the load decides.
 		return warm
 	}
+	var saved float64
 	if h.blocks < warm.blocks {
-		saved := float64(h.uncached-warm.uncached) / h.rates.prefill
+		saved = float64(h.uncached-warm.uncached) / h.rates.prefill
+	}
+	if h.wait-saved > warm.wait*prm.SpillRatio+prm.SpillMarginSec {
+		return warm
+	}
+	if presumed && h.blocks < warm.blocks { // presumed to hold what the copy holds
 		h.wait, h.own = h.wait-saved, h.own-saved
 		h.blocks, h.uncached = warm.blocks, warm.uncached
 	}
-	if h.wait <= warm.wait*prm.SpillRatio+prm.SpillMarginSec {
-		return h
-	}
-	return warm
+	return h
 }
 
 // lost reports whether the key is a conversation's own (a branch of a

@@ -192,6 +192,7 @@ func (r *Router) newMesh(logger *zap.Logger) (*peers.Mesh, error) {
 	}
 	idx := r.Prefix.Index()
 	pc.Export, pc.Import = idx.Export, idx.Import
+	pc.ExportHomes, pc.ImportHomes = r.Prefix.ExportHomes, r.Prefix.ImportHomes
 	pc.Record = func(id uint64, hashes []uint64) {
 		eps := r.Pool.Load().Endpoints
 		if i := slices.IndexFunc(eps, func(e *discovery.Endpoint) bool { return e.ID == id }); i >= 0 {
@@ -225,7 +226,7 @@ func (r *Router) newMesh(logger *zap.Logger) (*peers.Mesh, error) {
 		return metrics.PeersSample{Members: s.Members, SentMessages: s.SentMessages, SentBytes: s.SentBytes,
 			ReceivedMessages: s.ReceivedMessages, ReceivedBytes: s.ReceivedBytes,
 			Merged: s.Merged, Unknown: s.Unknown, Mismatched: s.Mismatched, Dropped: s.Dropped, BadFormat: s.DecodeErrors,
-			States: s.States, Imported: s.Imported}
+			States: s.States, Imported: s.Imported, ImportedHomes: s.ImportedHomes}
 	})
 	return m, nil
 }

@@ -32,7 +32,13 @@ var ErrBadMessage = errors.New("bad peer message")
 //	count uvarint (0..maxStateEndpoints)
 //	count × { endpoint u64 | n uvarint | n × { hash u64 | age uvarint (s) } }
 //
-// with at most maxStateClaims claims in all. A load message (kind 2) is
+// with at most maxStateClaims claims in all, then, since the homes were
+// added, the sender's prompt homes (routing's, most recently used first):
+//
+//	count uvarint (0..maxStateHomes)
+//	count × { key u64 | endpoint u64 | age << 1 | recurring uvarint }
+//
+// A state without that part (an older sender's) has no homes. A load message (kind 2) is
 // the sender's own requests in flight per endpoint:
 //
 //	count uvarint (1..maxLoadEntries)
@@ -50,6 +56,9 @@ const (
 	// 1.2 MB at most; memberlist's push/pull takes up to 20 MB).
 	maxStateEndpoints = 4096
 	maxStateClaims    = 96 << 10
+	// maxStateHomes bounds a state message's homes (about 1.3 MB more):
+	// routing keeps at most as many.
+	maxStateHomes = 1 << 16
 	// maxAge bounds a claim's age in a state message (194 days; the
 	// index's TTL drops far younger ones).
 	maxAge    = 1 << 24
@@ -190,9 +199,18 @@ type claims struct {
 	ages     []uint32
 }
 
+// home is one prompt key's home in a state message: the endpoint the
+// sender homes it on, whether it recurs, its age in seconds.
+type home struct {
+	key, endpoint uint64
+	recurring     bool
+	age           uint32
+}
+
 // encodeState returns a state message carrying cs (at most maxStateClaims
-// claims in all, and maxStateEndpoints endpoints: the rest are left out).
-func encodeState(h header, cs []claims) []byte {
+// claims in all, and maxStateEndpoints endpoints: the rest are left out)
+// and hs (the first maxStateHomes).
+func encodeState(h header, cs []claims, hs []home) []byte {
 	h.kind = kindState
 	b := appendHeader(nil, h)
 	cs = cs[:min(len(cs), maxStateEndpoints)]
@@ -208,49 +226,91 @@ func encodeState(h header, cs []claims) []byte {
 			b = binary.AppendUvarint(b, uint64(min(c.ages[i], maxAge)))
 		}
 	}
+	hs = hs[:min(len(hs), maxStateHomes)]
+	b = binary.AppendUvarint(b, uint64(len(hs)))
+	for _, x := range hs {
+		b = binary.LittleEndian.AppendUint64(b, x.key)
+		b = binary.LittleEndian.AppendUint64(b, x.endpoint)
+		v := uint64(min(x.age, maxAge)) << 1
+		if x.recurring {
+			v |= 1
+		}
+		b = binary.AppendUvarint(b, v)
+	}
 	return b
 }
 
 // decodeState reads a state message's body (after the header) whole, and
 // refuses it whole if any part is bad.
-func decodeState(b []byte) ([]claims, error) {
+func decodeState(b []byte) ([]claims, []home, error) {
+	cs, b, err := decodeClaims(b)
+	if err != nil {
+		return nil, nil, err
+	}
+	if len(b) == 0 { // an older sender's: no homes
+		return cs, nil, nil
+	}
+	count, n := binary.Uvarint(b)
+	if n <= 0 || count > maxStateHomes || count > uint64(len(b))/17 {
+		return nil, nil, fmt.Errorf("%w: state home count", ErrBadMessage)
+	}
+	b = b[n:]
+	hs := make([]home, 0, count)
+	for range count {
+		if len(b) < 17 {
+			return nil, nil, fmt.Errorf("%w: truncated homes", ErrBadMessage)
+		}
+		x := home{key: binary.LittleEndian.Uint64(b), endpoint: binary.LittleEndian.Uint64(b[8:])}
+		v, n := binary.Uvarint(b[16:])
+		if n <= 0 || v>>1 > maxAge {
+			return nil, nil, fmt.Errorf("%w: home age", ErrBadMessage)
+		}
+		x.recurring, x.age = v&1 == 1, uint32(v>>1)
+		hs = append(hs, x)
+		b = b[16+n:]
+	}
+	if len(b) != 0 {
+		return nil, nil, fmt.Errorf("%w: %d bytes after the state", ErrBadMessage, len(b))
+	}
+	return cs, hs, nil
+}
+
+// decodeClaims reads a state's claims and returns what follows them.
+func decodeClaims(b []byte) ([]claims, []byte, error) {
 	count, n := binary.Uvarint(b)
 	if n <= 0 || count > maxStateEndpoints {
-		return nil, fmt.Errorf("%w: state endpoint count", ErrBadMessage)
+		return nil, nil, fmt.Errorf("%w: state endpoint count", ErrBadMessage)
 	}
 	b = b[n:]
 	cs := make([]claims, 0, count)
 	total := uint64(0)
 	for range count {
 		if len(b) < 8 {
-			return nil, fmt.Errorf("%w: truncated state", ErrBadMessage)
+			return nil, nil, fmt.Errorf("%w: truncated state", ErrBadMessage)
 		}
 		c := claims{endpoint: binary.LittleEndian.Uint64(b)}
 		hn, n := binary.Uvarint(b[8:])
 		if n <= 0 || hn > maxStateClaims-total || hn > uint64(len(b))/9 {
-			return nil, fmt.Errorf("%w: state claim count", ErrBadMessage)
+			return nil, nil, fmt.Errorf("%w: state claim count", ErrBadMessage)
 		}
 		total += hn
 		b = b[8+n:]
 		c.hashes, c.ages = make([]uint64, 0, hn), make([]uint32, 0, hn)
 		for range hn {
 			if len(b) < 9 {
-				return nil, fmt.Errorf("%w: truncated claims", ErrBadMessage)
+				return nil, nil, fmt.Errorf("%w: truncated claims", ErrBadMessage)
 			}
 			x := binary.LittleEndian.Uint64(b)
 			age, n := binary.Uvarint(b[8:])
 			if n <= 0 || age > maxAge {
-				return nil, fmt.Errorf("%w: claim age", ErrBadMessage)
+				return nil, nil, fmt.Errorf("%w: claim age", ErrBadMessage)
 			}
 			c.hashes, c.ages = append(c.hashes, x), append(c.ages, uint32(age))
 			b = b[8+n:]
 		}
 		cs = append(cs, c)
 	}
-	if len(b) != 0 {
-		return nil, fmt.Errorf("%w: %d bytes after the state", ErrBadMessage, len(b))
-	}
-	return cs, nil
+	return cs, b, nil
 }
 
 // loadEntry is one endpoint's requests in flight in a load message.

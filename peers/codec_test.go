@@ -147,17 +147,21 @@ func ages(n int, age uint32) []uint32 {
 
 // A state message carries every endpoint's claims with their ages, and
 // at most maxStateClaims of them (the most recent of the last endpoints
-// given are left out).
+// given are left out), then the homes.
 func TestStateRoundTrip(t *testing.T) {
 	in := []claims{{1, chain(1, 3), ages(3, 0)}, {2, nil, nil}, {3, chain(3, maxStateClaims), ages(maxStateClaims, 100)}}
-	b := encodeState(header{sender: 5, fingerprint: 6}, in)
+	homes := []home{{key: 7, endpoint: 1, recurring: true, age: 3}, {key: 8, endpoint: 3, age: maxAge}}
+	b := encodeState(header{sender: 5, fingerprint: 6}, in, homes)
 	h, body, err := readHeader(b)
 	if err != nil || h != (header{kindState, 5, 6}) {
 		t.Fatalf("header %+v, %v", h, err)
 	}
-	got, err := decodeState(body)
+	got, gotHomes, err := decodeState(body)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if !slices.Equal(gotHomes, homes) {
+		t.Fatalf("homes %+v, want %+v", gotHomes, homes)
 	}
 	if len(got) != 3 || !slices.Equal(got[0].hashes, in[0].hashes) || !slices.Equal(got[0].ages, in[0].ages) || len(got[1].hashes) != 0 {
 		t.Fatalf("decoded %+v", got[:2])
@@ -165,15 +169,24 @@ func TestStateRoundTrip(t *testing.T) {
 	if n := len(got[2].hashes); n != maxStateClaims-3 || !slices.Equal(got[2].hashes, in[2].hashes[:n]) || !slices.Equal(got[2].ages, in[2].ages[:n]) {
 		t.Fatalf("last endpoint: %d claims back, want the first %d", n, maxStateClaims-3)
 	}
+	// An older sender's state ends after the claims: no homes.
+	_, old, _ := readHeader(encodeState(header{}, in[:1], nil))
+	old = old[:len(old)-1]
+	if cs, hs, err := decodeState(old); err != nil || len(cs) != 1 || hs != nil {
+		t.Fatalf("a state without homes: %v, %d endpoints, %d homes", err, len(cs), len(hs))
+	}
 	for name, b := range map[string][]byte{
 		"empty":                   {},
 		"too many":                binaryUvarint(maxStateEndpoints + 1),
-		"truncated":               body[:len(body)-3],
+		"truncated claims":        old[:len(old)-3],
+		"truncated homes":         body[:len(body)-3],
 		"trailing bytes":          append(append([]byte{}, body...), 0),
 		"claims beyond the bytes": append(append(binaryUvarint(1), 1, 0, 0, 0, 0, 0, 0, 0), binaryUvarint(1000)...),
+		"homes beyond the bytes":  append(append([]byte{}, old...), binaryUvarint(2)...),
+		"too many homes":          append(append([]byte{}, old...), binaryUvarint(maxStateHomes+1)...),
 	} {
-		if cs, err := decodeState(b); !errors.Is(err, ErrBadMessage) || cs != nil {
-			t.Errorf("%s: %v, %d endpoints", name, err, len(cs))
+		if cs, hs, err := decodeState(b); !errors.Is(err, ErrBadMessage) || cs != nil || hs != nil {
+			t.Errorf("%s: %v, %d endpoints, %d homes", name, err, len(cs), len(hs))
 		}
 	}
 }
@@ -184,11 +197,12 @@ func binaryUvarint(x uint64) []byte { return binary.AppendUvarint(nil, x) }
 // ErrBadMessage, never a panic; what decodes is within the bounds and
 // encodes back to itself.
 func FuzzDecodeState(f *testing.F) {
-	_, body, _ := readHeader(encodeState(header{}, []claims{{1, chain(1, 20), ages(20, 7)}, {2, chain(2, 1), ages(1, 1<<20)}}))
+	_, body, _ := readHeader(encodeState(header{}, []claims{{1, chain(1, 20), ages(20, 7)}, {2, chain(2, 1), ages(1, 1<<20)}},
+		[]home{{key: 1, endpoint: 2, recurring: true, age: 9}}))
 	f.Add(body)
 	f.Add([]byte{0})
 	f.Fuzz(func(t *testing.T, b []byte) {
-		cs, err := decodeState(b)
+		cs, hs, err := decodeState(b)
 		if err != nil {
 			if !errors.Is(err, ErrBadMessage) {
 				t.Fatal(err)
@@ -202,13 +216,13 @@ func FuzzDecodeState(f *testing.F) {
 				t.Fatalf("%d ages for %d hashes", len(c.ages), len(c.hashes))
 			}
 		}
-		if len(cs) > maxStateEndpoints || total > maxStateClaims {
-			t.Fatalf("%d endpoints, %d claims", len(cs), total)
+		if len(cs) > maxStateEndpoints || total > maxStateClaims || len(hs) > maxStateHomes {
+			t.Fatalf("%d endpoints, %d claims, %d homes", len(cs), total, len(hs))
 		}
-		_, again, _ := readHeader(encodeState(header{}, cs))
-		back, err := decodeState(again)
-		if err != nil || len(back) != len(cs) {
-			t.Fatalf("re-encoded: %v, %d endpoints of %d", err, len(back), len(cs))
+		_, again, _ := readHeader(encodeState(header{}, cs, hs))
+		back, backHomes, err := decodeState(again)
+		if err != nil || len(back) != len(cs) || !slices.Equal(backHomes, hs) {
+			t.Fatalf("re-encoded: %v, %d endpoints of %d, homes %d of %d", err, len(back), len(cs), len(backHomes), len(hs))
 		}
 		for i := range cs {
 			if back[i].endpoint != cs[i].endpoint || !slices.Equal(back[i].hashes, cs[i].hashes) || !slices.Equal(back[i].ages, cs[i].ages) {

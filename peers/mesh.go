@@ -67,6 +67,15 @@ type Config struct {
 	// is exchanged.
 	Export func(max int, yield func(id, h uint64, age uint32))
 	Import func(id uint64, hashes []uint64, ages []uint32) int
+	// ExportHomes and ImportHomes carry the prompts' homes the same way
+	// (routing.Prefix's): ExportHomes yields up to max keys, most
+	// recently used first, each with the endpoint it is homed on, whether
+	// it recurs and its age; ImportHomes takes a peer's, oldest first,
+	// and reports whether it added the key (a key it knows is its own).
+	// A replica that joins so homes the prompts its index does not show
+	// warm where its peers do, instead of placing them afresh.
+	ExportHomes func(max int, yield func(key, id uint64, recurring bool, age uint32))
+	ImportHomes func(key, id uint64, recurring bool, age uint32) bool
 	// Load yields this replica's own requests in flight per endpoint
 	// (never the peers' it was told of), sent to the peers every tenth
 	// of a second when it changed; SetLoad is told, per endpoint, the
@@ -146,7 +155,7 @@ type pendingEntry struct {
 type counters struct {
 	sentMessages, sentBytes, receivedMessages, receivedBytes atomic.Int64
 	merged, unknown, mismatched, dropped, decodeErrors       atomic.Int64
-	states, imported                                         atomic.Int64
+	states, imported, importedHomes                          atomic.Int64
 }
 
 // Stats are a Mesh's figures since it started.
@@ -172,9 +181,10 @@ type Stats struct {
 	Dropped      int64 `json:"dropped"`
 	DecodeErrors int64 `json:"decode_errors"`
 	// States counts peers' states merged (push/pull), Imported the
-	// claims they added to the index.
-	States   int64 `json:"states"`
-	Imported int64 `json:"imported_claims"`
+	// claims they added to the index, ImportedHomes the homes.
+	States        int64 `json:"states"`
+	Imported      int64 `json:"imported_claims"`
+	ImportedHomes int64 `json:"imported_homes"`
 }
 
 // Fingerprint is the hashing configuration's fingerprint: the block size,
@@ -307,7 +317,7 @@ func (m *Mesh) Stats() Stats {
 		ReceivedMessages: c.receivedMessages.Load(), ReceivedBytes: c.receivedBytes.Load(),
 		Merged: c.merged.Load(), Unknown: c.unknown.Load(), Mismatched: c.mismatched.Load(),
 		Dropped: c.dropped.Load(), DecodeErrors: c.decodeErrors.Load(),
-		States: c.states.Load(), Imported: c.imported.Load()}
+		States: c.states.Load(), Imported: c.imported.Load(), ImportedHomes: c.importedHomes.Load()}
 }
 
 // Placed notes that this replica sent endpoint id a request whose chain is
@@ -585,8 +595,8 @@ func (d delegate) GetBroadcasts(int, int) [][]byte      { return nil }
 func (d delegate) LocalState(bool) []byte               { return d.m.localState() }
 func (d delegate) MergeRemoteState(b []byte, join bool) { d.m.mergeState(b, join) }
 
-// localState is the index's claims as a state message (empty without
-// Export).
+// localState is the index's claims and the homes as a state message
+// (empty without Export and ExportHomes).
 func (m *Mesh) localState() []byte {
 	var cs []claims
 	if m.cfg.Export != nil {
@@ -598,20 +608,28 @@ func (m *Mesh) localState() []byte {
 			c.hashes, c.ages = append(c.hashes, h), append(c.ages, age)
 		})
 	}
-	return encodeState(header{sender: m.sender, fingerprint: m.cfg.Fingerprint}, cs)
+	var hs []home
+	if m.cfg.ExportHomes != nil {
+		m.cfg.ExportHomes(maxStateHomes, func(key, id uint64, recurring bool, age uint32) {
+			hs = append(hs, home{key: key, endpoint: id, recurring: recurring, age: age})
+		})
+	}
+	return encodeState(header{sender: m.sender, fingerprint: m.cfg.Fingerprint}, cs, hs)
 }
 
-// mergeState imports a peer's state into the index: its claims on this
-// replica's endpoints, into their free room. A state merged at a join
-// makes the replica ready (it starts warm).
+// mergeState imports a peer's state: its claims on this replica's
+// endpoints into the index's free room, and the homes on them of keys
+// this replica does not know. A state merged at a join makes the replica
+// ready (it starts warm).
 func (m *Mesh) mergeState(b []byte, join bool) {
 	h, body, err := readHeader(b)
 	if err == nil && h.kind != kindState {
 		err = fmt.Errorf("%w: kind %d in a state", ErrBadMessage, h.kind)
 	}
 	var cs []claims
+	var hs []home
 	if err == nil {
-		cs, err = decodeState(body)
+		cs, hs, err = decodeState(body)
 	}
 	switch {
 	case err != nil:
@@ -635,11 +653,31 @@ func (m *Mesh) mergeState(b []byte, join bool) {
 		}
 		imported += m.cfg.Import(c.endpoint, c.hashes, c.ages)
 	}
+	homes := m.importHomes(hs)
 	m.stats.states.Add(1)
 	m.stats.imported.Add(int64(imported))
+	m.stats.importedHomes.Add(int64(homes))
 	if join && !m.joined.Swap(true) {
-		m.cfg.Logger.Info("gossip: joined; a peer's state merged", zap.Int("claims", imported))
+		m.cfg.Logger.Info("gossip: joined; a peer's state merged", zap.Int("claims", imported), zap.Int("homes", homes))
 	}
+}
+
+// importHomes takes a peer's homes (most recently used first) on this
+// replica's endpoints, oldest first, and returns how many were added.
+func (m *Mesh) importHomes(hs []home) (n int) {
+	if m.cfg.ImportHomes == nil {
+		return 0
+	}
+	for _, x := range slices.Backward(hs) {
+		if !m.cfg.Known(x.endpoint) {
+			m.stats.unknown.Add(1)
+			continue
+		}
+		if m.cfg.ImportHomes(x.key, x.endpoint, x.recurring, x.age) {
+			n++
+		}
+	}
+	return n
 }
 
 // Status is a mesh's state for /debug/peers.

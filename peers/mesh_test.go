@@ -147,9 +147,56 @@ func TestPlacementsReachPeers(t *testing.T) {
 	t.Logf("a: %+v", s)
 }
 
+// homeTable is routing's homes stand-in: key → endpoint and whether it
+// recurs, exported most recently added first.
+type homeTable struct {
+	mu    sync.Mutex
+	order []uint64
+	at    map[uint64]home
+}
+
+func newHomeTable(hs ...home) *homeTable {
+	t := &homeTable{at: map[uint64]home{}}
+	for _, x := range hs {
+		t.ImportHomes(x.key, x.endpoint, x.recurring, x.age)
+	}
+	return t
+}
+
+func (t *homeTable) ExportHomes(n int, yield func(key, id uint64, recurring bool, age uint32)) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, k := range slices.Backward(t.order) {
+		if n--; n < 0 {
+			return
+		}
+		x := t.at[k]
+		yield(x.key, x.endpoint, x.recurring, x.age)
+	}
+}
+
+func (t *homeTable) ImportHomes(key, id uint64, recurring bool, age uint32) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if _, ok := t.at[key]; ok {
+		return false
+	}
+	t.order = append(t.order, key)
+	t.at[key] = home{key: key, endpoint: id, recurring: recurring, age: age}
+	return true
+}
+
+func (t *homeTable) get(key uint64) (home, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	x, ok := t.at[key]
+	return x, ok
+}
+
 // A replica that joins starts warm: before it is ready it has merged a
 // peer's index (memberlist's push/pull), its claims on the endpoints this
-// replica routes to, into their free room; the peer merged the joiner's.
+// replica routes to, into their free room, and the peer's homes of keys it
+// does not know on those endpoints; the peer merged the joiner's.
 func TestJoinPullsState(t *testing.T) {
 	newIndex := func() *prefix.Index {
 		return prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1000, TTL: time.Hour})
@@ -159,14 +206,26 @@ func TestJoinPullsState(t *testing.T) {
 	xa.Record(3, warm)
 	xa.Record(200, chain(3, 5)) // not an endpoint of b's
 	xb.Record(4, known)
-	cfg := func(name string, x *prefix.Index, seeds ...string) Config {
-		return Config{Name: name, Seeds: seeds, Export: x.Export, Import: x.Import, SyncTimeout: time.Hour}
+	ha := newHomeTable(home{key: 11, endpoint: 3, recurring: true, age: 5}, home{key: 12, endpoint: 200}, home{key: 13, endpoint: 5})
+	hb := newHomeTable(home{key: 13, endpoint: 4})
+	cfg := func(name string, x *prefix.Index, h *homeTable, seeds ...string) Config {
+		return Config{Name: name, Seeds: seeds, Export: x.Export, Import: x.Import,
+			ExportHomes: h.ExportHomes, ImportHomes: h.ImportHomes, SyncTimeout: time.Hour}
 	}
-	a := start(t, cfg("a", xa), newRecorder())
-	b := start(t, cfg("b", xb, a.Addr()), newRecorder())
+	a := start(t, cfg("a", xa, ha), newRecorder())
+	b := start(t, cfg("b", xb, hb, a.Addr()), newRecorder())
 	until(t, "b ready", func() bool { return b.Ready() == nil })
 	if got := xb.Match(warm, nil); len(got) != 1 || got[0].ID != 3 || got[0].Blocks != len(warm) {
 		t.Fatalf("b ready without a's claims: %+v", got)
+	}
+	if x, ok := hb.get(11); !ok || x != (home{key: 11, endpoint: 3, recurring: true, age: 5}) {
+		t.Errorf("b's home of a's recurring key: %+v, %v", x, ok)
+	}
+	if _, ok := hb.get(12); ok {
+		t.Error("b imported a home on an endpoint it does not route to")
+	}
+	if x, _ := hb.get(13); x.endpoint != 4 {
+		t.Errorf("b's own home of key 13 became %d, want its own 4", x.endpoint)
 	}
 	if xb.Holds(200, chain(3, 5)[0]) {
 		t.Error("b imported claims on an endpoint it does not route to")
@@ -175,8 +234,8 @@ func TestJoinPullsState(t *testing.T) {
 		got := xa.Match(known, nil)
 		return len(got) == 1 && got[0].ID == 4 && got[0].Blocks == len(known)
 	})
-	if s := b.Stats(); s.States == 0 || s.Imported != int64(len(warm)) || s.Unknown == 0 {
-		t.Errorf("b's stats %+v: want a state merged, %d claims imported, one endpoint unknown", s, len(warm))
+	if s := b.Stats(); s.States == 0 || s.Imported != int64(len(warm)) || s.ImportedHomes != 1 || s.Unknown == 0 {
+		t.Errorf("b's stats %+v: want a state merged, %d claims and 1 home imported, an endpoint unknown", s, len(warm))
 	}
 }
 

@@ -417,6 +417,57 @@ func (h *homes) placeLocked(key, at uint64, strayed bool) {
 	h.lru.Add(key, v)
 }
 
+// export yields up to n keys, most recently used first, each with the
+// endpoint it is homed on (a recurring key's assigned home, else where its
+// first request went; keys with neither are left out), whether it recurs,
+// and its age in seconds: a joining replica's state (adopt).
+func (h *homes) export(n int, yield func(key, at uint64, recurring bool, age uint32)) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	now := h.now().Unix()
+	h.expire(now)
+	keys := h.lru.Keys() // oldest first
+	for i := len(keys) - 1; i >= 0 && n > 0; i-- {
+		v, _ := h.lru.Peek(keys[i])
+		at := v.at
+		if a, ok := h.assigned[keys[i]]; ok && v.recurring {
+			at = a
+		}
+		if at == 0 {
+			continue
+		}
+		yield(keys[i], at, v.recurring, uint32(min(max(now-v.seen, 0), math.MaxUint32)))
+		n--
+	}
+}
+
+// adopt records a peer's key homed on endpoint at (export), last seen age
+// seconds ago, unless this router knows the key or it has expired; it
+// reports whether it did. A recurring key is homed there by the next
+// assignment while it has room (keepHomes), as its peers home it; a key
+// seen once counts there as if this router had placed it. A replica that
+// joins so sends a prompt its index does not show warm (the peers'
+// indexes forgot it, or their state left it out) where the fleet has kept
+// it, instead of placing it by its own, empty counts.
+func (h *homes) adopt(key, at uint64, recurring bool, age uint32) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	now := h.now().Unix()
+	if _, ok := h.lru.Peek(key); ok || at == 0 || h.ttl > 0 && time.Duration(age)*time.Second > h.ttl {
+		return false
+	}
+	v := homeKey{seen: now - int64(age)}
+	if !recurring {
+		h.lru.Add(key, v)
+		h.placeLocked(key, at, false)
+		return true
+	}
+	h.turnRecurring(key, &v)
+	v.at = at
+	h.lru.Add(key, v)
+	return true
+}
+
 // recur makes key recurring (an engine reported it cached: it was seen
 // before, by this router or another), through turnRecurring as sight
 // does: a key seen once leaves the count of the endpoint its request went

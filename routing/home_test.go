@@ -2,6 +2,7 @@ package routing
 
 import (
 	"math/rand/v2"
+	"slices"
 	"testing"
 	"time"
 
@@ -319,5 +320,73 @@ func TestFirstPlacementsKeepHomesBalanced(t *testing.T) {
 	}
 	if got[eps[0].ID] != 2 {
 		t.Errorf("the idle endpoint took %d new prompts, want 2 (its share)", got[eps[0].ID])
+	}
+}
+
+// A replica that joins takes its peer's homes (export, adopt): the keys a
+// peer placed where their rendezvous order would not (a busy home, a
+// spill), recurring or seen once, are homed where the peer homes them, and
+// a new key is placed as the peer would place it, counting them; a key the
+// replica knows keeps its own home, and an expired one is not taken.
+func TestAdoptedHomes(t *testing.T) {
+	now := time.Unix(1_000_000, 0)
+	clock := func() time.Time { return now }
+	eps := testSet(t, 4).Mixed
+	a := newHomes(time.Minute, clock)
+	for k := uint64(1); k <= 8; k++ {
+		a.lookup(k, eps, 1.1, true, false, true)
+		a.placed(k, eps[int(k)%len(eps)].ID, false) // where the peer's picks went
+		if k%2 == 0 {
+			a.lookup(k, eps, 1.1, true, false, true) // recurs
+		}
+	}
+	type exported struct {
+		key, at   uint64
+		recurring bool
+		age       uint32
+	}
+	var state []exported
+	a.export(100, func(key, at uint64, recurring bool, age uint32) {
+		state = append(state, exported{key, at, recurring, age})
+	})
+	if len(state) != 8 || state[0].key != 8 {
+		t.Fatalf("exported %+v, want 8 keys, the last used first", state)
+	}
+	join := func(adopt bool) *homes {
+		b := newHomes(time.Minute, clock)
+		b.lookup(3, eps, 1.1, true, false, true) // a key b has seen itself
+		b.placed(3, eps[3].ID, false)
+		if adopt {
+			for _, x := range slices.Backward(state) {
+				b.adopt(x.key, x.at, x.recurring, x.age)
+			}
+		}
+		return b
+	}
+	b, fresh := join(true), join(false)
+	moved := 0
+	for k := uint64(1); k <= 8; k++ {
+		want, _, _ := a.lookup(k, eps, 1.1, false, false, true)
+		if got, _, _ := b.lookup(k, eps, 1.1, false, false, true); got != want {
+			t.Errorf("key %d homed on %x after the join, want %x", k, got, want)
+		}
+		if got, _, _ := fresh.lookup(k, eps, 1.1, false, false, true); got != want {
+			moved++
+		}
+	}
+	if moved == 0 {
+		t.Fatal("a replica that took no state homes every key as its peer: the test shows nothing")
+	}
+	for k := uint64(100); k < 120; k++ {
+		want, _, _ := a.lookup(k, eps, 1.1, false, false, true)
+		if got, _, _ := b.lookup(k, eps, 1.1, false, false, true); got != want {
+			t.Errorf("new key %d placed on %x, want %x as its peer would", k, got, want)
+		}
+	}
+	if b.adopt(50, eps[1].ID, true, 61) {
+		t.Error("a key older than the TTL was taken")
+	}
+	if b.adopt(3, eps[1].ID, true, 0) {
+		t.Error("a peer's home replaced one the replica knows")
 	}
 }

@@ -392,6 +392,19 @@ func (p *Prefix) peerKey(e *discovery.Endpoint, hashes []uint64, matches []prefi
 	p.warm.see(e.ID, key)
 }
 
+// ExportHomes yields up to max prompt keys, most recently used first, with
+// the endpoint each is homed on, whether it recurs and its age in seconds:
+// a router replica's state for one that joins (ImportHomes).
+func (p *Prefix) ExportHomes(max int, yield func(key, id uint64, recurring bool, age uint32)) {
+	p.homes.export(max, yield)
+}
+
+// ImportHomes takes a peer's key homed on endpoint id (ExportHomes), unless
+// this router knows the key; it reports whether it did.
+func (p *Prefix) ImportHomes(key, id uint64, recurring bool, age uint32) bool {
+	return p.homes.adopt(key, id, recurring, age)
+}
+
 // match returns the index's matches of hashes in a slice of the scratch
 // pool, which the caller puts back (p.scratch.Put) once done with them.
 func (p *Prefix) match(hashes []uint64) *[]prefix.Match {

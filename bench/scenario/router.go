@@ -528,10 +528,11 @@ func (r *Router) Index() string {
 		count("kvroute_prefix_estimates_total", "outcome", "exact", "over", "under"),
 		sumBy(mfs, "kvroute_prefix_index_entries", "")[""], sumBy(mfs, "kvroute_prefix_index_evictions_total", "")[""])
 	if sent := sumBy(mfs, "kvroute_peer_bytes_total", "direction"); len(sent) > 0 {
-		s += fmt.Sprintf("; gossip sent %.0f messages, %.0f bytes; placements %s; states %.0f (%.0f claims)",
+		s += fmt.Sprintf("; gossip sent %.0f messages, %.0f bytes; placements %s; states %.0f (%.0f claims, %.0f homes)",
 			sumBy(mfs, "kvroute_peer_messages_total", "direction")["sent"], sent["sent"],
 			count("kvroute_peer_placements_total", "outcome", "merged", "unknown_endpoint", "mismatched", "dropped", "malformed"),
-			sumBy(mfs, "kvroute_peer_states_total", "")[""], sumBy(mfs, "kvroute_peer_state_claims_total", "")[""])
+			sumBy(mfs, "kvroute_peer_states_total", "")[""], sumBy(mfs, "kvroute_peer_state_claims_total", "")[""],
+			sumBy(mfs, "kvroute_peer_state_homes_total", "")[""])
 	}
 	return s
 }

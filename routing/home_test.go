@@ -291,12 +291,26 @@ func TestOnceCounts(t *testing.T) {
 // (On paged caches they still go where they wait least:
 // TestFasterEndpointTakesMoreLoad.)
 func TestFirstPlacementsKeepHomesBalanced(t *testing.T) {
+	for _, meshed := range []bool{false, true} {
+		t.Run(map[bool]string{false: "alone", true: "gossiping replica"}[meshed], func(t *testing.T) {
+			firstPlacementsKeepHomesBalanced(t, meshed)
+		})
+	}
+}
+
+// firstPlacementsKeepHomesBalanced is TestFirstPlacementsKeepHomesBalanced
+// for a router alone or one of three gossiping replicas (whose peers here
+// send nothing), which homes keys as a router alone does.
+func firstPlacementsKeepHomesBalanced(t *testing.T, meshed bool) {
 	set := testSet(t, 4)
 	eps := set.Mixed
 	for _, e := range eps {
 		e.SetDialect(discovery.DialectOllama)
 	}
 	p := newTestPrefix(DefaultPrefixParams())
+	if meshed {
+		p.Meshed(func() bool { return true }, func() int { return 2 })
+	}
 	for _, e := range eps[1:] {
 		defer occupy(e, 3, 4000)()
 	}

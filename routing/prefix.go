@@ -607,8 +607,10 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	// above the others. (Eight groups on four Ollama servers with four
 	// slots each went 3-2-2-1 by such first picks.) A paged cache holds
 	// many prompts: there a new prompt goes where it waits least, and a
-	// faster engine takes more of them. Replicas place by the assignment.
-	firstAlone := keyed && hasHome && !replicated && !hk.recurring && hk.at == 0 && branch == 0
+	// faster engine takes more of them. Gossiping replicas, which home keys
+	// as a router alone does, place alike; replicas that do not gossip
+	// place by the assignment.
+	firstAlone := keyed && hasHome && (!replicated || meshed) && !hk.recurring && hk.at == 0 && branch == 0
 	ch := p.gather(r, group, &k, matches, homeKeyed{id: homeID, ok: hasHome, branch: branch, first: firstAlone}, see, terms)
 	if ch.top.e == nil {
 		return Decision{Reason: ReasonCold}

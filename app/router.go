@@ -220,7 +220,7 @@ func (r *Router) newMesh(logger *zap.Logger) (*peers.Mesh, error) {
 		return nil, err
 	}
 	r.Prefix.OnPlaced(m.Placed)
-	r.Prefix.Meshed(m.Shared, m.Members)
+	r.Prefix.Meshed(m.Shared, m.Members, m.Rank)
 	metrics.RegisterPeers(r.Registry, func() metrics.PeersSample {
 		s := m.Stats()
 		return metrics.PeersSample{Members: s.Members, SentMessages: s.SentMessages, SentBytes: s.SentBytes,

@@ -125,12 +125,17 @@ type Mesh struct {
 
 	seeds  []string     // the seeds but this replica's own address (set by Run before start)
 	others atomic.Int64 // live members besides this one
-	joined atomic.Bool  // a peer's state was merged since the start
-	shared atomic.Bool  // Shared
-	alone  time.Time    // when the last peer left (Run's loop only)
-	start  atomic.Int64 // Run's start, unix ns (0: not running)
-	ml     atomic.Pointer[memberlist.Memberlist]
-	bound  chan struct{} // closed once the listener is bound
+	rank   atomic.Int64 // Rank
+	// ranked is when the rank was last computed, and of how many others
+	// (Run's loop only).
+	ranked       time.Time
+	rankedOthers int
+	joined       atomic.Bool  // a peer's state was merged since the start
+	shared       atomic.Bool  // Shared
+	alone        time.Time    // when the last peer left (Run's loop only)
+	start        atomic.Int64 // Run's start, unix ns (0: not running)
+	ml           atomic.Pointer[memberlist.Memberlist]
+	bound        chan struct{} // closed once the listener is bound
 
 	mu      sync.Mutex
 	pending []pendingEntry // placements since the last flush
@@ -282,6 +287,24 @@ func (m *Mesh) Addr() string {
 // Members is the live replicas besides this one.
 func (m *Mesh) Members() int { return int(m.others.Load()) }
 
+// Rank is this replica's place (0..Members) among the live replicas
+// ordered by name: the same order on every replica that sees the same
+// members, so that each can take its own turn where they would otherwise
+// decide alike (routing's turnOrder).
+func (m *Mesh) Rank() int { return int(m.rank.Load()) }
+
+// rankAmong returns name's place among the names of nodes in order (the
+// number of names before it).
+func rankAmong(name string, nodes []*memberlist.Node) int {
+	n := 0
+	for _, x := range nodes {
+		if x.Name < name {
+			n++
+		}
+	}
+	return n
+}
+
 // Shared reports whether other replicas route to the same engines: a peer
 // is live, or was within the last minute. One atomic load.
 func (m *Mesh) Shared() bool { return m.shared.Load() }
@@ -389,12 +412,17 @@ func (m *Mesh) Run(ctx context.Context) error {
 	return err
 }
 
-// tick counts the members, tells whether the fleet is shared, and
-// flushes the placements.
+// tick counts the members, ranks this replica among them (when their
+// number changed, else every second), tells whether the fleet is shared,
+// and flushes the placements.
 func (m *Mesh) tick(ml *memberlist.Memberlist) {
 	others := max(ml.NumMembers()-1, 0)
 	m.others.Store(int64(others))
 	now := time.Now()
+	if others != m.rankedOthers || now.Sub(m.ranked) >= time.Second {
+		m.ranked, m.rankedOthers = now, others
+		m.rank.Store(int64(rankAmong(m.cfg.Name, ml.Members())))
+	}
 	switch {
 	case others > 0:
 		m.alone = time.Time{}

@@ -113,7 +113,7 @@ func TestFamilyChained(t *testing.T) {
 		{"conversations", []int{2, 3, 2, 4, 5, 2, 6, 7, 3, 8}, 2, true},
 	} {
 		key := uint64(len(tc.name))<<32 | uint64(tc.shared)
-		h.lookup(key, eps, 1.1, true, false, false) // the key's first request
+		h.lookup(key, eps, 1.1, true, false, false, nil) // the key's first request
 		var shared int
 		var chained bool
 		for _, d := range tc.depths {
@@ -134,7 +134,7 @@ func TestMeshedReplicasFollowTheIndex(t *testing.T) {
 	set := testSet(t, 8)
 	replicas := []*Prefix{newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams())}
 	for _, p := range replicas {
-		p.Meshed(func() bool { return true }, nil)
+		p.Meshed(func() bool { return true }, nil, nil)
 		p.OnPlaced(func(id uint64, hashes []uint64) {
 			for _, q := range replicas {
 				if q != p {
@@ -159,7 +159,7 @@ func TestMeshedReplicasFollowTheIndex(t *testing.T) {
 func TestPeersLoadCountsAsOwn(t *testing.T) {
 	set := testSet(t, 4)
 	p := newTestPrefix(DefaultPrefixParams())
-	p.Meshed(func() bool { return true }, nil)
+	p.Meshed(func() bool { return true }, nil, nil)
 	sys := system(11, 16*testBlock)
 	r := request(sys + "first")
 	e := set.Endpoints[0]
@@ -197,7 +197,7 @@ func TestLostConversationGoesHome(t *testing.T) {
 	set := testSet(t, 8)
 	replicas := []*Prefix{newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams())}
 	for _, p := range replicas {
-		p.Meshed(func() bool { return true }, nil)
+		p.Meshed(func() bool { return true }, nil, nil)
 	}
 	conversations(t, set, replicas, 16) // the family is seen chained
 	p := replicas[0]
@@ -233,7 +233,7 @@ func TestLostConversationGoesHome(t *testing.T) {
 func TestPeerPlacementHomesTheKey(t *testing.T) {
 	set := testSet(t, 4)
 	p := newTestPrefix(DefaultPrefixParams())
-	p.Meshed(func() bool { return true }, func() int { return 1 })
+	p.Meshed(func() bool { return true }, func() int { return 1 }, func() int { return 0 })
 	sys := system(21, 16*testBlock)
 	first := request(sys + "the first question")
 	d, _ := p.Explain(first, set) // where this replica would have put it
@@ -257,20 +257,29 @@ func TestPeerPlacementHomesTheKey(t *testing.T) {
 // and each replica breaks ties among idle spill targets its own way.
 // Deciding alike, each had sent three of its eight to the prompt's home.
 func TestUnheardPicksSpreadABurst(t *testing.T) {
-	burst := func(others int) (most int) {
+	// burst sends 24 new conversations under one system prompt through n
+	// replicas, in turn, none told of the others' picks; others is the
+	// live peers each counts (0: none), turns whether each takes its turn
+	// in the rendezvous order (its rank). It returns the most on one of
+	// the eight endpoints.
+	burst := func(n, others int, turns bool) (most int) {
 		// Each replica its own endpoints (the same eight servers), its
 		// own counters.
-		replicas := make([]*Prefix, 3)
-		sets := make([]*discovery.Set, 3)
+		replicas := make([]*Prefix, n)
+		sets := make([]*discovery.Set, n)
 		for i := range replicas {
 			replicas[i], sets[i] = newTestPrefix(DefaultPrefixParams()), testSet(t, 8)
-			replicas[i].Meshed(func() bool { return true }, func() int { return others })
+			var rank func() int
+			if turns {
+				rank = func() int { return i }
+			}
+			replicas[i].Meshed(func() bool { return true }, func() int { return others }, rank)
 		}
 		sys := system(23, 4*testBlock)
 		served := map[string]int{}
 		var leases []discovery.Lease
 		for i := range 24 {
-			d := replicas[i%3].Pick(request(sys+fmt.Sprintf("conversation %d: %s", i, strings.Repeat("x", 1500))), sets[i%3])
+			d := replicas[i%n].Pick(request(sys+fmt.Sprintf("conversation %d: %s", i, strings.Repeat("x", 1500))), sets[i%n])
 			leases = append(leases, d.Endpoint.Acquire(d.Prefill))
 			served[d.Endpoint.URL]++
 			most = max(most, served[d.Endpoint.URL])
@@ -280,11 +289,18 @@ func TestUnheardPicksSpreadABurst(t *testing.T) {
 		}
 		return most
 	}
-	if most := burst(2); most > 4 {
-		t.Errorf("one endpoint took %d of a burst of 24 on 8 from 3 replicas, want at most 4", most)
-	}
-	// The control: not counting the others' picks, the burst herds.
-	if most := burst(0); most < 6 {
-		t.Errorf("without counting the others' picks one endpoint took %d, want the herd (6 or more) the test is about", most)
+	for _, n := range []int{3, 8} {
+		if most := burst(n, n-1, true); most > 3 {
+			t.Errorf("one endpoint took %d of a burst of 24 on 8 from %d replicas, want at most 3", most, n)
+		}
+		// The controls: each replica breaking ties on the scores alone,
+		// the first picks herd to the prompt's home; not counting the
+		// others' picks either, the later ones too.
+		if most := burst(n, n-1, false); n == 8 && most < 6 {
+			t.Errorf("%d replicas without their turns: one endpoint took %d, want the herd (6 or more) the test is about", n, most)
+		}
+		if most := burst(n, 0, false); most < 6 {
+			t.Errorf("%d replicas counting no others: one endpoint took %d, want the herd (6 or more)", n, most)
+		}
 	}
 }

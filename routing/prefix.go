@@ -1,8 +1,8 @@
 package routing
 
 import (
+	"cmp"
 	"math"
-	"math/rand/v2"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -111,9 +111,9 @@ type Prefix struct {
 	// live.
 	meshed func() bool
 	others func() int
-	// salt breaks this replica's ties among idle spill targets (picks.add)
-	// while meshed; its own, random.
-	salt uint64
+	// rank, while meshed, is this replica's place among the live ones
+	// (0..others): its turn in the rendezvous order (turnOrder).
+	rank func() int
 }
 
 // Bytes per token: the rule of thumb for English (OpenAI: a token is about
@@ -430,10 +430,12 @@ func deepestMatch(matches []prefix.Match) int {
 // its index. Knowing where each of them placed a key's first request
 // (PeerPlaced), it homes keys as a router alone does, where that request
 // went. Each of its picks counts, at the endpoint, the prefill the others
-// most likely sent there meanwhile and have yet to tell (Pick). Set it
+// most likely sent there meanwhile and have yet to tell (Pick), and rank,
+// this replica's place among them, gives it its own turn in every
+// rendezvous order (turnOrder) where replicas would decide alike. Set it
 // before the policy serves.
-func (p *Prefix) Meshed(shared func() bool, others func() int) {
-	p.meshed, p.others, p.salt = shared, others, rand.Uint64()|1
+func (p *Prefix) Meshed(shared func() bool, others, rank func() int) {
+	p.meshed, p.others, p.rank = shared, others, rank
 }
 
 // Explain returns the decision Pick would make and its terms, without
@@ -577,12 +579,16 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	replicated := p.Foreign() >= sharedFleet || meshed
 	key, keyed, branch := p.keyOf(r.Hashes, r.Prefill, prm, deepest, replicated, see)
 	group := r.group(set)
+	var ties map[uint64]uint64
+	if meshed && p.rank != nil && p.others != nil {
+		ties = turnOrder(key, group, p.rank(), p.others()+1)
+	}
 	// The key's home; established when the key recurs.
 	var homeID uint64
 	var hk homeKey
 	var hasHome bool
 	if keyed {
-		homeID, hk, hasHome = p.homes.lookup(key, group, prm.HomeLoadFactor, see, branch > 0, !replicated || meshed)
+		homeID, hk, hasHome = p.homes.lookup(key, group, prm.HomeLoadFactor, see, branch > 0, !replicated || meshed, ties)
 	}
 	bpt := p.BytesPerToken()
 	promptTokens := r.PromptTokens
@@ -594,9 +600,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	if keyed {
 		k.warm = p.warm
 	}
-	if meshed {
-		k.salt = p.salt
-	}
+	k.ties = ties
 
 	// A router alone places a key seen for the first time on a slot
 	// engine (llama.cpp, Ollama: a few prompts cached per sequence slot)
@@ -665,7 +669,6 @@ type homeKeyed struct {
 func (p *Prefix) gather(r *Request, group []*discovery.Endpoint, k *costing, matches []prefix.Match, home homeKeyed, see bool, terms *[]Term) picks {
 	var ch, full picks         // full: the candidates left out, should none be left
 	var engines, foreign int64 // the fresh scrapes' requests, and those not this router's
-	ch.salt, full.salt = k.salt, k.salt
 	for _, e := range group {
 		if !Usable(r, e) {
 			if terms != nil {
@@ -739,6 +742,7 @@ type candidate struct {
 	idle     bool    // may take spills
 	warm     bool    // matches at least MinMatchBlocks
 	score    uint64  // rendezvous score for the request's key
+	tie      uint64  // wins ties: the score, or this replica's turn (costing.ties)
 	uncached int
 	loaded   int     // cached tokens to load from a slower tier
 	blocks   int     // matched blocks that count (0 below MinMatchBlocks)
@@ -758,7 +762,9 @@ type costing struct {
 	promptTokens   int
 	tokensPerBlock float64
 	warm           *warmth // what engines keep (warmth.at); nil: the request has no key
-	salt           uint64  // breaks ties among idle spill targets (picks.salt): this replica's while meshed, else 0
+	// ties break ties between candidates while meshed (turnOrder); nil:
+	// the rendezvous scores do.
+	ties map[uint64]uint64
 }
 
 // candidate reads e's load and applies the wait model for the request's
@@ -776,6 +782,10 @@ func (k *costing) candidate(e *discovery.Endpoint, matched, lower, shared int) c
 	}
 	matched = max(matched, shared)
 	c := candidate{e: e, load: loadOf(e), score: rendezvous(k.key, e.ID), warm: matched >= k.prm.MinMatchBlocks}
+	c.tie = c.score
+	if k.ties != nil {
+		c.tie = k.ties[e.ID]
+	}
 	if c.warm {
 		c.blocks = matched // a shorter match counts neither for warmth nor for cost
 		c.loaded = min(int(float64(min(lower, matched))*k.tokensPerBlock), k.promptTokens)
@@ -873,13 +883,6 @@ type picks struct {
 	shared, blocks int
 	// n counts the candidates, everywhere those matching as deep as warm.
 	n, everywhere int
-	// salt breaks ties among idle spill targets (free) when not 0: router
-	// replicas, each with its own, that decide alike on the same view
-	// spread a burst's spills instead of each sending its k-th to the same
-	// endpoint (with the others' picks yet untold, eight replicas sent a
-	// burst of 24 conversations 8-7-5-3-1 over five of eight pods, where
-	// one router sends three to each).
-	salt uint64
 }
 
 // add considers c; home tells whether c is the key's home.
@@ -890,7 +893,7 @@ func (ch *picks) add(c candidate, home bool, tie float64) {
 	if home {
 		ch.home = c
 	}
-	if c.idle && c.beatsBy(ch.free, tie, ch.salt) {
+	if c.idle && c.beats(ch.free, tie) {
 		ch.free = c
 	}
 	if c.beats(ch.best, tie) {
@@ -1028,21 +1031,40 @@ func (c candidate) stall() float64 {
 }
 
 // beats reports whether c is a better pick than o (an empty o loses): a
-// wait shorter by more than tie, or a tie won on rendezvous score.
-func (c candidate) beats(o candidate, tie float64) bool { return c.beatsBy(o, tie, 0) }
-
-// beatsBy is beats with ties won on the rendezvous scores mixed with salt
-// (0: the scores alone).
-func (c candidate) beatsBy(o candidate, tie float64, salt uint64) bool {
+// wait shorter by more than tie, or a tie won (candidate.tie).
+func (c candidate) beats(o candidate, tie float64) bool {
 	switch {
 	case o.e == nil || c.wait < o.wait-tie:
 		return true
 	case c.wait > o.wait+tie:
 		return false
-	case salt != 0:
-		return prefix.Mix64(c.score^salt) > prefix.Mix64(o.score^salt)
 	}
-	return c.score > o.score
+	return c.tie > o.tie
+}
+
+// turnOrder returns, for a gossiping replica of rank among n live ones,
+// each endpoint of group's tie value for key (the higher wins): the key's
+// rendezvous order rotated by rank × len(group) / n places. Replicas that
+// decide alike on the same view (a burst of one prompt, their picks yet
+// untold) then each begin at their own endpoint and take the next ones in
+// turn, where each took the rendezvous winner: eight replicas sent the
+// first wave of 24 conversations 8-4-3-3-2-2-1-1 over eight pods, eight
+// to the shared prompt's home, where one router sends three to each
+// (bench/sim multi-turn). A router alone breaks ties on the scores.
+func turnOrder(key uint64, group []*discovery.Endpoint, rank, n int) map[uint64]uint64 {
+	type scored struct{ id, score uint64 }
+	order := make([]scored, len(group))
+	for i, e := range group {
+		order[i] = scored{e.ID, rendezvous(key, e.ID)}
+	}
+	slices.SortFunc(order, func(a, b scored) int { return cmp.Compare(b.score, a.score) })
+	m := len(order)
+	off := rank * m / max(n, 1)
+	ties := make(map[uint64]uint64, m)
+	for pos, x := range order {
+		ties[x.id] = uint64(m - (pos-off+m)%m)
+	}
+	return ties
 }
 
 func (c candidate) decision(reason string, promptTokens int) Decision {

@@ -742,7 +742,7 @@ type candidate struct {
 	idle     bool    // may take spills
 	warm     bool    // matches at least MinMatchBlocks
 	score    uint64  // rendezvous score for the request's key
-	tie      uint64  // wins ties: the score, or this replica's turn (costing.ties)
+	tie      uint64  // wins ties among spill targets: the score, or this replica's turn (costing.ties)
 	uncached int
 	loaded   int     // cached tokens to load from a slower tier
 	blocks   int     // matched blocks that count (0 below MinMatchBlocks)
@@ -762,8 +762,8 @@ type costing struct {
 	promptTokens   int
 	tokensPerBlock float64
 	warm           *warmth // what engines keep (warmth.at); nil: the request has no key
-	// ties break ties between candidates while meshed (turnOrder); nil:
-	// the rendezvous scores do.
+	// ties order a new key's home and ties among idle spill targets while
+	// meshed (turnOrder); nil: the rendezvous scores do.
 	ties map[uint64]uint64
 }
 
@@ -893,10 +893,10 @@ func (ch *picks) add(c candidate, home bool, tie float64) {
 	if home {
 		ch.home = c
 	}
-	if c.idle && c.beats(ch.free, tie) {
+	if c.idle && c.beats(ch.free, tie, true) {
 		ch.free = c
 	}
-	if c.beats(ch.best, tie) {
+	if c.beats(ch.best, tie, false) {
 		ch.best = c
 	}
 	ch.n++
@@ -906,7 +906,7 @@ func (ch *picks) add(c candidate, home bool, tie float64) {
 		ch.warm, ch.everywhere = c, 1
 	case c.blocks == ch.warm.blocks:
 		ch.everywhere++
-		if c.beats(ch.warm, tie) {
+		if c.beats(ch.warm, tie, false) {
 			ch.warm = c
 		}
 	}
@@ -1031,26 +1031,32 @@ func (c candidate) stall() float64 {
 }
 
 // beats reports whether c is a better pick than o (an empty o loses): a
-// wait shorter by more than tie, or a tie won (candidate.tie).
-func (c candidate) beats(o candidate, tie float64) bool {
+// wait shorter by more than tie, or a tie won on the rendezvous score
+// (inTurn: on candidate.tie, this replica's turn while meshed).
+func (c candidate) beats(o candidate, tie float64, inTurn bool) bool {
 	switch {
 	case o.e == nil || c.wait < o.wait-tie:
 		return true
 	case c.wait > o.wait+tie:
 		return false
+	case inTurn:
+		return c.tie > o.tie
 	}
-	return c.tie > o.tie
+	return c.score > o.score
 }
 
 // turnOrder returns, for a gossiping replica of rank among n live ones,
 // each endpoint of group's tie value for key (the higher wins): the key's
-// rendezvous order rotated by rank × len(group) / n places. Replicas that
-// decide alike on the same view (a burst of one prompt, their picks yet
-// untold) then each begin at their own endpoint and take the next ones in
-// turn, where each took the rendezvous winner: eight replicas sent the
+// rendezvous order rotated by rank × len(group) / n places, for a new
+// key's home and ties among idle spill targets. Replicas that decide alike
+// on the same view (a burst of one prompt, their picks yet untold) then
+// each begin at their own endpoint and spill to the next ones in turn,
+// where each took the rendezvous winner: eight replicas sent the
 // first wave of 24 conversations 8-4-3-3-2-2-1-1 over eight pods, eight
 // to the shared prompt's home, where one router sends three to each
-// (bench/sim multi-turn). A router alone breaks ties on the scores.
+// (bench/sim multi-turn). Other ties (the shortest wait, equally deep
+// copies) stay on the scores, where replicas agree. A router alone breaks
+// every tie on the scores.
 func turnOrder(key uint64, group []*discovery.Endpoint, rank, n int) map[uint64]uint64 {
 	type scored struct{ id, score uint64 }
 	order := make([]scored, len(group))

@@ -431,8 +431,9 @@ func deepestMatch(matches []prefix.Match) int {
 // (PeerPlaced), it homes keys as a router alone does, where that request
 // went. Each of its picks counts, at the endpoint, the prefill the others
 // most likely sent there meanwhile and have yet to tell (Pick), and rank,
-// this replica's place among them, gives it its own turn in every
-// rendezvous order (turnOrder) where replicas would decide alike. Set it
+// this replica's place among them, gives it its own turn for a new key's
+// home and its spill targets (turnOrder), where replicas would decide
+// alike. Set it
 // before the policy serves.
 func (p *Prefix) Meshed(shared func() bool, others, rank func() int) {
 	p.meshed, p.others, p.rank = shared, others, rank
@@ -1065,7 +1066,7 @@ func turnOrder(key uint64, group []*discovery.Endpoint, rank, n int) map[uint64]
 	}
 	slices.SortFunc(order, func(a, b scored) int { return cmp.Compare(b.score, a.score) })
 	m := len(order)
-	off := rank * m / max(n, 1)
+	off := rank * m / max(n, 1) % max(m, 1) // a rank read before a peer left may reach n
 	ties := make(map[uint64]uint64, m)
 	for pos, x := range order {
 		ties[x.id] = uint64(m - (pos-off+m)%m)

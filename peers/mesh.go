@@ -290,7 +290,7 @@ func (m *Mesh) Members() int { return int(m.others.Load()) }
 // Rank is this replica's place (0..Members) among the live replicas
 // ordered by name: the same order on every replica that sees the same
 // members, so that each can take its own turn where they would otherwise
-// decide alike (routing's turnOrder).
+// decide alike (routing's turnOf).
 func (m *Mesh) Rank() int { return int(m.rank.Load()) }
 
 // rankAmong returns name's place among the names of nodes in order (the

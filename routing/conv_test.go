@@ -113,7 +113,7 @@ func TestFamilyChained(t *testing.T) {
 		{"conversations", []int{2, 3, 2, 4, 5, 2, 6, 7, 3, 8}, 2, true},
 	} {
 		key := uint64(len(tc.name))<<32 | uint64(tc.shared)
-		h.lookup(key, eps, 1.1, true, false, false, nil) // the key's first request
+		h.lookup(key, eps, 1.1, true, false, false, turn{}) // the key's first request
 		var shared int
 		var chained bool
 		for _, d := range tc.depths {

@@ -243,7 +243,7 @@ func rendezvousKey(hashes []uint64, minMatch int) uint64 {
 // winner and never joins the balanced assignment: conversations begin and
 // end all the time, and every change of the recurring set may move homes,
 // each move a conversation's full recompute.
-func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, see, branch, alone bool, ties map[uint64]uint64) (home uint64, k homeKey, ok bool) {
+func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, see, branch, alone bool, t turn) (home uint64, k homeKey, ok bool) {
 	if len(eps) == 0 {
 		return 0, homeKey{}, false
 	}
@@ -278,7 +278,7 @@ func (h *homes) lookup(key uint64, eps []*discovery.Endpoint, factor float64, se
 	if alone && v.at != 0 && slices.ContainsFunc(eps, func(e *discovery.Endpoint) bool { return e.ID == v.at }) {
 		return v.at, v, true
 	}
-	return h.place(key, first, eps, factor, ties), v, true
+	return h.place(key, first, eps, factor, t), v, true
 }
 
 // sight counts a request of key at now (unix seconds): a key seen before
@@ -520,9 +520,9 @@ func (h *homes) turnRecurring(key uint64, v *homeKey) {
 // guess). A router alone counts the live keys seen once as well, where
 // their first requests went: the key goes to its first choice below the
 // bound of all of them (bounded-load rendezvous), and stays there.
-func (h *homes) place(key, first uint64, eps []*discovery.Endpoint, factor float64, ties map[uint64]uint64) uint64 {
+func (h *homes) place(key, first uint64, eps []*discovery.Endpoint, factor float64, t turn) uint64 {
 	if h.alone {
-		return h.placeAlone(key, first, eps, ties)
+		return h.placeAlone(key, eps, t)
 	}
 	if len(h.recurring) == 0 {
 		return first
@@ -553,36 +553,15 @@ func (h *homes) place(key, first uint64, eps []*discovery.Endpoint, factor float
 // placeAlone is place for a router alone: the key's first choice whose
 // live keys (homed recurring ones and those seen once) are below its share
 // (bounds at LoadFactor 1, over all of them and this one); the winner when
-// none is. A gossiping replica's choices are in its turn (ties, highest
-// first; turnOrder), so that replicas placing one new key at once place
-// it apart.
-func (h *homes) placeAlone(key, first uint64, eps []*discovery.Endpoint, ties map[uint64]uint64) uint64 {
+// none is. A gossiping replica's choices are in its turn (t), so that
+// replicas placing one new key at once place it apart.
+func (h *homes) placeAlone(key uint64, eps []*discovery.Endpoint, t turn) uint64 {
 	total := len(h.recurring) + h.onceTotal + 1
 	h.placeBound = h.boundsInto(h.placeBound, 1, total, eps)
-	if ties != nil {
-		var best, room uint64
-		var bestTie, roomTie uint64
-		for _, e := range eps {
-			t := ties[e.ID]
-			if t > bestTie {
-				best, bestTie = e.ID, t
-			}
-			if h.load[e.ID]+h.once[e.ID] < h.placeBound[e.ID] && t > roomTie {
-				room, roomTie = e.ID, t
-			}
-		}
-		if room != 0 {
-			return room
-		}
-		return best
+	if e := t.first(key, eps, func(id uint64) bool { return h.load[id]+h.once[id] < h.placeBound[id] }); e != 0 {
+		return e
 	}
-	s := rendezvous(key, first)
-	for e, ok := first, true; ok; e, s, ok = choice(key, eps, s, true) {
-		if h.load[e]+h.once[e] < h.placeBound[e] {
-			return e
-		}
-	}
-	return first
+	return t.first(key, eps, nil)
 }
 
 // hasRoom reports whether endpoint id homes fewer live keys than its bound

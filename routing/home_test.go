@@ -23,12 +23,12 @@ func TestHomesAreBalancedAndOrderFree(t *testing.T) {
 		h := newHomes(time.Hour, time.Now)
 		for range 2 {
 			for _, i := range order {
-				h.lookup(keys[i], eps, 1.1, true, false, false, nil)
+				h.lookup(keys[i], eps, 1.1, true, false, false, turn{})
 			}
 		}
 		at, load := map[uint64]uint64{}, map[uint64]int{}
 		for _, k := range keys {
-			e, hk, ok := h.lookup(k, eps, 1.1, false, false, false, nil)
+			e, hk, ok := h.lookup(k, eps, 1.1, false, false, false, turn{})
 			recurring := hk.recurring
 			if !ok || !recurring {
 				t.Fatalf("key %x: ok %v recurring %v", k, ok, recurring)
@@ -48,7 +48,7 @@ func TestHomesAreBalancedAndOrderFree(t *testing.T) {
 	}
 	plain := map[uint64]int{}
 	for _, k := range keys {
-		e, _, _ := newHomes(0, time.Now).lookup(k, eps, 1.1, false, false, false, nil)
+		e, _, _ := newHomes(0, time.Now).lookup(k, eps, 1.1, false, false, false, turn{})
 		plain[e]++
 	}
 	most := func(m map[uint64]int) (n int) {
@@ -73,19 +73,19 @@ func TestNewKeyKeepsItsHome(t *testing.T) {
 	h := newHomes(time.Hour, time.Now)
 	for range 63 {
 		k := rng.Uint64()
-		h.lookup(k, eps, 1.1, true, false, false, nil)
-		h.lookup(k, eps, 1.1, true, false, false, nil)
+		h.lookup(k, eps, 1.1, true, false, false, turn{})
+		h.lookup(k, eps, 1.1, true, false, false, turn{})
 	}
 	moved := 0
 	for range 200 {
 		k := rng.Uint64()
-		first, hk, _ := h.lookup(k, eps, 1.1, false, false, false, nil)
+		first, hk, _ := h.lookup(k, eps, 1.1, false, false, false, turn{})
 		recurring := hk.recurring
 		if recurring {
 			t.Fatal("an unseen key recurs")
 		}
-		h.lookup(k, eps, 1.1, true, false, false, nil)
-		if home, _, _ := h.lookup(k, eps, 1.1, true, false, false, nil); home != first {
+		h.lookup(k, eps, 1.1, true, false, false, turn{})
+		if home, _, _ := h.lookup(k, eps, 1.1, true, false, false, turn{}); home != first {
 			moved++
 		}
 		h.lru.Remove(k) // the next key sees the same 63 recurring keys
@@ -102,7 +102,7 @@ func TestHomesExpireAndForget(t *testing.T) {
 	h := newHomes(time.Minute, func() time.Time { return now })
 	eps := testSet(t, 3).Mixed
 	see := func(k uint64) (uint64, bool) {
-		e, hk, _ := h.lookup(k, eps, 1.1, true, false, false, nil)
+		e, hk, _ := h.lookup(k, eps, 1.1, true, false, false, turn{})
 		recurring := hk.recurring
 		return e, recurring
 	}
@@ -117,12 +117,12 @@ func TestHomesExpireAndForget(t *testing.T) {
 	now = now.Add(50 * time.Second)
 	see(2) // refreshes 2 only
 	now = now.Add(20 * time.Second)
-	if _, hk, _ := h.lookup(1, eps, 1.1, false, false, false, nil); hk.recurring || h.len() != 1 {
+	if _, hk, _ := h.lookup(1, eps, 1.1, false, false, false, turn{}); hk.recurring || h.len() != 1 {
 		t.Fatalf("key 1 outlived its TTL (recurring %v, %d recurring)", hk.recurring, h.len())
 	}
 	home, _ := see(2)
 	h.forget(home)
-	if _, hk, _ := h.lookup(2, eps, 1.1, false, false, false, nil); hk.recurring || h.len() != 0 {
+	if _, hk, _ := h.lookup(2, eps, 1.1, false, false, false, turn{}); hk.recurring || h.len() != 0 {
 		t.Fatalf("a forgotten endpoint kept its keys (recurring %v, %d)", hk.recurring, h.len())
 	}
 	// Without its old primary the key proposes to the next one.
@@ -133,7 +133,7 @@ func TestHomesExpireAndForget(t *testing.T) {
 		}
 	}
 	see(2)
-	if e, hk, _ := h.lookup(2, rest, 1.1, true, false, false, nil); !hk.recurring || e == home {
+	if e, hk, _ := h.lookup(2, rest, 1.1, true, false, false, turn{}); !hk.recurring || e == home {
 		t.Fatalf("after the endpoint left: home %x (recurring %v)", e, hk.recurring)
 	}
 }
@@ -167,7 +167,7 @@ func TestAloneHomesSpreadAndStay(t *testing.T) {
 		first := map[uint64]uint64{}
 		used := map[uint64]bool{}
 		for _, k := range keys {
-			e, _, _ := h.lookup(k, eps, 1.1, true, false, true, nil)
+			e, _, _ := h.lookup(k, eps, 1.1, true, false, true, turn{})
 			h.placed(k, e, false)
 			first[k], used[e] = e, true
 		}
@@ -176,14 +176,14 @@ func TestAloneHomesSpreadAndStay(t *testing.T) {
 		}
 		for range 3 {
 			for _, k := range keys {
-				if e, _, _ := h.lookup(k, eps, 1.1, true, false, true, nil); e != first[k] {
+				if e, _, _ := h.lookup(k, eps, 1.1, true, false, true, turn{}); e != first[k] {
 					t.Fatalf("key %x moved from %x to %x when it recurred", k, first[k], e)
 				}
 			}
 		}
 		plain := map[uint64]bool{}
 		for _, k := range keys {
-			e, _, _ := newHomes(0, time.Now).lookup(k, eps, 1.1, false, false, false, nil)
+			e, _, _ := newHomes(0, time.Now).lookup(k, eps, 1.1, false, false, false, turn{})
 			plain[e] = true
 		}
 		if len(plain) < len(keys) {
@@ -215,13 +215,13 @@ func TestAloneHomesKeepWhereKeysWent(t *testing.T) {
 			first := map[uint64]uint64{}
 			for range tc.keys {
 				k := rng.Uint64()
-				e, _, _ := h.lookup(k, eps, 1.1, true, false, true, nil)
+				e, _, _ := h.lookup(k, eps, 1.1, true, false, true, turn{})
 				h.placed(k, e, false)
 				first[k] = e
 				keys = append(keys, k)
 				for range rng.IntN(3) { // earlier keys recur meanwhile, at their homes
 					r := keys[rng.IntN(len(keys))]
-					if e, _, _ := h.lookup(r, eps, 1.1, true, false, true, nil); e != first[r] {
+					if e, _, _ := h.lookup(r, eps, 1.1, true, false, true, turn{}); e != first[r] {
 						t.Fatalf("%d keys, trial %d: key %x moved from %x to %x when it recurred", tc.keys, trial, r, first[r], e)
 					}
 				}
@@ -229,7 +229,7 @@ func TestAloneHomesKeepWhereKeysWent(t *testing.T) {
 			per := map[uint64]int{}
 			for _, k := range keys {
 				per[first[k]]++
-				if e, _, _ := h.lookup(k, eps, 1.1, true, false, true, nil); e != first[k] {
+				if e, _, _ := h.lookup(k, eps, 1.1, true, false, true, turn{}); e != first[k] {
 					t.Fatalf("%d keys, trial %d: key %x moved from %x to %x", tc.keys, trial, k, first[k], e)
 				}
 			}
@@ -249,7 +249,7 @@ func TestOnceCounts(t *testing.T) {
 	h := newHomes(time.Minute, func() time.Time { return now })
 	eps := testSet(t, 3).Mixed
 	for k := uint64(1); k <= 6; k++ {
-		e, _, _ := h.lookup(k, eps, 1.1, true, false, true, nil)
+		e, _, _ := h.lookup(k, eps, 1.1, true, false, true, turn{})
 		h.placed(k, e, false)
 		h.placed(k, eps[0].ID, true) // strayed later: still counted where it went first
 	}
@@ -261,7 +261,7 @@ func TestOnceCounts(t *testing.T) {
 			t.Errorf("endpoint %x homes %d of 6 keys seen once, want 2", e.ID, h.once[e.ID])
 		}
 	}
-	h.lookup(1, eps, 1.1, true, false, true, nil) // recurs
+	h.lookup(1, eps, 1.1, true, false, true, turn{}) // recurs
 	if h.onceTotal != 5 {
 		t.Fatalf("a key that recurs is still counted once: total %d", h.onceTotal)
 	}
@@ -276,7 +276,7 @@ func TestOnceCounts(t *testing.T) {
 		t.Fatalf("after forgetting an endpoint: total %d, its count %d", h.onceTotal, h.once[v.at])
 	}
 	now = now.Add(2 * time.Minute)
-	h.lookup(100, eps, 1.1, false, false, true, nil)
+	h.lookup(100, eps, 1.1, false, false, true, turn{})
 	if h.onceTotal != 0 || len(h.once) != 0 {
 		t.Fatalf("after the TTL: total %d, %v", h.onceTotal, h.once)
 	}
@@ -348,10 +348,10 @@ func TestAdoptedHomes(t *testing.T) {
 	eps := testSet(t, 4).Mixed
 	a := newHomes(time.Minute, clock)
 	for k := uint64(1); k <= 8; k++ {
-		a.lookup(k, eps, 1.1, true, false, true, nil)
+		a.lookup(k, eps, 1.1, true, false, true, turn{})
 		a.placed(k, eps[int(k)%len(eps)].ID, false) // where the peer's picks went
 		if k%2 == 0 {
-			a.lookup(k, eps, 1.1, true, false, true, nil) // recurs
+			a.lookup(k, eps, 1.1, true, false, true, turn{}) // recurs
 		}
 	}
 	type exported struct {
@@ -368,7 +368,7 @@ func TestAdoptedHomes(t *testing.T) {
 	}
 	join := func(adopt bool) *homes {
 		b := newHomes(time.Minute, clock)
-		b.lookup(3, eps, 1.1, true, false, true, nil) // a key b has seen itself
+		b.lookup(3, eps, 1.1, true, false, true, turn{}) // a key b has seen itself
 		b.placed(3, eps[3].ID, false)
 		if adopt {
 			for _, x := range slices.Backward(state) {
@@ -380,11 +380,11 @@ func TestAdoptedHomes(t *testing.T) {
 	b, fresh := join(true), join(false)
 	moved := 0
 	for k := uint64(1); k <= 8; k++ {
-		want, _, _ := a.lookup(k, eps, 1.1, false, false, true, nil)
-		if got, _, _ := b.lookup(k, eps, 1.1, false, false, true, nil); got != want {
+		want, _, _ := a.lookup(k, eps, 1.1, false, false, true, turn{})
+		if got, _, _ := b.lookup(k, eps, 1.1, false, false, true, turn{}); got != want {
 			t.Errorf("key %d homed on %x after the join, want %x", k, got, want)
 		}
-		if got, _, _ := fresh.lookup(k, eps, 1.1, false, false, true, nil); got != want {
+		if got, _, _ := fresh.lookup(k, eps, 1.1, false, false, true, turn{}); got != want {
 			moved++
 		}
 	}
@@ -392,8 +392,8 @@ func TestAdoptedHomes(t *testing.T) {
 		t.Fatal("a replica that took no state homes every key as its peer: the test shows nothing")
 	}
 	for k := uint64(100); k < 120; k++ {
-		want, _, _ := a.lookup(k, eps, 1.1, false, false, true, nil)
-		if got, _, _ := b.lookup(k, eps, 1.1, false, false, true, nil); got != want {
+		want, _, _ := a.lookup(k, eps, 1.1, false, false, true, turn{})
+		if got, _, _ := b.lookup(k, eps, 1.1, false, false, true, turn{}); got != want {
 			t.Errorf("new key %d placed on %x, want %x as its peer would", k, got, want)
 		}
 	}

@@ -1,7 +1,6 @@
 package routing
 
 import (
-	"cmp"
 	"math"
 	"slices"
 	"sync"
@@ -112,7 +111,7 @@ type Prefix struct {
 	meshed func() bool
 	others func() int
 	// rank, while meshed, is this replica's place among the live ones
-	// (0..others): its turn in the rendezvous order (turnOrder).
+	// (0..others): its turn in the rendezvous order (turnOf).
 	rank func() int
 }
 
@@ -432,9 +431,8 @@ func deepestMatch(matches []prefix.Match) int {
 // went. Each of its picks counts, at the endpoint, the prefill the others
 // most likely sent there meanwhile and have yet to tell (Pick), and rank,
 // this replica's place among them, gives it its own turn for a new key's
-// home and its spill targets (turnOrder), where replicas would decide
-// alike. Set it
-// before the policy serves.
+// home and its spill targets (turnOf), where replicas would decide alike.
+// Set it before the policy serves.
 func (p *Prefix) Meshed(shared func() bool, others, rank func() int) {
 	p.meshed, p.others, p.rank = shared, others, rank
 }
@@ -580,16 +578,16 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	replicated := p.Foreign() >= sharedFleet || meshed
 	key, keyed, branch := p.keyOf(r.Hashes, r.Prefill, prm, deepest, replicated, see)
 	group := r.group(set)
-	var ties map[uint64]uint64
+	var t turn
 	if meshed && p.rank != nil && p.others != nil {
-		ties = turnOrder(key, group, p.rank(), p.others()+1)
+		t = turnOf(key, group, p.rank(), p.others()+1)
 	}
 	// The key's home; established when the key recurs.
 	var homeID uint64
 	var hk homeKey
 	var hasHome bool
 	if keyed {
-		homeID, hk, hasHome = p.homes.lookup(key, group, prm.HomeLoadFactor, see, branch > 0, !replicated || meshed, ties)
+		homeID, hk, hasHome = p.homes.lookup(key, group, prm.HomeLoadFactor, see, branch > 0, !replicated || meshed, t)
 	}
 	bpt := p.BytesPerToken()
 	promptTokens := r.PromptTokens
@@ -601,7 +599,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	if keyed {
 		k.warm = p.warm
 	}
-	k.ties = ties
+	k.turn = t
 
 	// A router alone places a key seen for the first time on a slot
 	// engine (llama.cpp, Ollama: a few prompts cached per sequence slot)
@@ -743,7 +741,7 @@ type candidate struct {
 	idle     bool    // may take spills
 	warm     bool    // matches at least MinMatchBlocks
 	score    uint64  // rendezvous score for the request's key
-	tie      uint64  // wins ties among spill targets: the score, or this replica's turn (costing.ties)
+	tie      uint64  // wins ties among spill targets: the score in this replica's turn (costing.turn)
 	uncached int
 	loaded   int     // cached tokens to load from a slower tier
 	blocks   int     // matched blocks that count (0 below MinMatchBlocks)
@@ -763,9 +761,9 @@ type costing struct {
 	promptTokens   int
 	tokensPerBlock float64
 	warm           *warmth // what engines keep (warmth.at); nil: the request has no key
-	// ties order a new key's home and ties among idle spill targets while
-	// meshed (turnOrder); nil: the rendezvous scores do.
-	ties map[uint64]uint64
+	// turn orders a new key's home and ties among idle spill targets while
+	// meshed (turnOf); else the rendezvous scores do.
+	turn turn
 }
 
 // candidate reads e's load and applies the wait model for the request's
@@ -783,10 +781,7 @@ func (k *costing) candidate(e *discovery.Endpoint, matched, lower, shared int) c
 	}
 	matched = max(matched, shared)
 	c := candidate{e: e, load: loadOf(e), score: rendezvous(k.key, e.ID), warm: matched >= k.prm.MinMatchBlocks}
-	c.tie = c.score
-	if k.ties != nil {
-		c.tie = k.ties[e.ID]
-	}
+	c.tie = k.turn.of(c.score)
 	if c.warm {
 		c.blocks = matched // a shorter match counts neither for warmth nor for cost
 		c.loaded = min(int(float64(min(lower, matched))*k.tokensPerBlock), k.promptTokens)
@@ -1046,32 +1041,63 @@ func (c candidate) beats(o candidate, tie float64, inTurn bool) bool {
 	return c.score > o.score
 }
 
-// turnOrder returns, for a gossiping replica of rank among n live ones,
-// each endpoint of group's tie value for key (the higher wins): the key's
-// rendezvous order rotated by rank × len(group) / n places, for a new
-// key's home and ties among idle spill targets. Replicas that decide alike
-// on the same view (a burst of one prompt, their picks yet untold) then
-// each begin at their own endpoint and spill to the next ones in turn,
-// where each took the rendezvous winner: eight replicas sent the
-// first wave of 24 conversations 8-4-3-3-2-2-1-1 over eight pods, eight
-// to the shared prompt's home, where one router sends three to each
-// (bench/sim multi-turn). Other ties (the shortest wait, equally deep
-// copies) stay on the scores, where replicas agree. A router alone breaks
-// every tie on the scores.
-func turnOrder(key uint64, group []*discovery.Endpoint, rank, n int) map[uint64]uint64 {
-	type scored struct{ id, score uint64 }
-	order := make([]scored, len(group))
+// turn is a gossiping replica's own order of a key's endpoints: the
+// key's rendezvous order begun at the endpoint whose score is pivot, and
+// on from the top past the lowest (when on; else the order itself), for a
+// new key's home and ties among idle spill targets. Replica r of n begins
+// r × endpoints / n places down (turnOf). Replicas that decide alike on
+// the same view (a burst of one prompt, their picks yet untold) then each
+// begin at their own endpoint and spill to the next ones in turn, where
+// each took the rendezvous winner: eight replicas sent the first wave of
+// 24 conversations 8-4-3-3-2-2-1-1 over eight pods, eight to the shared
+// prompt's home, where one router sends three to each (bench/sim
+// multi-turn). Other ties (the shortest wait, equally deep copies) stay on
+// the scores, where replicas agree. A router alone breaks every tie on the
+// scores.
+type turn struct {
+	pivot uint64
+	on    bool
+}
+
+// turnOf returns the turn of a replica of rank among n live ones for key
+// over group.
+func turnOf(key uint64, group []*discovery.Endpoint, rank, n int) turn {
+	if len(group) == 0 {
+		return turn{}
+	}
+	scores := make([]uint64, len(group))
 	for i, e := range group {
-		order[i] = scored{e.ID, rendezvous(key, e.ID)}
+		scores[i] = rendezvous(key, e.ID)
 	}
-	slices.SortFunc(order, func(a, b scored) int { return cmp.Compare(b.score, a.score) })
-	m := len(order)
-	off := rank * m / max(n, 1) % max(m, 1) // a rank read before a peer left may reach n
-	ties := make(map[uint64]uint64, m)
-	for pos, x := range order {
-		ties[x.id] = uint64(m - (pos-off+m)%m)
+	slices.Sort(scores)
+	m := len(scores)
+	off := rank * m / max(n, 1) % m // a rank read before a peer left may reach n
+	return turn{pivot: scores[m-1-off], on: true}
+}
+
+// of returns a rendezvous score's place in the turn, the higher first: the
+// pivot highest, the scores below it next, then those above it (the
+// subtraction wraps them below every score up to the pivot).
+func (t turn) of(score uint64) uint64 {
+	if !t.on {
+		return score
 	}
-	return ties
+	return score - t.pivot - 1
+}
+
+// first returns the endpoint of eps that comes first in the turn for key
+// among those ok accepts (nil: all), or 0 when none is.
+func (t turn) first(key uint64, eps []*discovery.Endpoint, ok func(id uint64) bool) (id uint64) {
+	var best uint64
+	for _, e := range eps {
+		if ok != nil && !ok(e.ID) {
+			continue
+		}
+		if o := t.of(rendezvous(key, e.ID)); id == 0 || o > best {
+			id, best = e.ID, o
+		}
+	}
+	return id
 }
 
 func (c candidate) decision(reason string, promptTokens int) Decision {

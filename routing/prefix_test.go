@@ -367,7 +367,7 @@ func TestForgottenPrefixReturnsHome(t *testing.T) {
 		t.Fatalf("forgotten prefix went to %s (%s), want its home %s", d.Endpoint, d.Reason, home)
 	}
 	p.Forget(home.ID) // the endpoint left, or its engine restarted
-	if _, hk, _ := p.homes.lookup(rendezvousKey(request(sys).Hashes, 2), set.Mixed, 1.1, false, false, true, nil); hk.recurring {
+	if _, hk, _ := p.homes.lookup(rendezvousKey(request(sys).Hashes, 2), set.Mixed, 1.1, false, false, true, turn{}); hk.recurring {
 		t.Fatal("the prefix kept a forgotten endpoint as its home")
 	}
 }
@@ -409,7 +409,7 @@ func TestFollowFleetEvents(t *testing.T) {
 		t.Fatalf("%d entries after recording 16 blocks on a 4-block endpoint", n)
 	}
 	for range 2 {
-		p.homes.lookup(7, []*discovery.Endpoint{e}, 1.1, true, false, true, nil)
+		p.homes.lookup(7, []*discovery.Endpoint{e}, 1.1, true, false, true, turn{})
 	}
 	o.OnRestart(e)
 	if n := p.Index().Stats().Entries; n != 0 || p.Homes() != 0 {
@@ -504,7 +504,7 @@ func TestPrefixStaysWhereItsFirstRequestWent(t *testing.T) {
 	set := testSet(t, 4)
 	p := newTestPrefix(DefaultPrefixParams())
 	sys := system(41, 8192)
-	home, _, _ := p.homes.lookup(rendezvousKey(request(sys).Hashes, 2), set.Mixed, 1.1, false, false, true, nil)
+	home, _, _ := p.homes.lookup(rendezvousKey(request(sys).Hashes, 2), set.Mixed, 1.1, false, false, true, turn{})
 	var busy *discovery.Endpoint
 	for _, e := range set.Endpoints {
 		if e.ID == home {

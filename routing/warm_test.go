@@ -239,22 +239,22 @@ func TestAloneHomesStayWhenCountsFall(t *testing.T) {
 	h.keptVersion = func() uint64 { return version }
 	homes := map[uint64]uint64{}
 	for k := uint64(1); k <= 8; k++ {
-		e, _, _ := h.lookup(k, eps, 1.1, true, false, true, nil)
+		e, _, _ := h.lookup(k, eps, 1.1, true, false, true, turn{})
 		h.placed(k, e, false)
 		homes[k] = e
 	}
 	for k := uint64(1); k <= 8; k++ {
-		if e, hk, _ := h.lookup(k, eps, 1.1, true, false, true, nil); !hk.recurring || e != homes[k] {
+		if e, hk, _ := h.lookup(k, eps, 1.1, true, false, true, turn{}); !hk.recurring || e != homes[k] {
 			t.Fatalf("key %d: recurring %v, home %x, first sent to %x", k, hk.recurring, e, homes[k])
 		}
 	}
 	kept, version = []int{1, 1, 0, 0}, version+1
 	for k := uint64(1); k <= 8; k++ {
-		if e, _, _ := h.lookup(k, eps, 1.1, true, false, true, nil); e != homes[k] {
+		if e, _, _ := h.lookup(k, eps, 1.1, true, false, true, turn{}); e != homes[k] {
 			t.Errorf("key %d moved from endpoint %d to %d when counts fell", k, at(homes[k]), at(e))
 		}
 	}
-	if e, _, _ := h.lookup(100, eps, 1.1, false, false, true, nil); kept[at(e)] != 0 {
+	if e, _, _ := h.lookup(100, eps, 1.1, false, false, true, turn{}); kept[at(e)] != 0 {
 		t.Errorf("a new key went to endpoint %d, which keeps one prompt and homes two", at(e))
 	}
 }

@@ -86,6 +86,9 @@ type Endpoint struct {
 	// ForAdapter); nil until the first.
 	adapterMu sync.Mutex
 	adapters  map[string]int
+	// prompts counts the in-flight requests per prompt key of a slot
+	// engine's (Lease.ForPrompt, prompts.go).
+	prompts prompts
 	// Failures counts upstream failures (connection errors and 5xx).
 	Failures atomic.Uint64
 

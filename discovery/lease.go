@@ -32,6 +32,8 @@ type Lease struct {
 	// adapter is the LoRA adapter the request names, counted in the
 	// endpoint's adapters in flight ("" for none).
 	adapter string
+	// key is the prompt key the request counts under (ForPrompt; 0: none).
+	key uint64
 }
 
 // Uncomputed is Complete's argument when the engine did not report how
@@ -110,6 +112,9 @@ func (l *Lease) Release() {
 			delete(e.adapters, l.adapter)
 		}
 		e.adapterMu.Unlock()
+	}
+	if l.key != 0 {
+		l.e.promptEnded(l.key)
 	}
 	*l = Lease{}
 }

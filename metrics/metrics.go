@@ -78,6 +78,7 @@ type Metrics struct {
 	models     map[string]string // model names an endpoint accepted → their label value
 	chunkGap   prometheus.Observer
 	migrations *prometheus.CounterVec
+	holds      *prometheus.CounterVec
 	migrGap    prometheus.Observer
 	logDropped prometheus.Counter
 	nearMisses *prometheus.CounterVec
@@ -303,6 +304,10 @@ func (m *Metrics) Migration(cause, outcome string) {
 	m.migrations.WithLabelValues(cause, outcome).Inc()
 }
 
+// PromptHold counts one request held back for a busy copy of its prompt,
+// by outcome (ended, timeout).
+func (m *Metrics) PromptHold(outcome string) { m.holds.WithLabelValues(outcome).Inc() }
+
 // MigrationGap records the time from a stream's failure to its
 // continuation's first event written to the client.
 func (m *Metrics) MigrationGap(seconds float64) { m.migrGap.Observe(seconds) }
@@ -429,6 +434,11 @@ func (m *Metrics) registerStreams(reg prometheus.Registerer) {
 		Help: "Streamed answers whose endpoint failed mid-stream, by cause (cut: the connection failed or closed early; timeout: the stream-idle timeout; error: the engine sent an error event; drained: the endpoint left discovery or drains) and outcome (continued on another endpoint; failed: the continuation could not start; not_continued: the answer could not be continued faithfully, or the migrations or the retry budget were spent).",
 	}, []string{"cause", "outcome"})
 	reg.MustRegister(m.migrations)
+	m.holds = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: Namespace, Name: "prompt_holds_total",
+		Help: "Requests held back from a slot engine (llama.cpp, Ollama) whose slots keeping their prompt were all busy with this router's requests, rather than computing the prompt afresh in another slot, by outcome (ended: one of them ended; timeout: none ended within the prompt's cold prefill and a turn).",
+	}, []string{"outcome"})
+	reg.MustRegister(m.holds)
 	for _, c := range []string{"cut", "timeout", "error", "drained"} {
 		for _, o := range []string{"continued", "failed", "not_continued"} {
 			m.migrations.WithLabelValues(c, o)

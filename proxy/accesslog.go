@@ -185,6 +185,9 @@ func appendAccessLine(b []byte, clock *isoClock, console bool, r *record, d time
 	if r.tier != classDefault {
 		b = appendJSONString(appendKey(b, console, ",", "class"), []byte(r.tier.String()))
 	}
+	if r.held > 0 {
+		b = appendSeconds(appendKey(b, console, ",", "held"), r.held)
+	}
 	if r.queued > 0 {
 		b = appendSeconds(appendKey(b, console, ",", "queued"), r.queued)
 	}

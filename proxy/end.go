@@ -67,6 +67,7 @@ type record struct {
 	tenant uint64
 	tier   class
 	queued time.Duration
+	held   time.Duration // its wait for a busy copy of its prompt
 	// admitted: it went to the fleet, its tenant labelled label; charge:
 	// its tenant's budget, settled at the end to spent, the tokens the
 	// engine reported (-1: none).
@@ -122,7 +123,7 @@ func (s *Server) end(r *record, err error) {
 
 // stamp notes st's tenant, class and queue wait in r.
 func (st *reqState) stamp(r *record) {
-	r.tenant, r.tier, r.queued = st.tenant, st.class, 0
+	r.tenant, r.tier, r.queued, r.held = st.tenant, st.class, 0, st.held
 	r.admitted, r.label, r.charge, r.spent = st.admitted, st.label, st.charge, -1
 	if w := &st.wait; !w.since.IsZero() {
 		r.queued = time.Since(w.since)

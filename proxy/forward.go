@@ -73,6 +73,12 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 		span := s.pickSpan(st)
 		d := s.opt.Picker.Pick(&st.req, set)
 		endPick(span, d, false)
+		if d.Hold != nil {
+			s.budgets.unstart(&st.charge)
+			s.hold(st, d)
+			set = s.opt.Pool.Load()
+			continue
+		}
 		if d.Endpoint == nil {
 			s.handOff(st)
 			s.budgets.unstart(&st.charge)
@@ -113,6 +119,25 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 	return nil, routing.Decision{}, lastErr
 }
 
+// hold waits, before st's request picks again, for d.Hold (one of the
+// requests busy with its prompt's copies on d's endpoint ended) or at most
+// d.HoldFor: a cold prefill and a turn, a fraction of a second on the
+// engines that hold (the queue's wait watches for a client that left; a
+// hold is too short to).
+func (s *Server) hold(st *reqState, d routing.Decision) {
+	start := time.Now()
+	t := time.NewTimer(d.HoldFor)
+	defer t.Stop()
+	outcome := "ended"
+	select {
+	case <-d.Hold:
+	case <-t.C:
+		outcome = "timeout"
+	}
+	st.req.Held, st.held = true, time.Since(start)
+	s.opt.Metrics.PromptHold(outcome)
+}
+
 // failure is a failed attempt: its error, and whether the request goes on
 // to another endpoint (retry; busy: the endpoint had no free connection).
 type failure struct {
@@ -138,7 +163,7 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 	}
 	st.req.Tried = append(st.req.Tried, ep)
 	if s.pd == nil {
-		s.acquire(st, ep, d.Prefill, d.Loaded)
+		s.acquire(st, ep, d.Prefill, d.Loaded, d.PrefixKey)
 	}
 	s.handOff(st) // ep counts the request now (claimPD takes its lease at once)
 	if s.pd != nil {
@@ -206,9 +231,12 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 // to compute and loaded of them to load from a slower tier (the decision's
 // Prefill and Loaded; 0 when a prefill leg computes the prompt), counted
 // against the model's adapter when it names one.
-func (s *Server) acquire(st *reqState, ep *discovery.Endpoint, own, loaded int) {
+func (s *Server) acquire(st *reqState, ep *discovery.Endpoint, own, loaded int, key uint64) {
 	st.lease = ep.Acquire(own)
 	st.lease.Loading(loaded)
+	if ep.Dialect().Slotted() {
+		st.lease.ForPrompt(key) // the policy sees the busy copies of the prompt (Decision.Hold)
+	}
 	if m := ep.Models(); m != nil && m.Adapter(st.req.Model) {
 		st.lease.ForAdapter(st.req.Model) // the policy sees which adapters hold ep's slots
 	}

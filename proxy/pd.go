@@ -198,7 +198,7 @@ func (s *Server) claimPD(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.
 	p := &st.pd
 	decode := ep.Role == discovery.RoleDecode
 	if p.split = decode && s.planPD(st, d); !p.split {
-		s.acquire(st, ep, d.Prefill, d.Loaded)
+		s.acquire(st, ep, d.Prefill, d.Loaded, d.PrefixKey)
 		if len(p.orig) > 0 {
 			ctx.Request.SetBody(p.orig) // an earlier attempt's leg body
 		}
@@ -207,7 +207,7 @@ func (s *Server) claimPD(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.
 		}
 		return nil, routing.Decision{}, failure{}, false
 	}
-	s.acquire(st, ep, 0, 0) // the prefill endpoint computes the prompt
+	s.acquire(st, ep, 0, 0, 0) // the prefill endpoint computes the prompt
 	ans, err := s.prefillStage(ctx, st, set)
 	switch {
 	case err != nil:

@@ -74,6 +74,9 @@ type reqState struct {
 	// waiting waited in the queue.
 	admitted bool
 	waited   time.Duration
+	// held is how long it waited for a busy copy of its prompt
+	// (Decision.Hold).
+	held time.Duration
 	// label is its tenant's metric label when admitted: its series keep
 	// it to the end, whatever a budgets reload renames.
 	label string
@@ -88,7 +91,7 @@ func (st *reqState) reset() {
 	st.att, st.root, st.prompts, st.n, st.clientKV = nil, nil, 0, 0, false
 	st.span, st.tctx, st.migrating, st.pre = nil, nil, false, st.pre[:0]
 	st.pd.reset()
-	st.tenant, st.class, st.granted, st.admitted, st.waited = 0, classDefault, false, false, 0
+	st.tenant, st.class, st.granted, st.admitted, st.waited, st.held = 0, classDefault, false, false, 0, 0
 	st.charge, st.label = budgetCharge{}, ""
 	st.normArena.Reset()
 	st.wait.state, st.wait.since, st.wait.req, st.wait.tenant = waitOut, time.Time{}, nil, nil

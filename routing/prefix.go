@@ -259,6 +259,9 @@ func (p *Prefix) learnForeign(sample float64) {
 func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 	d := p.decide(r, set, nil)
 	d.distance = -1
+	if p.hold(r, &d) {
+		return d
+	}
 	if d.Endpoint != nil {
 		p.index.Record(d.Endpoint.ID, r.Hashes)
 		if p.onPlaced != nil {
@@ -277,6 +280,35 @@ func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 		p.homes.placed(d.PrefixKey, d.Endpoint.ID, strayed)
 	}
 	return d
+}
+
+// hold sets d.Hold and d.HoldFor, and reports true, when d's endpoint
+// caches prompts per slot (discovery/prompts.go) and every copy it holds
+// of the request's prompt key is busy with another request of this
+// router's: sent now, the request would compute the prompt afresh in a
+// free slot. It waits instead for one of them to end, when a request's
+// turn there (its decode time, learned) is shorter than the prompt's cold
+// prefill, and at most that prefill plus a turn: by then a running request
+// that was itself computing the prompt has ended too. A request waits
+// once (Request.Held), and never after the queue gave it a place
+// (StartNow), nor for a prefill leg or a retry.
+func (p *Prefix) hold(r *Request, d *Decision) bool {
+	e := d.Endpoint
+	if e == nil || d.PrefixKey == 0 || d.MatchedBlocks == 0 || r.Held || r.StartNow || r.Prefill || len(r.Tried) > 0 || !e.Dialect().Slotted() {
+		return false
+	}
+	running, copies, ended := e.PromptRuns(d.PrefixKey)
+	if running == 0 || running < copies {
+		return false
+	}
+	prm := p.params.Load()
+	rt := prm.ratesOf(e.Costs(), prm.pins())
+	cold := float64(d.PromptTokens) / rt.prefill
+	if rt.prefill <= 0 || rt.turnover >= cold {
+		return false
+	}
+	d.Hold, d.HoldFor = ended, time.Duration((cold+rt.turnover)*float64(time.Second))
+	return true
 }
 
 // unheardFor is how long a pick stands for the gossiping replicas' picks

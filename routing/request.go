@@ -1,6 +1,8 @@
 package routing
 
 import (
+	"time"
+
 	"github.com/kvroute/kvroute/discovery"
 )
 
@@ -78,6 +80,9 @@ type Request struct {
 	// request, not a flood's), so its own latency is what a wait in an
 	// engine's queue costs, not a backlog's cache hits.
 	Alone bool
+	// Held: the request waited once for a busy copy of its prompt
+	// (Decision.Hold); it does not wait again.
+	Held bool
 	// Prefill asks for a prefill endpoint (the Set's Prefill group) for
 	// the prefill leg of a disaggregated request; otherwise policies pick
 	// among the endpoints that answer clients (Serving).
@@ -131,6 +136,12 @@ type Decision struct {
 	PrefixKey uint64
 	// PromptTokens is the policy's estimate of the prompt's engine tokens.
 	PromptTokens int
+	// Hold, when not nil, asks the caller not to send the request yet: the
+	// endpoint's slots that keep its prompt are all busy (Prefix.hold). It
+	// waits until Hold is closed (one of them ended) or HoldFor passed,
+	// sets Request.Held and picks again.
+	Hold    <-chan struct{}
+	HoldFor time.Duration
 	// Contended is true when the endpoint was already computing other
 	// prompts of this router's at pick time: the engine's cached-token
 	// report for this request may then reflect that race, not evictions.

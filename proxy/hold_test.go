@@ -1,0 +1,99 @@
+package proxy
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvroute/kvroute/bench/localengine"
+	"github.com/kvroute/kvroute/discovery"
+)
+
+// TestHoldForABusySlot runs kvroute in front of a real llama-server (its
+// default four slots; skipped where ../shared/engines is absent). A
+// request whose prompt the server keeps only in the slot of a request
+// still running would compute it afresh in another slot (the engine does
+// not share a running slot's prompt); kvroute holds it until that request
+// ends, and the server then answers it from cache.
+func TestHoldForABusySlot(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cacheRAM := 64
+	srv, err := localengine.Start(ctx, localengine.Settings{Engine: localengine.LlamaCpp, CacheRAMMiB: &cacheRAM}, 1)
+	if errors.Is(err, localengine.ErrNoBinary) {
+		t.Skipf("the real llama-server is not at hand (it is in the workplace's ../shared/engines): %v", err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := srv.Close(); err != nil {
+			t.Errorf("stopping llama-server: %v", err)
+		}
+	})
+	h := startFleetProxyWith(t, "prefix", DefaultLimits(), discovery.Options{
+		Health: discovery.HealthConfig{Interval: 50 * time.Millisecond, Timeout: 2 * time.Second},
+		Models: discovery.ModelsConfig{Interval: 50 * time.Millisecond, Timeout: 2 * time.Second},
+	}, srv.URLs()...)
+	for deadline := time.Now().Add(30 * time.Second); h.fleet.Pool().Load().Endpoints[0].Dialect() != discovery.DialectLlamaCpp; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("llama.cpp not detected")
+		}
+	}
+	prompt := strings.Repeat("The quick brown fox jumps over the lazy dog near the river bank. ", 60)
+	// stream sends a streamed completion of the prompt and question, and
+	// returns its body once the first event came.
+	stream := func(q string) *bufio.Reader {
+		body := fmt.Sprintf(`{"model":"tiny","prompt":%q,"max_tokens":32,"stream":true,"stream_options":{"include_usage":true}}`, prompt+q)
+		resp := post(t, h.url+"/v1/completions", body)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("status %d: %s", resp.StatusCode, readAll(t, resp))
+		}
+		t.Cleanup(func() { _ = resp.Body.Close() })
+		rd := bufio.NewReader(resp.Body)
+		if _, err := rd.ReadString('\n'); err != nil {
+			t.Fatal(err)
+		}
+		return rd
+	}
+	// cached reads the rest of a stream and returns the cached tokens its
+	// usage reported.
+	cached := func(rd *bufio.Reader) int {
+		n := -1
+		for {
+			line, err := rd.ReadString('\n')
+			if err != nil {
+				return n
+			}
+			var ev struct {
+				Usage *struct {
+					Details struct {
+						Cached int `json:"cached_tokens"`
+					} `json:"prompt_tokens_details"`
+				} `json:"usage"`
+			}
+			if d, ok := strings.CutPrefix(strings.TrimSpace(line), "data: "); ok && json.Unmarshal([]byte(d), &ev) == nil && ev.Usage != nil {
+				n = ev.Usage.Details.Cached
+			}
+		}
+	}
+	// Warm: the prompt cached, the endpoint's costs measured.
+	for i := range 6 {
+		cached(stream(fmt.Sprintf(" Warm-up question %d?", i)))
+	}
+	a := stream(" First question?")
+	b := stream(" Second question?") // sent while the first decodes
+	cached(a)
+	if n := cached(b); n < 1000 {
+		t.Errorf("the second request's cached tokens: %d; want the prompt's (it waited for the first)", n)
+	}
+	if n := counterValue(t, h.reg, "kvroute_prompt_holds_total", map[string]string{"outcome": "ended"}); n != 1 {
+		t.Errorf("holds ended: %v, want 1", n)
+	}
+}

@@ -9,16 +9,17 @@ import (
 
 // On a slot engine, a request whose prompt's copies are all busy with this
 // router's requests is held (Decision.Hold) until one ends, where a turn
-// there is shorter than the prompt's cold prefill; a second copy, once
-// made, lets the next one go; a paged engine, a held request, a turn
-// longer than the prefill and a cold prompt are never held.
+// there is shorter than the prompt's cold prefill and a slot is free; a
+// second copy, once made, lets the next one go; a paged engine, a held
+// request, a turn longer than the prefill, an engine of unknown or all
+// busy slots and a cold prompt are never held.
 func TestHoldForBusyCopy(t *testing.T) {
 	p := newTestPrefix(DefaultPrefixParams())
 	set := testSet(t, 1)
 	e := set.Endpoints[0]
 	e.SetDialect(discovery.DialectLlamaCpp)
 	// About 4,000 tokens at 10,000 a second: 0.4 s cold; a turn 20 ms.
-	costs := &discovery.Costs{PrefillTokensPerSec: 10_000, PendingTokensPerSec: 10_000, DecodeSec: 0.02}
+	costs := &discovery.Costs{PrefillTokensPerSec: 10_000, PendingTokensPerSec: 10_000, DecodeSec: 0.02, BatchLimit: 4}
 	e.SetCosts(costs)
 	prompt := system(3, 16*testBlock)
 	start := func(q string) (Decision, discovery.Lease) {
@@ -73,16 +74,34 @@ func TestHoldForBusyCopy(t *testing.T) {
 		t.Error("both copies busy: not held")
 	}
 
+	// Not held: with every slot busy the engine queues the request and
+	// gives it the first slot that frees (the prompt's, when its request
+	// ends first); slots unknown.
+	release := occupy(e, 2, 0)
+	d, l := start("all slots busy")
+	if d.Hold != nil {
+		t.Error("held with every slot busy")
+	}
+	l.Release()
+	release()
+	e.SetCosts(&discovery.Costs{PrefillTokensPerSec: 10_000, PendingTokensPerSec: 10_000, DecodeSec: 0.02})
+	d, l = start("slots unknown")
+	if d.Hold != nil {
+		t.Error("held with the slots unknown")
+	}
+	l.Release()
+	e.SetCosts(costs)
+
 	// Not held: a paged cache shares a running prompt; a turn longer than
 	// the cold prefill is not worth waiting for.
 	e.SetDialect(discovery.DialectVLLM)
-	d, l := start("paged")
+	d, l = start("paged")
 	if d.Hold != nil {
 		t.Error("held on a paged engine")
 	}
 	l.Release()
 	e.SetDialect(discovery.DialectOllama)
-	e.SetCosts(&discovery.Costs{PrefillTokensPerSec: 10_000, PendingTokensPerSec: 10_000, DecodeSec: 0.5})
+	e.SetCosts(&discovery.Costs{PrefillTokensPerSec: 10_000, PendingTokensPerSec: 10_000, DecodeSec: 0.5, BatchLimit: 4})
 	d, l = start("long turns")
 	if d.Hold != nil {
 		t.Error("held for a turn longer than the cold prefill")

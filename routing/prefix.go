@@ -289,9 +289,11 @@ func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 // free slot. It waits instead for one of them to end, when a request's
 // turn there (its decode time, learned) is shorter than the prompt's cold
 // prefill, and at most that prefill plus a turn: by then a running request
-// that was itself computing the prompt has ended too. A request waits
-// once (Request.Held), and never after the queue gave it a place
-// (StartNow), nor for a prefill leg or a retry.
+// that was itself computing the prompt has ended too. Only while the
+// endpoint has a free slot (its slots as the engine says, else its learned
+// batch limit; unknown: never). A request waits once (Request.Held), and
+// never after the queue gave it a place (StartNow), nor for a prefill leg
+// or a retry.
 func (p *Prefix) hold(r *Request, d *Decision) bool {
 	e := d.Endpoint
 	if e == nil || d.PrefixKey == 0 || d.MatchedBlocks == 0 || r.Held || r.StartNow || r.Prefill || len(r.Tried) > 0 || !e.Dialect().Slotted() {
@@ -305,6 +307,17 @@ func (p *Prefix) hold(r *Request, d *Decision) bool {
 	rt := prm.ratesOf(e.Costs(), prm.pins())
 	cold := float64(d.PromptTokens) / rt.prefill
 	if rt.prefill <= 0 || rt.turnover >= cold {
+		return false
+	}
+	// Only while a slot is free: with every slot busy the engine queues
+	// the request and gives it the first slot that frees, the prompt's
+	// when the running one of it ends first; held, the request would
+	// leave that turn to whatever came meanwhile.
+	slots := rt.limit
+	if in := e.Info(); in != nil && in.Slots > 0 {
+		slots = int64(in.Slots)
+	}
+	if slots <= 0 || e.InFlight()+e.PeerInFlight() >= slots {
 		return false
 	}
 	d.Hold, d.HoldFor = ended, time.Duration((cold+rt.turnover)*float64(time.Second))

@@ -874,3 +874,22 @@ func TestWholeAnswerRetriedAfterItsHeader(t *testing.T) {
 	}
 	h.waitIdle(t)
 }
+
+// An engine's error event mid-stream that no other endpoint can continue
+// (here there is none) reaches the client as the engine wrote it: its
+// reason (llama-server's "Context size has been exceeded"), then [DONE].
+func TestEngineErrorEventReachesTheClient(t *testing.T) {
+	const engineErr = `{"error":{"code":500,"message":"Context size has been exceeded.","type":"server_error"}}`
+	a := startRawEndpoint(t, func(c net.Conn, _ []byte) {
+		sseHead(c)
+		sseEvent(c, chunkOf(false, "cmpl-A", "m", " one", ""))
+		sseEvent(c, engineErr)
+		_, _ = io.WriteString(c, "0\r\n\r\n")
+	})
+	h := startProxy(t, fixedOrder{}, Options{Limits: Limits{MaxMigrations: 1}}, a.url)
+	events := readStream(t, h.url+"/v1/completions", `{"model":"m","prompt":"x","stream":true}`)
+	if len(events) != 3 || !strings.Contains(events[0], " one") || events[1] != engineErr || events[2] != "[DONE]" {
+		t.Errorf("events %q; want the token, the engine's error event, [DONE]", events)
+	}
+	h.waitIdle(t)
+}

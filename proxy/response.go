@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"errors"
 	"io"
 	"net"
@@ -288,10 +289,18 @@ func (b *upstreamBody) WriteTo(w io.Writer) (int64, error) {
 			switch {
 			case b.resp == nil:
 				// The continuation failed after the leg ended: the client
-				// gets what a cut stream gets (the rest of the leg, an
-				// error event of the engine's included, is dropped).
+				// gets the engine's error event where it sent one (its
+				// reason: llama.cpp's "Context size has been exceeded"),
+				// else what a cut stream gets; the rest of the leg is
+				// dropped.
+				b.tail = nil
+				if cause == migrateError && b.buf != nil {
+					b.tail = engineErrorEvent(b.buf[b.start:b.end])
+				}
+				if b.tail == nil {
+					b.tail = streamCutEvent(false) // the client's last event was complete
+				}
 				b.end = b.start
-				b.tail = streamCutEvent(false) // the client's last event was complete
 				err = nil
 			default: // a cut ends as today
 				b.flush()
@@ -411,6 +420,18 @@ func (b *upstreamBody) release() {
 		streamBufs.Put(b.buf)
 		b.buf, b.start, b.end = nil, 0, 0
 	}
+}
+
+// engineErrorEvent returns the end of a stream whose engine sent an error
+// event: that event, the first complete one of rest (what the client had
+// not received of the failed leg), and [DONE]; nil when rest holds no
+// complete event.
+func engineErrorEvent(rest []byte) []byte {
+	n := eventEnd(rest)
+	if n < 0 {
+		return nil
+	}
+	return append(bytes.Clone(rest[:n]), "data: [DONE]\n\n"...)
 }
 
 // streamCutEvent is the end of an event stream the endpoint cut; sep

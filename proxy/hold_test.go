@@ -41,16 +41,19 @@ func TestHoldForABusySlot(t *testing.T) {
 		Health: discovery.HealthConfig{Interval: 50 * time.Millisecond, Timeout: 2 * time.Second},
 		Models: discovery.ModelsConfig{Interval: 50 * time.Millisecond, Timeout: 2 * time.Second},
 	}, srv.URLs()...)
-	for deadline := time.Now().Add(30 * time.Second); h.fleet.Pool().Load().Endpoints[0].Dialect() != discovery.DialectLlamaCpp; time.Sleep(10 * time.Millisecond) {
+	e := h.fleet.Pool().Load().Endpoints[0]
+	for deadline := time.Now().Add(30 * time.Second); e.Dialect() != discovery.DialectLlamaCpp || e.Info() == nil || e.Info().Slots == 0; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatal("llama.cpp not detected")
+			t.Fatal("llama.cpp and its slots not detected")
 		}
 	}
 	prompt := strings.Repeat("The quick brown fox jumps over the lazy dog near the river bank. ", 60)
 	// stream sends a streamed completion of the prompt and question, and
-	// returns its body once the first event came.
+	// returns its body once the first event came. A few tokens out: a
+	// turn is far shorter than the prompt's cold prefill, on a busy
+	// machine too.
 	stream := func(q string) *bufio.Reader {
-		body := fmt.Sprintf(`{"model":"tiny","prompt":%q,"max_tokens":32,"stream":true,"stream_options":{"include_usage":true}}`, prompt+q)
+		body := fmt.Sprintf(`{"model":"tiny","prompt":%q,"max_tokens":8,"stream":true,"stream_options":{"include_usage":true}}`, prompt+q)
 		resp := post(t, h.url+"/v1/completions", body)
 		if resp.StatusCode != http.StatusOK {
 			t.Fatalf("status %d: %s", resp.StatusCode, readAll(t, resp))

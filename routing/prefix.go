@@ -299,16 +299,12 @@ func (p *Prefix) hold(r *Request, d *Decision) bool {
 	if e == nil || d.PrefixKey == 0 || d.MatchedBlocks == 0 || r.Held || r.StartNow || r.Prefill || len(r.Tried) > 0 || !e.Dialect().Slotted() {
 		return false
 	}
-	running, copies, ended := e.PromptRuns(d.PrefixKey)
-	if running == 0 || running < copies {
-		return false
-	}
 	prm := p.params.Load()
 	rt := prm.ratesOf(e.Costs(), prm.pins())
-	cold := float64(d.PromptTokens) / rt.prefill
-	if rt.prefill <= 0 || rt.turnover >= cold {
+	if rt.prefill <= 0 {
 		return false
 	}
+	cold := float64(d.PromptTokens) / rt.prefill
 	// Only while a slot is free: with every slot busy the engine queues
 	// the request and gives it the first slot that frees, the prompt's
 	// when the running one of it ends first; held, the request would
@@ -317,7 +313,11 @@ func (p *Prefix) hold(r *Request, d *Decision) bool {
 	if in := e.Info(); in != nil && in.Slots > 0 {
 		slots = int64(in.Slots)
 	}
-	if slots <= 0 || e.InFlight()+e.PeerInFlight() >= slots {
+	if rt.turnover >= cold || slots <= 0 || e.InFlight()+e.PeerInFlight() >= slots {
+		return false
+	}
+	running, copies, ended := e.PromptRuns(d.PrefixKey) // the lock last, once the rest allows a hold
+	if running == 0 || running < copies {
 		return false
 	}
 	d.Hold, d.HoldFor = ended, time.Duration((cold+rt.turnover)*float64(time.Second))

@@ -1029,7 +1029,14 @@ func (ch *picks) lost() bool {
 // that is. An established home leaves the request only when it is
 // saturated as a warm endpoint would be (its wait without the recompute):
 // the index forgetting is no evidence that the engine did, and another
-// router may keep the prefix there. A prefix warm nowhere that does not
+// router may keep the prefix there — unless the home's engine keeps a
+// learned count of prompts, that many others went there since (slot
+// engines: llama.cpp, Ollama; paged ones whose misses showed a count), and
+// no router unseen shares the engines (presume). There the request is cold at home as on the
+// spill target and evicts a prompt at either, so the home's queue decides.
+// (Eight groups on four one-slot Ollama servers: cold requests waited for
+// their busy home, up to a cold prefill, while other servers idled; their
+// TTFT p90 1.23× round-robin's.) A prefix warm nowhere that does not
 // recur has nothing cached to keep: it goes home only while the home would
 // start it about as soon as the endpoint with the shortest wait, busy or
 // not (the spill rule against that endpoint), so that on engines with small
@@ -1039,11 +1046,17 @@ func (ch *picks) target(established, presume bool, prm *PrefixParams) (candidate
 	spillTest := target.own
 	if target.e == nil {
 		target, reason, spillTest = ch.home, ReasonCold, ch.home.own
-		if !established {
+		switch {
+		case !established:
 			if ch.home.wait > ch.best.wait*prm.SpillRatio+prm.SpillMarginSec {
 				return ch.best, ReasonCold
 			}
-		} else {
+		case ch.home.evicts > 0 && !presume:
+			// The home's engine keeps a learned count of prompts and this
+			// one is not among them: cold there as anywhere, and it pushes
+			// out a prompt kept there as it would on the spill target.
+			spillTest += ch.home.evicts
+		default:
 			spillTest -= float64(ch.home.uncached) / ch.home.rates.prefill
 		}
 	}

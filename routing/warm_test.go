@@ -224,6 +224,41 @@ func TestSpillWeighsThePromptItEvicts(t *testing.T) {
 	}
 }
 
+// A recurring key whose home, keeping one prompt, has since taken another
+// is cold there as anywhere and evicts a prompt at either: the home's queue
+// alone decides. A short one keeps the request; a cold prefill's length
+// spills it to the idle endpoint.
+func TestColdAtAFullHomeSpillsPastItsQueue(t *testing.T) {
+	set := testSet(t, 2)
+	p := newTestPrefix(DefaultPrefixParams())
+	sysA, sysB := system(60, 16384), system(61, 16384) // 4k tokens: 0.2 s to recompute
+	home := p.Pick(request(sysA+"a"), set).Endpoint
+	other := p.Pick(request(sysB+"a"), set).Endpoint
+	if other == home {
+		t.Fatal("two new prompts on two endpoints share one")
+	}
+	for _, e := range set.Endpoints {
+		for range 3 {
+			p.warm.outcome(e.ID, 1, false)
+		}
+	}
+	if d := p.Pick(request(sysA+"b"), set); d.Endpoint != home || d.Reason != ReasonWarm {
+		t.Fatalf("second request of the key: %+v", d)
+	}
+	p.warm.see(home.ID, 0xfeed) // another prompt took the home's one slot
+	release := occupy(home, 1, 1_000)
+	d := p.Pick(request(sysA+"c"), set)
+	release()
+	if d.Endpoint != home || d.Reason != ReasonCold {
+		t.Fatalf("left a home queued 0.05 s for an endpoint keeping another prompt: %+v", d)
+	}
+	p.warm.see(home.ID, 0xfeed)
+	defer occupy(home, 1, 8_000)() // 0.4 s queued: a cold prefill
+	if d := p.Pick(request(sysA+"d"), set); d.Endpoint != other || d.Reason != ReasonCold {
+		t.Fatalf("waited 0.4 s at a home that keeps another prompt: %+v", d)
+	}
+}
+
 // A router alone keeps its homes when learned counts fall: a count bounds
 // where new keys go and moves none (on Ollama servers with several slots
 // the counts rose and fell, and every change moved homes).

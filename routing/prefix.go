@@ -309,10 +309,7 @@ func (p *Prefix) hold(r *Request, d *Decision) bool {
 	// the request and gives it the first slot that frees, the prompt's
 	// when the running one of it ends first; held, the request would
 	// leave that turn to whatever came meanwhile.
-	slots := rt.limit
-	if in := e.Info(); in != nil && in.Slots > 0 {
-		slots = int64(in.Slots)
-	}
+	slots := slotsOf(e, rt)
 	if rt.turnover >= cold || slots <= 0 || e.InFlight()+e.PeerInFlight() >= slots {
 		return false
 	}
@@ -322,6 +319,15 @@ func (p *Prefix) hold(r *Request, d *Decision) bool {
 	}
 	d.Hold, d.HoldFor = ended, time.Duration((cold+rt.turnover)*float64(time.Second))
 	return true
+}
+
+// slotsOf is how many requests e runs at once: its slots as the engine
+// says (llama.cpp's /props), else its learned batch limit; 0: unknown.
+func slotsOf(e *discovery.Endpoint, rt rates) int64 {
+	if in := e.Info(); in != nil && in.Slots > 0 {
+		return int64(in.Slots)
+	}
+	return rt.limit
 }
 
 // unheardFor is how long a pick stands for the gossiping replicas' picks
@@ -1031,12 +1037,14 @@ func (ch *picks) lost() bool {
 // the index forgetting is no evidence that the engine did, and another
 // router may keep the prefix there — unless the home's engine keeps a
 // learned count of prompts, that many others went there since (slot
-// engines: llama.cpp, Ollama; paged ones whose misses showed a count), and
-// no router unseen shares the engines (presume). There the request is cold at home as on the
-// spill target and evicts a prompt at either, so the home's queue decides.
-// (Eight groups on four one-slot Ollama servers: cold requests waited for
-// their busy home, up to a cold prefill, while other servers idled; their
-// TTFT p90 1.23× round-robin's.) A prefix warm nowhere that does not
+// engines; paged ones whose misses showed a count), no router unseen
+// shares the engines (presume), and every slot of the home is busy (full:
+// its slots known). There the request is cold at home as on the spill
+// target, evicts a prompt at either, and queues at home, so the home's
+// queue decides. (With a slot free it starts at once at home. Ollama, whose
+// slots kvroute cannot know, is left out: with OLLAMA_NUM_PARALLEL=4, its
+// homes' slots mostly free, sending busy homes' cold requests away read 130
+// cold prompts in three rounds against 115 before.) A prefix warm nowhere that does not
 // recur has nothing cached to keep: it goes home only while the home would
 // start it about as soon as the endpoint with the shortest wait, busy or
 // not (the spill rule against that endpoint), so that on engines with small
@@ -1051,10 +1059,11 @@ func (ch *picks) target(established, presume bool, prm *PrefixParams) (candidate
 			if ch.home.wait > ch.best.wait*prm.SpillRatio+prm.SpillMarginSec {
 				return ch.best, ReasonCold
 			}
-		case ch.home.evicts > 0 && !presume:
+		case ch.home.evicts > 0 && !presume && ch.home.full():
 			// The home's engine keeps a learned count of prompts and this
-			// one is not among them: cold there as anywhere, and it pushes
-			// out a prompt kept there as it would on the spill target.
+			// one is not among them: cold there as anywhere, it pushes out
+			// a prompt kept there as it would on the spill target, and it
+			// waits for a slot.
 			spillTest += ch.home.evicts
 		default:
 			spillTest -= float64(ch.home.uncached) / ch.home.rates.prefill
@@ -1067,6 +1076,14 @@ func (ch *picks) target(established, presume bool, prm *PrefixParams) (candidate
 		return ch.free, reason
 	}
 	return target, reason
+}
+
+// full reports whether every slot of c's engine is busy with the
+// routers' requests, its slots known (slotsOf): a request sent there
+// queues for one.
+func (c candidate) full() bool {
+	slots := slotsOf(c.e, c.rates)
+	return slots > 0 && c.load.inFlight+c.load.peer >= slots
 }
 
 // stall is what computing the request's uncached tokens on c costs the

@@ -225,9 +225,10 @@ func TestSpillWeighsThePromptItEvicts(t *testing.T) {
 }
 
 // A recurring key whose home, keeping one prompt, has since taken another
-// is cold there as anywhere and evicts a prompt at either: the home's queue
-// alone decides. A short one keeps the request; a cold prefill's length
-// spills it to the idle endpoint.
+// is cold there as anywhere and evicts a prompt at either: when every slot
+// of the home is busy, the home's queue alone decides. A short one keeps
+// the request; a cold prefill's length spills it to the idle endpoint; a
+// home with a slot free starts it at once and keeps it.
 func TestColdAtAFullHomeSpillsPastItsQueue(t *testing.T) {
 	set := testSet(t, 2)
 	p := newTestPrefix(DefaultPrefixParams())
@@ -237,6 +238,12 @@ func TestColdAtAFullHomeSpillsPastItsQueue(t *testing.T) {
 	if other == home {
 		t.Fatal("two new prompts on two endpoints share one")
 	}
+	slots := func(n int) {
+		for _, e := range set.Endpoints {
+			e.SetCosts(&discovery.Costs{PrefillTokensPerSec: 20_000, PendingTokensPerSec: 20_000, BatchLimit: n})
+		}
+	}
+	slots(1)
 	for _, e := range set.Endpoints {
 		for range 3 {
 			p.warm.outcome(e.ID, 1, false)
@@ -256,6 +263,12 @@ func TestColdAtAFullHomeSpillsPastItsQueue(t *testing.T) {
 	defer occupy(home, 1, 8_000)() // 0.4 s queued: a cold prefill
 	if d := p.Pick(request(sysA+"d"), set); d.Endpoint != other || d.Reason != ReasonCold {
 		t.Fatalf("waited 0.4 s at a home that keeps another prompt: %+v", d)
+	}
+	p.warm.see(home.ID, 0xfeed)
+	p.warm.see(other.ID, 0xbeef) // and the spill's copy is gone too
+	slots(2)
+	if d := p.Pick(request(sysA+"e"), set); d.Endpoint != home {
+		t.Fatalf("left a home with a slot free: %+v", d)
 	}
 }
 

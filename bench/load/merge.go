@@ -17,9 +17,9 @@ func Merge(runs []*Result, slo SLO) (*Result, error) {
 	}
 	first := runs[0]
 	out := &Result{Label: first.Label, Target: first.Target, API: first.API, Started: first.Started, TimeScale: first.TimeScale,
-		CPU: CPUStats{Cores: first.CPU.Cores, MachineIdle: -1, MachineIdleMin: -1, ProcessCores: -1}}
+		CPU: CPUStats{Cores: first.CPU.Cores, MachineIdle: -1, MachineIdleMin: -1, ProcessCores: -1, Outside: -1, OutsideMax: -1}}
 	var offset, wallOffset, duration, ideal float64
-	var idle, proc cpuSum
+	var idle, proc, outside cpuSum
 	for _, r := range runs {
 		if len(r.Stages) > 0 {
 			return nil, fmt.Errorf("%w: %s: runs with load stages cannot be pooled", ErrConfig, r.Label)
@@ -41,11 +41,13 @@ func Merge(runs []*Result, slo SLO) (*Result, error) {
 		out.WallSeconds += r.WallSeconds
 		idle.add(r.CPU.MachineIdle, r.WallSeconds)
 		proc.add(r.CPU.ProcessCores, r.WallSeconds)
+		outside.add(r.CPU.Outside, r.WallSeconds)
+		out.CPU.OutsideMax = max(out.CPU.OutsideMax, r.CPU.OutsideMax)
 		if r.CPU.MachineIdleMin >= 0 && (out.CPU.MachineIdleMin < 0 || r.CPU.MachineIdleMin < out.CPU.MachineIdleMin) {
 			out.CPU.MachineIdleMin = r.CPU.MachineIdleMin
 		}
 	}
-	out.CPU.MachineIdle, out.CPU.ProcessCores = idle.mean(), proc.mean()
+	out.CPU.MachineIdle, out.CPU.ProcessCores, out.CPU.Outside = idle.mean(), proc.mean(), outside.mean()
 	if n := len(out.Requests); n > 0 {
 		out.IdealHitRate = ideal / float64(n)
 	}

@@ -24,3 +24,26 @@ func TestReferenceTable(t *testing.T) {
 		}
 	}
 }
+
+// The rounds table gives each round's ratios to fixed affinity and the
+// most cores any of its runs found busy outside the benchmark ("–" where
+// unknown), so that a round another job disturbed shows.
+func TestRoundsTableShowsOtherProcesses(t *testing.T) {
+	busy := 0.8
+	rr := func(label string, mean, p90 float64, outside *float64) scenario.RoundRun {
+		return scenario.RoundRun{Label: label, Requests: 100, TTFTMean: mean, TTFTP90: p90, Outside: outside}
+	}
+	quiet := 0.01
+	rep := &scenario.Report{Runs: []*load.Result{{Label: "prefix"}, {Label: scenario.FixedAffinity}},
+		Rounds: []scenario.Round{
+			{Seed: 1, Runs: []scenario.RoundRun{rr("prefix", 30, 40, &busy), rr(scenario.FixedAffinity, 20, 20, &quiet)}},
+			{Seed: 2, Runs: []scenario.RoundRun{rr("prefix", 20, 20, nil), rr(scenario.FixedAffinity, 20, 20, nil)}},
+		}}
+	got := RoundsTable(rep)
+	for _, want := range []string{"| round (seed) | prefix | other processes |", "| 1 (1) | 1.50× / 2.00× | 0.80 |",
+		"| 2 (2) | 1.00× / 1.00× | – |", "| median | 1.25× / 1.50× | |"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("table lacks %q:\n%s", want, got)
+		}
+	}
+}

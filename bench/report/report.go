@@ -194,7 +194,8 @@ func RoundsTable(rep *scenario.Report) string {
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "\nThe tables above pool %d rounds, each with its own seed, the policies in reverse order every other round. "+
-		"TTFT mean / p90 of each round as a ratio to %s's in the same round:\n\n| round (seed) | %s |\n|---|%s\n",
+		"TTFT mean / p90 of each round as a ratio to %s's in the same round; the last column, the most cores any policy's run of the round "+
+		"found busy outside the benchmark:\n\n| round (seed) | %s | other processes |\n|---|%s---:|\n",
 		len(rep.Rounds), ref, strings.Join(labels, " | "), strings.Repeat("---:|", len(labels)))
 	means, p90s := make([][]float64, len(labels)), make([][]float64, len(labels))
 	for i, rd := range rep.Rounds {
@@ -210,6 +211,7 @@ func RoundsTable(rep *scenario.Report) string {
 			means[j], p90s[j] = append(means[j], m), append(p90s[j], p)
 			fmt.Fprintf(&b, " %.2f× / %.2f× |", m, p)
 		}
+		b.WriteString(outsideCell(rd))
 		b.WriteString("\n")
 	}
 	b.WriteString("| median |")
@@ -220,8 +222,23 @@ func RoundsTable(rep *scenario.Report) string {
 		}
 		fmt.Fprintf(&b, " %.2f× / %.2f× |", median(means[j]), median(p90s[j]))
 	}
-	b.WriteString("\n")
+	b.WriteString(" |\n")
 	return b.String()
+}
+
+// outsideCell is a round's most cores busy outside the benchmark during
+// any of its runs, "–" where unknown.
+func outsideCell(rd scenario.Round) string {
+	most := -1.0
+	for _, r := range rd.Runs {
+		if r.Outside != nil {
+			most = max(most, *r.Outside)
+		}
+	}
+	if most < 0 {
+		return " – |"
+	}
+	return fmt.Sprintf(" %.2f |", most)
 }
 
 // roundRun returns label's figures in rd, nil if it did not run.
@@ -427,13 +444,18 @@ func cpuLine(runs []*load.Result) string {
 		if c.MachineIdle < 0 {
 			continue
 		}
-		parts = append(parts, fmt.Sprintf("%s %.0f%% (min %.0f%%, kvbench process %.2f cores)",
-			r.Label, 100*c.MachineIdle, 100*c.MachineIdleMin, c.ProcessCores))
+		out := ""
+		if c.Outside >= 0 {
+			out = fmt.Sprintf(", other processes %.2f cores, max %.2f", c.Outside, c.OutsideMax)
+		}
+		parts = append(parts, fmt.Sprintf("%s %.0f%% (min %.0f%%, kvbench process %.2f cores%s)",
+			r.Label, 100*c.MachineIdle, 100*c.MachineIdleMin, c.ProcessCores, out))
 	}
 	if len(parts) == 0 {
 		return ""
 	}
-	return fmt.Sprintf("Machine CPU idle during each run (%d cores): %s.", runs[0].CPU.Cores, strings.Join(parts, "; "))
+	return fmt.Sprintf("Machine CPU idle during each run (%d cores; other processes: cores busy outside kvbench and the engines it started, "+
+		"which the run measured too): %s.", runs[0].CPU.Cores, strings.Join(parts, "; "))
 }
 
 func errorsCell(s *load.Summary) string {

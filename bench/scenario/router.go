@@ -437,10 +437,13 @@ func staticPool(urls []string) (*discovery.Pool, error) {
 	return pool, nil
 }
 
-// Learned is what a router learned of one pod (discovery.Costs).
+// Learned is what a router learned of one pod (discovery.Costs) and,
+// under the prefix policy, how many prompts its engine keeps warm (0:
+// not learned; routing.Prefix.Kept).
 type Learned struct {
 	Endpoint string           `json:"endpoint"`
 	Costs    *discovery.Costs `json:"costs"`
+	Kept     int              `json:"kept_prompts,omitempty"`
 }
 
 // Learned returns what the router has learned of each pod so far.
@@ -448,7 +451,11 @@ func (r *Router) Learned() []Learned {
 	var out []Learned
 	for _, e := range r.rt.Pool.Load().Endpoints {
 		if c := e.Costs(); c != nil {
-			out = append(out, Learned{Endpoint: e.URL, Costs: c})
+			l := Learned{Endpoint: e.URL, Costs: c}
+			if r.rt.Prefix != nil {
+				l.Kept = r.rt.Prefix.Kept(e.ID)
+			}
+			out = append(out, l)
 		}
 	}
 	return out

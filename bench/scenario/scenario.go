@@ -384,6 +384,9 @@ type RoundRun struct {
 	TTFTP90    float64 `json:"ttft_p90_ms"`
 	CachedRate float64 `json:"cached_rate"`
 	HitRate    float64 `json:"hit_rate,omitempty"`
+	// Outside is the run's cores busy outside the benchmark
+	// (load.CPUStats.Outside); nil where unknown.
+	Outside *float64 `json:"outside_cores,omitempty"`
 }
 
 func newRound(seed uint64, runs []*load.Result) Round {
@@ -391,6 +394,9 @@ func newRound(seed uint64, runs []*load.Result) Round {
 	for _, r := range runs {
 		s := &r.Summary
 		rr := RoundRun{Label: r.Label, Requests: s.Requests, Failed: s.Failed, TTFTMean: s.TTFT.Mean, TTFTP90: s.TTFT.P90, CachedRate: s.CachedRate}
+		if o := r.CPU.Outside; o >= 0 {
+			rr.Outside = &o
+		}
 		if r.Engine != nil {
 			rr.HitRate = r.Engine.HitRate
 		}

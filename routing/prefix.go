@@ -1044,11 +1044,12 @@ func (ch *picks) lost() bool {
 // queue decides. (With a slot free it starts at once at home. Ollama, whose
 // slots kvroute cannot know, is left out: with OLLAMA_NUM_PARALLEL=4, its
 // homes' slots mostly free, sending busy homes' cold requests away read 130
-// cold prompts in three rounds against 115 before.) A prefix warm nowhere that does not
-// recur has nothing cached to keep: it goes home only while the home would
-// start it about as soon as the endpoint with the shortest wait, busy or
-// not (the spill rule against that endpoint), so that on engines with small
-// batches new prompts do not queue behind each other while others idle.
+// cold prompts in three rounds against 115 before.) A prefix warm nowhere
+// that does not recur has nothing cached to keep: it goes home only while
+// the home would start it about as soon as the endpoint with the shortest
+// wait, busy or not (the spill rule against that endpoint), so that on
+// engines with small batches new prompts do not queue behind each other
+// while others idle.
 func (ch *picks) target(established, presume bool, prm *PrefixParams) (candidate, string) {
 	target, reason := ch.preferHome(presume, prm), ReasonWarm
 	spillTest := target.own

@@ -191,20 +191,20 @@ func TestLearnTTFTContradicts(t *testing.T) {
 	}
 }
 
-// On engines that keep one prompt each, a spill evicts the prompt kept
-// where it lands, and that prompt's next request recomputes it: a spill
-// must save more than that too. A home queued a little longer than the
-// recompute keeps its request; one queued far longer spills it.
-func TestSpillWeighsThePromptItEvicts(t *testing.T) {
-	set := testSet(t, 2)
-	p := newTestPrefix(DefaultPrefixParams())
-	sysA, sysB := system(50, 16384), system(51, 16384) // 4k tokens: 0.2 s to recompute
-	home := p.Pick(request(sysA+"a"), set).Endpoint
-	other := p.Pick(request(sysB+"a"), set).Endpoint
+// keepingOnePrompt returns a policy over two endpoints that both learned
+// to keep one prompt, the first request of a 4k-token prompt (0.2 s to
+// recompute; system(seed)) placed on home and another's on other.
+func keepingOnePrompt(t *testing.T, seed int) (p *Prefix, set *discovery.Set, sysA string, home, other *discovery.Endpoint) {
+	t.Helper()
+	set = testSet(t, 2)
+	p = newTestPrefix(DefaultPrefixParams())
+	sysA = system(seed, 16384)
+	home = p.Pick(request(sysA+"a"), set).Endpoint
+	other = p.Pick(request(system(seed+1, 16384)+"a"), set).Endpoint
 	if other == home {
 		t.Fatal("two new prompts on two endpoints share one")
 	}
-	for _, e := range set.Endpoints { // both learned to keep one prompt
+	for _, e := range set.Endpoints {
 		for range 3 {
 			p.warm.outcome(e.ID, 1, false)
 		}
@@ -212,6 +212,15 @@ func TestSpillWeighsThePromptItEvicts(t *testing.T) {
 			t.Fatalf("kept %d, want 1", k)
 		}
 	}
+	return p, set, sysA, home, other
+}
+
+// On engines that keep one prompt each, a spill evicts the prompt kept
+// where it lands, and that prompt's next request recomputes it: a spill
+// must save more than that too. A home queued a little longer than the
+// recompute keeps its request; one queued far longer spills it.
+func TestSpillWeighsThePromptItEvicts(t *testing.T) {
+	p, set, sysA, home, other := keepingOnePrompt(t, 50)
 	release := occupy(home, 1, 8_000) // 0.4 s queued: a spill saves less than it costs
 	if d := p.Pick(request(sysA+"b"), set); d.Endpoint != home || d.Reason != ReasonWarm {
 		release()
@@ -230,25 +239,13 @@ func TestSpillWeighsThePromptItEvicts(t *testing.T) {
 // the request; a cold prefill's length spills it to the idle endpoint; a
 // home with a slot free starts it at once and keeps it.
 func TestColdAtAFullHomeSpillsPastItsQueue(t *testing.T) {
-	set := testSet(t, 2)
-	p := newTestPrefix(DefaultPrefixParams())
-	sysA, sysB := system(60, 16384), system(61, 16384) // 4k tokens: 0.2 s to recompute
-	home := p.Pick(request(sysA+"a"), set).Endpoint
-	other := p.Pick(request(sysB+"a"), set).Endpoint
-	if other == home {
-		t.Fatal("two new prompts on two endpoints share one")
-	}
+	p, set, sysA, home, other := keepingOnePrompt(t, 60)
 	slots := func(n int) {
 		for _, e := range set.Endpoints {
 			e.SetCosts(&discovery.Costs{PrefillTokensPerSec: 20_000, PendingTokensPerSec: 20_000, BatchLimit: n})
 		}
 	}
 	slots(1)
-	for _, e := range set.Endpoints {
-		for range 3 {
-			p.warm.outcome(e.ID, 1, false)
-		}
-	}
 	if d := p.Pick(request(sysA+"b"), set); d.Endpoint != home || d.Reason != ReasonWarm {
 		t.Fatalf("second request of the key: %+v", d)
 	}

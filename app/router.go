@@ -137,6 +137,14 @@ func New(cfg Config, logger *zap.Logger) (*Router, error) {
 				Bytes: s.Bytes, Evictions: s.Evictions, Expiries: s.Expiries, Homes: r.Prefix.Homes(), Foreign: r.Prefix.Foreign()}
 		})
 	}
+	if cfg.kvEvents() {
+		if r.Prefix == nil {
+			return nil, fmt.Errorf("--kv-events-port and --kv-events-listen feed the prefix index: they need --policy prefix, not %q", cfg.Policy)
+		}
+		r.truth = kvevents.NewEngineTruth(cfg.engineTruth(), r.Pool, r.Prefix.Index(), logger)
+		opt.Tokenizer = r.truth.Tokenizer()
+		metrics.RegisterKVEvents(r.Registry, r.truth.Sample)
+	}
 	if cfg.gossipOn() {
 		if r.Prefix == nil {
 			return nil, fmt.Errorf("--peers and --peers-service share the prefix index between router replicas: they need --policy prefix, not %q", cfg.Policy)
@@ -145,14 +153,6 @@ func New(cfg Config, logger *zap.Logger) (*Router, error) {
 			return nil, err
 		}
 		opt.Ready = r.Mesh.Ready
-	}
-	if cfg.kvEvents() {
-		if r.Prefix == nil {
-			return nil, fmt.Errorf("--kv-events-port and --kv-events-listen feed the prefix index: they need --policy prefix, not %q", cfg.Policy)
-		}
-		r.truth = kvevents.NewEngineTruth(cfg.engineTruth(), r.Pool, r.Prefix.Index(), logger)
-		opt.Tokenizer = r.truth.Tokenizer()
-		metrics.RegisterKVEvents(r.Registry, r.truth.Sample)
 	}
 	if cfg.OTLPEndpoint != "" {
 		if r.tracing, err = newTracerProvider(cfg.OTLPEndpoint, cfg.OTLPSampleRatio, cfg.Version); err != nil {
@@ -170,7 +170,8 @@ func New(cfg Config, logger *zap.Logger) (*Router, error) {
 
 // newMesh builds the replicas' gossip (--peers): peers' placements on the
 // router's endpoints merge into its prefix index, its own picks go out to
-// them, and its figures are exported.
+// them, so do the links its engine truth learns, and its figures are
+// exported.
 func (r *Router) newMesh(logger *zap.Logger) (*peers.Mesh, error) {
 	var keys [][]byte
 	if f := r.cfg.GossipKeyFile; f != "" {
@@ -214,10 +215,16 @@ func (r *Router) newMesh(logger *zap.Logger) (*peers.Mesh, error) {
 			}
 		}
 	}
+	if r.truth != nil {
+		pc.Links = r.truth.PeerLinked
+	}
 	pc.Logger = logger.Named("peers")
 	m, err := peers.New(pc)
 	if err != nil {
 		return nil, err
+	}
+	if r.truth != nil {
+		r.truth.OnLinked(m.Linked)
 	}
 	r.Prefix.OnPlaced(m.Placed)
 	r.Prefix.Meshed(m.Shared, m.Members, m.Rank)

@@ -64,6 +64,13 @@ func NewEngineTruth(c EngineTruthConfig, pool *discovery.Pool, index *prefix.Ind
 // prompts to (proxy.Options.Tokenizer); Run runs it.
 func (t *EngineTruth) Tokenizer() *Tokenizer { return t.tok }
 
+// OnLinked sets f to be told the links the tokenizer learns
+// (prefix.Truth's OnLinked): the router replicas' gossip sends them.
+func (t *EngineTruth) OnLinked(f func(blocks, tokens []uint64)) { t.truth.OnLinked(f) }
+
+// PeerLinked takes a router replica's links (prefix.Truth's PeerLinked).
+func (t *EngineTruth) PeerLinked(blocks, tokens []uint64) { t.truth.PeerLinked(blocks, tokens) }
+
 // KVBatch applies one endpoint's batch of events.
 func (t *EngineTruth) KVBatch(e *discovery.Endpoint, b *Batch) {
 	for i := range b.Events {

@@ -43,11 +43,21 @@ var ErrBadMessage = errors.New("bad peer message")
 //
 //	count uvarint (1..maxLoadEntries)
 //	count × { endpoint u64 | in flight uvarint (..maxInFlight) }
+//
+// A links message (kind 4) carries links the sender learned by tokenizing
+// prompts it forwarded (engine truth's): each a block hash and the key of
+// the engine's token block it ends at,
+//
+//	count uvarint (1..maxLinkPairs)
+//	count × { block hash u64 | token key u64 }
+//
+// (a replica older than links refuses the kind and counts it malformed).
 const (
 	version       = 1
 	kindPlacement = 1
 	kindLoad      = 2
 	kindState     = 3
+	kindLinks     = 4
 	// maxLoadEntries bounds a load message's endpoints (it fits
 	// maxDatagram); maxInFlight a count in it.
 	maxLoadEntries = 100
@@ -72,6 +82,8 @@ const (
 	maxHashes  = (maxDatagram - headerLen) / 8
 	// entryOverhead is an entry's bytes besides its hashes, at most.
 	entryOverhead = 8 + 2
+	// maxLinkPairs bounds a links message's pairs (it fits maxDatagram).
+	maxLinkPairs = (maxDatagram - headerLen - 1) / 16
 )
 
 // header is a message's header.
@@ -361,4 +373,41 @@ func decodeLoad(b []byte, es []loadEntry) ([]loadEntry, error) {
 		return es[:0], fmt.Errorf("%w: %d bytes after the load", ErrBadMessage, len(b))
 	}
 	return es, nil
+}
+
+// encodeLinks appends to out the links messages carrying pairs (block
+// hash, token key, block hash, token key, …), maxLinkPairs each, and
+// returns them.
+func encodeLinks(out [][]byte, h header, pairs []uint64) [][]byte {
+	h.kind = kindLinks
+	for len(pairs) >= 2 {
+		k := min(len(pairs)/2, maxLinkPairs)
+		b := appendHeader(make([]byte, 0, maxDatagram), h)
+		b = binary.AppendUvarint(b, uint64(k))
+		for _, x := range pairs[:2*k] {
+			b = binary.LittleEndian.AppendUint64(b, x)
+		}
+		out, pairs = append(out, b), pairs[2*k:]
+	}
+	return out
+}
+
+// decodeLinks reads a links message's body (after the header) whole into
+// blocks and tokens (reused; returned), and refuses it whole if any part
+// is bad.
+func decodeLinks(b []byte, blocks, tokens []uint64) ([]uint64, []uint64, error) {
+	blocks, tokens = blocks[:0], tokens[:0]
+	count, n := binary.Uvarint(b)
+	if n <= 0 || count == 0 || count > maxLinkPairs {
+		return blocks, tokens, fmt.Errorf("%w: link count", ErrBadMessage)
+	}
+	b = b[n:]
+	if uint64(len(b)) != 16*count {
+		return blocks, tokens, fmt.Errorf("%w: %d bytes for %d links", ErrBadMessage, len(b), count)
+	}
+	for i := range int(count) {
+		blocks = append(blocks, binary.LittleEndian.Uint64(b[16*i:]))
+		tokens = append(tokens, binary.LittleEndian.Uint64(b[16*i+8:]))
+	}
+	return blocks, tokens, nil
 }

@@ -304,6 +304,81 @@ func FuzzDecodeLoad(f *testing.F) {
 	})
 }
 
+// Links: any number of pairs split over messages of maxLinkPairs, each
+// within maxDatagram, back in order; a malformed body is refused whole.
+func TestLinksRoundTrip(t *testing.T) {
+	in := chain(5, 2*(2*maxLinkPairs+3)) // 2 full messages and 3 pairs
+	msgs := encodeLinks(nil, header{sender: 1, fingerprint: 2}, in)
+	if len(msgs) != 3 {
+		t.Fatalf("%d messages for %d pairs", len(msgs), len(in)/2)
+	}
+	var got []uint64
+	for _, b := range msgs {
+		if len(b) > maxDatagram {
+			t.Fatalf("message of %d bytes", len(b))
+		}
+		h, body, err := readHeader(b)
+		if err != nil || h.kind != kindLinks {
+			t.Fatalf("header %+v, %v", h, err)
+		}
+		blocks, tokens, err := decodeLinks(body, nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := range blocks {
+			got = append(got, blocks[i], tokens[i])
+		}
+	}
+	if !slices.Equal(got, in) {
+		t.Fatal("links back differ")
+	}
+	if msgs := encodeLinks(nil, header{}, in[:1]); len(msgs) != 0 {
+		t.Fatalf("half a pair encoded as %d messages", len(msgs))
+	}
+	_, body, _ := readHeader(msgs[2])
+	for name, b := range map[string][]byte{
+		"empty":          {},
+		"no pairs":       {0},
+		"too many":       binaryUvarint(maxLinkPairs + 1),
+		"truncated":      body[:len(body)-1],
+		"trailing bytes": append(append([]byte{}, body...), 0),
+	} {
+		if blocks, tokens, err := decodeLinks(b, nil, nil); !errors.Is(err, ErrBadMessage) || len(blocks)+len(tokens) != 0 {
+			t.Errorf("%s: %v, %d pairs", name, err, len(blocks))
+		}
+	}
+}
+
+// FuzzDecodeLinks: any bytes decode as a links message or are refused with
+// ErrBadMessage, never a panic; what decodes is within the bounds and
+// encodes back to itself.
+func FuzzDecodeLinks(f *testing.F) {
+	_, body, _ := readHeader(encodeLinks(nil, header{}, chain(1, 6))[0])
+	f.Add(body)
+	f.Fuzz(func(t *testing.T, b []byte) {
+		blocks, tokens, err := decodeLinks(b, nil, nil)
+		if err != nil {
+			if !errors.Is(err, ErrBadMessage) {
+				t.Fatal(err)
+			}
+			return
+		}
+		if len(blocks) == 0 || len(blocks) > maxLinkPairs || len(tokens) != len(blocks) {
+			t.Fatalf("%d blocks, %d tokens", len(blocks), len(tokens))
+		}
+		var pairs []uint64
+		for i := range blocks {
+			pairs = append(pairs, blocks[i], tokens[i])
+		}
+		msgs := encodeLinks(nil, header{}, pairs)
+		_, again, _ := readHeader(msgs[0])
+		b2, t2, err := decodeLinks(again, nil, nil)
+		if err != nil || len(msgs) != 1 || !slices.Equal(b2, blocks) || !slices.Equal(t2, tokens) {
+			t.Fatalf("re-encoded: %v, %d messages", err, len(msgs))
+		}
+	})
+}
+
 // Key files: base64 keys of 16, 24 or 32 bytes, one a line, comments and
 // blank lines skipped; anything else refused with the line.
 func TestParseKeys(t *testing.T) {

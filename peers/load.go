@@ -31,6 +31,7 @@ type loads struct {
 	byPeer   map[uint64]map[uint64]loadSeen
 	touched  []uint64
 	reported map[uint64]bool // endpoints given a peer sum that is not 0
+	placed   bool            // placements went out since the last digest (Run's loop only)
 }
 
 type loadSeen struct {
@@ -39,8 +40,10 @@ type loadSeen struct {
 }
 
 // sendLoad sends this replica's requests in flight to every other live
-// member, every loadEvery when they changed and every loadKeepalive
-// regardless, and drops the peers' reports older than loadTTL.
+// member, every loadEvery when they changed or placements went out since
+// (the peers counted each as a request in flight: placedLoad), and every
+// loadKeepalive regardless, and drops the peers' reports older than
+// loadTTL.
 func (m *Mesh) sendLoad(ml *memberlist.Memberlist, now time.Time) {
 	l := &m.loads
 	if now.Sub(l.checked) < loadEvery {
@@ -53,10 +56,10 @@ func (m *Mesh) sendLoad(ml *memberlist.Memberlist, now time.Time) {
 	}
 	l.own = l.own[:0]
 	m.cfg.Load(func(id uint64, n int64) { l.own = append(l.own, loadEntry{id, n}) })
-	if slices.Equal(l.own, l.sent) && now.Sub(l.sentAt) < loadKeepalive {
+	if slices.Equal(l.own, l.sent) && !l.placed && now.Sub(l.sentAt) < loadKeepalive {
 		return
 	}
-	l.sent, l.own, l.sentAt = l.own, l.sent, now
+	l.sent, l.own, l.sentAt, l.placed = l.own, l.sent, now, false
 	msgs := encodeLoad(nil, header{sender: m.sender, fingerprint: m.cfg.Fingerprint}, l.sent)
 	m.sendAll(ml, msgs)
 }
@@ -70,17 +73,9 @@ func (m *Mesh) mergeLoad(sender uint64, es []loadEntry, now time.Time) {
 	l := &m.loads
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if l.byPeer == nil {
-		l.byPeer, l.reported = map[uint64]map[uint64]loadSeen{}, map[uint64]bool{}
-	}
-	peer, ok := l.byPeer[sender]
-	if !ok {
-		if len(l.byPeer) >= maxLoadPeers {
-			m.stats.dropped.Add(1)
-			return
-		}
-		peer = map[uint64]loadSeen{}
-		l.byPeer[sender] = peer
+	peer := l.peer(m, sender)
+	if peer == nil {
+		return
 	}
 	l.touched = l.touched[:0]
 	for _, e := range es {
@@ -91,6 +86,51 @@ func (m *Mesh) mergeLoad(sender uint64, es []loadEntry, now time.Time) {
 		l.touched = append(l.touched, e.endpoint)
 	}
 	m.publishLoad()
+}
+
+// placedLoad counts a peer's placements on endpoints eps (one message's,
+// each endpoint once) as a request of that peer's in flight there, on top
+// of its last report, until its next report says how many run: its load
+// goes out every loadEvery, its placements within flushEvery, and a pick
+// that read only the reports missed the requests the peers placed in
+// between (eight replicas starting 24 conversations at once sent three or
+// four to each of some pods and none to another, where one router sent
+// three to each).
+func (m *Mesh) placedLoad(sender uint64, eps []uint64, now time.Time) {
+	if m.cfg.SetLoad == nil || len(eps) == 0 {
+		return
+	}
+	l := &m.loads
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	peer := l.peer(m, sender)
+	if peer == nil {
+		return
+	}
+	l.touched = l.touched[:0]
+	for _, id := range eps {
+		peer[id] = loadSeen{min(peer[id].n+1, maxInFlight), now}
+		l.touched = append(l.touched, id)
+	}
+	m.publishLoad()
+}
+
+// peer returns sender's reports, made if new (nil past maxLoadPeers).
+// l.mu is held.
+func (l *loads) peer(m *Mesh, sender uint64) map[uint64]loadSeen {
+	if l.byPeer == nil {
+		l.byPeer, l.reported = map[uint64]map[uint64]loadSeen{}, map[uint64]bool{}
+	}
+	peer, ok := l.byPeer[sender]
+	if !ok {
+		if len(l.byPeer) >= maxLoadPeers {
+			m.stats.dropped.Add(1)
+			return nil
+		}
+		peer = map[uint64]loadSeen{}
+		l.byPeer[sender] = peer
+	}
+	return peer
 }
 
 // expireLoad drops the peers' reports older than loadTTL and publishes

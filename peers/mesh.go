@@ -83,6 +83,11 @@ type Config struct {
 	// Without them no load is exchanged.
 	Load    func(yield func(id uint64, inFlight int64))
 	SetLoad func(id uint64, peers int64)
+	// Links takes the links a peer learned from the engines' tokens
+	// (Linked's; prefix.Truth's PeerLinked): byte block blocks[i] ends at
+	// the token block keyed tokens[i]; both are only valid during the
+	// call. Without it (no engine events) no links are merged.
+	Links func(blocks, tokens []uint64)
 	// Logger receives memberlist's events and the mesh's (nil: none).
 	Logger *zap.Logger
 }
@@ -98,6 +103,10 @@ const (
 	// maxPending bounds the hashes waiting for a flush (2 MB); beyond,
 	// placements are dropped and counted (later ones heal the loss).
 	maxPending = 256 << 10
+	// maxPendingLinks bounds the links waiting for a flush (1 MB); beyond,
+	// they are dropped and counted (the peers then tokenize the prompt
+	// themselves when they forward it).
+	maxPendingLinks = 64 << 10
 	// maxRecent bounds the chains remembered as sent this second.
 	maxRecent = 1 << 16
 	// inbox is the received messages waiting to be merged; beyond it
@@ -143,6 +152,8 @@ type Mesh struct {
 	recent  map[uint64]int64
 	spare   []uint64 // the flush's buffer
 	spareP  []pendingEntry
+	links   []uint64 // links since the last flush: block, token, block, token, …
+	spareL  []uint64
 
 	in chan []byte
 
@@ -160,6 +171,7 @@ type pendingEntry struct {
 type counters struct {
 	sentMessages, sentBytes, receivedMessages, receivedBytes atomic.Int64
 	merged, unknown, mismatched, dropped, decodeErrors       atomic.Int64
+	links                                                    atomic.Int64
 	states, imported, importedHomes                          atomic.Int64
 }
 
@@ -185,6 +197,8 @@ type Stats struct {
 	Mismatched   int64 `json:"mismatched"`
 	Dropped      int64 `json:"dropped"`
 	DecodeErrors int64 `json:"decode_errors"`
+	// Links counts peers' links merged (Config.Links).
+	Links int64 `json:"links"`
 	// States counts peers' states merged (push/pull), Imported the
 	// claims they added to the index, ImportedHomes the homes.
 	States        int64 `json:"states"`
@@ -339,7 +353,7 @@ func (m *Mesh) Stats() Stats {
 		SentMessages: c.sentMessages.Load(), SentBytes: c.sentBytes.Load(),
 		ReceivedMessages: c.receivedMessages.Load(), ReceivedBytes: c.receivedBytes.Load(),
 		Merged: c.merged.Load(), Unknown: c.unknown.Load(), Mismatched: c.mismatched.Load(),
-		Dropped: c.dropped.Load(), DecodeErrors: c.decodeErrors.Load(),
+		Dropped: c.dropped.Load(), DecodeErrors: c.decodeErrors.Load(), Links: c.links.Load(),
 		States: c.states.Load(), Imported: c.imported.Load(), ImportedHomes: c.importedHomes.Load()}
 }
 
@@ -371,6 +385,26 @@ func (m *Mesh) Placed(id uint64, hashes []uint64) {
 	start := len(m.flat)
 	m.flat = append(m.flat, hashes...)
 	m.pending = append(m.pending, pendingEntry{endpoint: id, start: start, end: len(m.flat)})
+}
+
+// Linked notes links this replica's engine truth learned (prefix.Truth's
+// OnLinked): byte block blocks[i] ends at the token block keyed
+// tokens[i]. They go to the peers with the next flush. Off the request
+// path (the tokenizer's).
+func (m *Mesh) Linked(blocks, tokens []uint64) {
+	n := min(len(blocks), len(tokens))
+	if n == 0 || m.others.Load() == 0 {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.links)+2*n > 2*maxPendingLinks {
+		m.stats.dropped.Add(1)
+		return
+	}
+	for i := range n {
+		m.links = append(m.links, blocks[i], tokens[i])
+	}
 }
 
 // Run joins the seeds and gossips until ctx ends, then leaves the mesh
@@ -475,24 +509,31 @@ func (m *Mesh) join(ctx context.Context, ml *memberlist.Memberlist) {
 	}
 }
 
-// flush sends the placements queued since the last flush to every other
-// live member.
+// flush sends the placements and links queued since the last flush to
+// every other live member.
 func (m *Mesh) flush(ml *memberlist.Memberlist) {
 	m.mu.Lock()
-	if len(m.pending) == 0 {
+	if len(m.pending) == 0 && len(m.links) == 0 {
 		m.mu.Unlock()
 		return
 	}
-	pending, flat := m.pending, m.flat
-	m.pending, m.flat = m.spareP[:0], m.spare[:0]
+	pending, flat, links := m.pending, m.flat, m.links
+	m.pending, m.flat, m.links = m.spareP[:0], m.spare[:0], m.spareL[:0]
 	m.mu.Unlock()
-	ps := make([]placement, len(pending))
-	for i, p := range pending {
-		ps[i] = placement{endpoint: p.endpoint, hashes: flat[p.start:p.end]}
+	h := header{sender: m.sender, fingerprint: m.cfg.Fingerprint}
+	var msgs [][]byte
+	if len(pending) > 0 {
+		ps := make([]placement, len(pending))
+		for i, p := range pending {
+			ps[i] = placement{endpoint: p.endpoint, hashes: flat[p.start:p.end]}
+		}
+		msgs = encodePlacements(msgs, h, ps)
 	}
-	m.sendAll(ml, encodePlacements(nil, header{sender: m.sender, fingerprint: m.cfg.Fingerprint}, ps))
+	msgs = encodeLinks(msgs, h, links)
+	m.sendAll(ml, msgs)
+	m.loads.placed = m.loads.placed || len(pending) > 0
 	m.mu.Lock()
-	m.spareP, m.spare = pending[:0], flat[:0]
+	m.spareP, m.spare, m.spareL = pending[:0], flat[:0], links[:0]
 	m.mu.Unlock()
 }
 
@@ -531,9 +572,11 @@ func (m *Mesh) merge(ctx context.Context) {
 
 // scratch are merge's reused buffers.
 type scratch struct {
-	ps   []placement
-	flat []uint64
-	load []loadEntry
+	ps             []placement
+	flat           []uint64
+	load           []loadEntry
+	blocks, tokens []uint64
+	eps            []uint64
 }
 
 // apply merges one message.
@@ -554,6 +597,7 @@ func (m *Mesh) apply(b []byte, sc *scratch) {
 		if sc.ps, sc.flat, err = decodePlacements(body, sc.ps, sc.flat); err != nil {
 			break
 		}
+		sc.eps = sc.eps[:0]
 		for _, p := range sc.ps {
 			if !m.cfg.Known(p.endpoint) {
 				m.stats.unknown.Add(1)
@@ -561,10 +605,19 @@ func (m *Mesh) apply(b []byte, sc *scratch) {
 			}
 			m.cfg.Record(p.endpoint, p.hashes)
 			m.stats.merged.Add(1)
+			if !slices.Contains(sc.eps, p.endpoint) {
+				sc.eps = append(sc.eps, p.endpoint)
+			}
 		}
+		m.placedLoad(h.sender, sc.eps, time.Now())
 	case kindLoad:
 		if sc.load, err = decodeLoad(body, sc.load); err == nil {
 			m.mergeLoad(h.sender, sc.load, time.Now())
+		}
+	case kindLinks:
+		if sc.blocks, sc.tokens, err = decodeLinks(body, sc.blocks, sc.tokens); err == nil && m.cfg.Links != nil {
+			m.cfg.Links(sc.blocks, sc.tokens)
+			m.stats.links.Add(int64(len(sc.blocks)))
 		}
 	default:
 		err = fmt.Errorf("%w: kind %d", ErrBadMessage, h.kind)

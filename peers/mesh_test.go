@@ -102,14 +102,22 @@ func until(t *testing.T, what string, cond func() bool) {
 // other whole (a chain longer than a message, in pieces, first blocks
 // first); a placement on an endpoint the peer does not route to is
 // dropped and counted; a replica with another hashing configuration is
-// ignored.
+// ignored. Links go the same way, in order.
 func TestPlacementsReachPeers(t *testing.T) {
 	ra, rb, rc := newRecorder(), newRecorder(), newRecorder()
+	var linksMu sync.Mutex
+	var links []uint64 // b's: block, token, …
 	a := start(t, Config{Name: "a"}, ra)
 	if err := a.Ready(); err != nil {
 		t.Fatalf("a replica without seeds is not ready: %v", err)
 	}
-	b := start(t, Config{Name: "b", Seeds: []string{a.Addr()}}, rb)
+	b := start(t, Config{Name: "b", Seeds: []string{a.Addr()}, Links: func(blocks, tokens []uint64) {
+		linksMu.Lock()
+		defer linksMu.Unlock()
+		for i := range blocks {
+			links = append(links, blocks[i], tokens[i])
+		}
+	}}, rb)
 	until(t, "the replicas to meet", func() bool { return a.Members() == 1 && b.Members() == 1 })
 	until(t, "b ready (a's state merged at the join)", func() bool { return b.Ready() == nil })
 	until(t, "both to route as one of several", func() bool { return a.Shared() && b.Shared() })
@@ -138,6 +146,25 @@ func TestPlacementsReachPeers(t *testing.T) {
 	}
 	if got := rb.chains(200); len(got) != 0 {
 		t.Fatalf("placement on an unknown endpoint merged: %v", got)
+	}
+	pairs := chain(11, 2*(maxLinkPairs+5))
+	a.Linked(pairs[:len(pairs)/2], pairs[len(pairs)/2:])
+	until(t, "b to merge a's links", func() bool {
+		linksMu.Lock()
+		defer linksMu.Unlock()
+		return len(links) == len(pairs)
+	})
+	back := map[uint64]uint64{} // the messages may arrive in any order
+	for i := 0; i < len(links); i += 2 {
+		back[links[i]] = links[i+1]
+	}
+	for i := range len(pairs) / 2 {
+		if back[pairs[i]] != pairs[len(pairs)/2+i] {
+			t.Fatalf("link %d: block %x back with token %x", i, pairs[i], back[pairs[i]])
+		}
+	}
+	if got := b.Stats().Links; got != int64(len(pairs)/2) {
+		t.Fatalf("b counted %d links merged, want %d", got, len(pairs)/2)
 	}
 	a.Placed(3, long) // the same chain again within the second: not resent
 	s := a.Stats()
@@ -349,4 +376,31 @@ func TestLoadReachesPeers(t *testing.T) {
 	}
 	stops[1]()
 	until(t, "r1's report to lapse", func() bool { return boards[2].peer(3) == 1 && boards[0].peer(3) == 0 })
+}
+
+// A peer's placement counts as one of its requests in flight at the
+// endpoint (once per endpoint a message names) until its next report says
+// how many run.
+func TestPlacementCountsAsInFlightUntilReported(t *testing.T) {
+	board := &loadBoard{own: map[uint64]int64{}, peers: map[uint64]int64{}}
+	m, err := New(Config{Name: "r", Listen: "127.0.0.1:0", Fingerprint: 1, Known: func(id uint64) bool { return id < 100 },
+		Record: func(uint64, []uint64) {}, Load: board.Load, SetLoad: board.SetLoad})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const peer = 77
+	now := time.Now()
+	m.mergeLoad(peer, []loadEntry{{4, 2}}, now)
+	var sc scratch
+	h := header{sender: peer, fingerprint: 1}
+	for _, b := range encodePlacements(nil, h, []placement{{4, chain(1, 3)}, {4, chain(2, 3)}, {5, chain(3, 2)}, {200, chain(4, 1)}}) {
+		m.apply(b, &sc)
+	}
+	if a, b := board.peer(4), board.peer(5); a != 3 || b != 1 {
+		t.Fatalf("after the placements: %d and %d in flight, want 3 and 1", a, b)
+	}
+	m.mergeLoad(peer, []loadEntry{{4, 2}, {5, 0}}, now)
+	if a, b := board.peer(4), board.peer(5); a != 2 || b != 0 {
+		t.Fatalf("after the report: %d and %d in flight, want 2 and 0", a, b)
+	}
 }

@@ -43,6 +43,7 @@ type Truth struct {
 	tokenBlock int          // tokens per engine block (events' block_size)
 	links      TwoGen[link] // token key → the byte block it completes or breaks
 	stats      TruthStats
+	onLinked   func(blocks, tokens []uint64)
 
 	// The request path's side (NeedsLink), apart from the events' mutex so
 	// that applying a large batch never holds up a request: linkMu guards
@@ -72,6 +73,7 @@ type TruthStats struct {
 	Endpoints int       `json:"endpoints"`        // endpoints on engine truth
 	Blocks    [3]int    `json:"blocks_by_tier"`   // token blocks held, by tier (GPU, CPU, storage)
 	Links     int       `json:"links"`            // token blocks linked to byte blocks
+	PeerLinks uint64    `json:"peer_links"`       // links taken from router replicas (PeerLinked)
 	Bytes     int       `json:"bytes"`            // estimated heap bytes
 	Confirmed uint64    `json:"confirmed"`        // byte blocks confirmed by stores or links
 	Dropped   uint64    `json:"dropped"`          // byte-block claims dropped by removals
@@ -362,7 +364,8 @@ func (t *Truth) Unlinked(hashes []uint64, retry bool) {
 // rendering, chat template included, and the Index's differ by a few
 // tokens at most, a small part of a block of bytes); it is linked to the
 // token blocks from the one after the previous byte block's end to the
-// last token block wholly before its own end.
+// last token block wholly before its own end. The ends it did not know
+// go to OnLinked's function.
 func (t *Truth) Link(lora string, hashes []uint64, promptBytes int, tokens []uint32) {
 	if len(hashes) == 0 {
 		return
@@ -374,7 +377,20 @@ func (t *Truth) Link(lora string, hashes []uint64, promptBytes int, tokens []uin
 		return
 	}
 	t.mu.Lock()
-	defer t.mu.Unlock()
+	blocks, ends, f := t.link(lora, hashes, promptBytes, tokens)
+	t.mu.Unlock()
+	t.linkMu.Lock()
+	t.linked.Put(hashes[len(hashes)-1], true)
+	t.linkMu.Unlock()
+	if f != nil && len(blocks) > 0 {
+		f(blocks, ends)
+	}
+}
+
+// link is Link's work under t.mu: it returns the byte blocks whose end
+// was not linked so, with the token keys of their ends, and the function
+// to tell them to.
+func (t *Truth) link(lora string, hashes []uint64, promptBytes int, tokens []uint32) (blocks, endKeys []uint64, f func(blocks, tokens []uint64)) {
 	bs := t.tokenBlock
 	nblocks := len(tokens) / bs
 	keys := make([]uint64, nblocks)
@@ -391,15 +407,15 @@ func (t *Truth) Link(lora string, hashes []uint64, promptBytes int, tokens []uin
 		if end < from {
 			break // the byte block ends before a token block does
 		}
+		if l, ok := t.links.Get(keys[end]); t.onLinked != nil && (!ok || l != (link{bytes: bh, end: true})) {
+			blocks, endKeys = append(blocks, bh), append(endKeys, keys[end])
+		}
 		for j := from; j <= end; j++ {
 			t.links.Put(keys[j], link{bytes: bh, end: j == end})
 		}
 		ends = append(ends, end)
 		from = end + 1
 	}
-	t.linkMu.Lock()
-	t.linked.Put(hashes[len(hashes)-1], true)
-	t.linkMu.Unlock()
 	// Confirm what the engines already hold, from the chain's root: a
 	// byte block is held where every token block up to its end is.
 	for id, v := range t.eps {
@@ -423,6 +439,54 @@ func (t *Truth) Link(lora string, hashes []uint64, promptBytes int, tokens []uin
 			}
 		}
 	}
+	return blocks, endKeys, t.onLinked
+}
+
+// OnLinked sets f to be told the links Link learns: byte blocks and the
+// token keys of their last token blocks (parallel slices, valid only
+// during the call), each one that this Truth did not link so before. The
+// router replicas' gossip sends them to the other replicas (PeerLinked).
+func (t *Truth) OnLinked(f func(blocks, tokens []uint64)) {
+	t.mu.Lock()
+	t.onLinked = f
+	t.mu.Unlock()
+}
+
+// PeerLinked takes links a router replica learned (its OnLinked): byte
+// block blocks[i] ends at the token block keyed tokens[i]. A replica
+// tokenizes only the prompts it forwards, yet its peers' placements put
+// every replica's prompts in its Index: without their links, an engine's
+// events could confirm or drop none of those blocks, and a claim of a
+// prompt that another replica's request extended and the engine then
+// evicted would stay, sending the prompt's next turn to a server that
+// recomputes it. With them, this Truth confirms a byte block when its
+// last token block is stored and drops it when that block is removed (the
+// first of its blocks an engine evicts, as engines evict a chain from its
+// tail), and does not tokenize a chain whose deepest block a peer linked.
+// A token key this Truth linked itself keeps its own link.
+func (t *Truth) PeerLinked(blocks, tokens []uint64) {
+	n := min(len(blocks), len(tokens))
+	t.mu.Lock()
+	for i := range n {
+		if _, ok := t.links.Get(tokens[i]); ok {
+			continue
+		}
+		t.links.Put(tokens[i], link{bytes: blocks[i], end: true})
+		t.stats.PeerLinks++
+		for id, v := range t.eps {
+			if v.held[tokens[i]] > 0 {
+				t.index.Record(id, blocks[i:i+1])
+				t.index.SetLower(id, blocks[i], v.gpu[tokens[i]] == 0)
+				t.stats.Confirmed++
+			}
+		}
+	}
+	t.mu.Unlock()
+	t.linkMu.Lock()
+	for _, b := range blocks[:n] {
+		t.linked.Put(b, true)
+	}
+	t.linkMu.Unlock()
 }
 
 // Stats returns the Truth's sizes and counters.

@@ -1,6 +1,9 @@
 package prefix
 
-import "testing"
+import (
+	"slices"
+	"testing"
+)
 
 // truthFixture is a prompt of nBytes bytes rendered into 64-byte index
 // blocks, whose engine tokens are one per 4 bytes (16 tokens per 64 bytes:
@@ -292,5 +295,77 @@ func TestTwoGenForgetsOldest(t *testing.T) {
 	}
 	if _, ok := w.Get(0); ok || w.Len() != 3 {
 		t.Fatalf("weighed: the oldest entry kept, or %d entries, want 3", w.Len())
+	}
+}
+
+// Two router replicas' Truths over the same engine: replica A forwards a
+// prompt and tokenizes it; replica B only merges A's placement (the
+// chain recorded on the endpoint, as gossip does). When the engine evicts
+// the prompt's tail, B keeps claiming it without A's links, and drops it
+// with them; B confirms a block an engine holds when the link arrives,
+// does not tokenize a chain A linked, and keeps its own links over a
+// peer's.
+func TestPeerLinksLetEventsDropAPeersPrompt(t *testing.T) {
+	const ep, ep2 = 7, 8
+	f := newTruthFixture(640, 3) // 10 index blocks, 10 engine blocks
+	a, _ := newTestTruth()
+	var blocks, tokens []uint64
+	a.OnLinked(func(b, k []uint64) { blocks, tokens = append(blocks, b...), append(tokens, k...) })
+	without, xw := newTestTruth()
+	b, xb := newTestTruth()
+	for _, tr := range []*Truth{a, without, b} {
+		tr.Stored(ep, 0, false, f.engine, f.tokens, 16, "", 0)
+	}
+	a.NeedsLink(f.hashes)
+	a.Link("", f.hashes, 640, f.tokens)
+	if len(blocks) != 10 || !slices.Equal(blocks, f.hashes) {
+		t.Fatalf("OnLinked gave %d blocks, want the chain's 10", len(blocks))
+	}
+	n := len(blocks)
+	a.Link("", f.hashes, 640, f.tokens)
+	if len(blocks) != n {
+		t.Fatalf("linking the same chain again told %d more links", len(blocks)-n)
+	}
+	xw.Record(ep, f.hashes) // the peer's placement
+	xb.Record(ep, f.hashes)
+	b.PeerLinked(blocks, tokens)
+	if b.NeedsLink(f.hashes) {
+		t.Fatal("NeedsLink = true for a chain a peer linked")
+	}
+	for _, tr := range []*Truth{a, without, b} {
+		tr.Removed(ep, f.engine[6:], 0)
+	}
+	if got := held(xw, ep, f); got != 10 {
+		t.Fatalf("without the peer's links: held %d, want the stale 10 (the case the links are for)", got)
+	}
+	if got := held(xb, ep, f); got != 6 {
+		t.Fatalf("with the peer's links: held %d after the engine evicted blocks 6..9, want 6", got)
+	}
+	// Another engine already holds the prompt when the links arrive.
+	c, xc := newTestTruth()
+	c.Stored(ep2, 0, false, f.engine, f.tokens, 16, "", 0)
+	c.PeerLinked(blocks, tokens)
+	if got := held(xc, ep2, f); got != 10 {
+		t.Fatalf("links of a prompt an engine holds: held %d, want 10", got)
+	}
+	if st := c.Stats(); st.PeerLinks != 10 {
+		t.Fatalf("peer links %d, want 10", st.PeerLinks)
+	}
+	// A token key B linked itself keeps its link: a peer's other byte
+	// block for it is ignored.
+	g := newTruthFixture(640, 4)
+	d, xd := newTestTruth()
+	d.Stored(ep, 0, false, g.engine, g.tokens, 16, "", 0)
+	d.NeedsLink(g.hashes)
+	d.Link("", g.hashes, 640, g.tokens)
+	var ends []uint64
+	for j, key := 0, TokenRoot(""); j < 10; j++ {
+		key = TokenKey(key, g.tokens[j*16:(j+1)*16])
+		ends = append(ends, key)
+	}
+	d.PeerLinked(f.hashes, ends)
+	d.Removed(ep, g.engine[8:], 0)
+	if got := held(xd, ep, g); got != 8 {
+		t.Fatalf("own links after a peer's conflicting ones: held %d, want 8", got)
 	}
 }

@@ -75,6 +75,9 @@ type Scenario struct {
 	// zmqEndpoint, when set, is where llm-d pods publish their KV events
 	// (a policy's router listening there; runPolicy sets it).
 	zmqEndpoint string
+	// fanout, when set, passes the llm-d pods' KV events on to each of a
+	// policy's router replicas (runPolicy sets it).
+	fanout *llmd.Fanout
 	// llmdMaxWaiting > 0 bounds llm-d pods' waiting queues (429 beyond).
 	llmdMaxWaiting int
 }
@@ -465,6 +468,12 @@ func runPolicy(ctx context.Context, sc Scenario, wl *workload.Workload, p Policy
 	}
 	if zmq != "" {
 		sc.zmqEndpoint = "tcp://" + zmq
+		if p.Replicas > 1 {
+			if sc.fanout, err = llmd.StartFanout(zmq); err != nil {
+				return nil, seen, err
+			}
+			defer func() { err = errors.Join(err, sc.fanout.Close()) }()
+		}
 	}
 	fleet, err := startFleet(ctx, &sc, cfgs, opt.LLMDBinary)
 	if err != nil {
@@ -573,8 +582,8 @@ func eventsLayout(sc Scenario, p Policy, cfgs []sim.Config) (zmq string, err err
 			cfgs[i].KVEventsPort = -1 // a free port each
 		}
 	case EngineLLMD:
-		if p.Replicas > 1 {
-			return "", fmt.Errorf("%w: %s: the llm-d simulator publishes its KV events to one subscriber, not %d router replicas", ErrConfig, p.Name, p.Replicas)
+		if p.Replicas > 1 && p.Rolling {
+			return "", fmt.Errorf("%w: %s: a rolling update of replicas fed by the llm-d simulator's KV events is not wired", ErrConfig, p.Name)
 		}
 		return proc.FreeLoopback()
 	}
@@ -647,6 +656,24 @@ func gossipReplica(p Policy, addrs []string, i, gen int) Policy {
 	return p
 }
 
+// fannedOut is replica p listening for the pods' KV events at an address
+// of its own, which sc.fanout passes them on to.
+func (sc *Scenario) fannedOut(p Policy) (Policy, error) {
+	addr, err := proc.FreeLoopback()
+	if err != nil {
+		return p, err
+	}
+	sc.fanout.Add(addr)
+	configure := p.Configure
+	p.Configure = func(c *app.Config) {
+		if configure != nil {
+			configure(c)
+		}
+		c.KVEventsListen = addr
+	}
+	return p, nil
+}
+
 // policyNamed returns the entry of Policies() called name.
 func policyNamed(name string) (Policy, error) {
 	ps, err := SelectPolicies([]string{name})
@@ -678,7 +705,13 @@ func (sc *Scenario) runReplicas(ctx context.Context, lc load.Config, p Policy, p
 	}()
 	var backends []string
 	for i := 0; i < p.Replicas; i++ {
-		inner, err := StartRouter(gossipReplica(p, gossip, i, 0), pods, sc.simEngines(cfgs))
+		rp := gossipReplica(p, gossip, i, 0)
+		if sc.fanout != nil {
+			if rp, err = sc.fannedOut(rp); err != nil {
+				return nil, seen, err
+			}
+		}
+		inner, err := StartRouter(rp, pods, sc.simEngines(cfgs))
 		if err != nil {
 			return nil, seen, err
 		}

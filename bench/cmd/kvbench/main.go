@@ -129,7 +129,7 @@ func newFlags(o *options) *app.Flags {
 	sc.IntVar(&o.rounds, "rounds", 1, "run every policy this many times, round r with seed --seed+r and the policies in reverse order every other round; the tables pool the rounds and add each round's TTFT ratios and their median")
 	sc.StringSliceVar(&o.policies, "policies", nil, "policies to compare (default all: "+strings.Join(policyNames(), ", ")+"; the demo, near-identical and lora their own; the matrix "+
 		strings.Join(matrixPolicyNames(), ", ")+"); opt in: "+strings.Join(names(scenario.OptInPolicies()), ", ")+
-		" ("+scenario.PrefixEvents+"* and "+scenario.LLMDPrecise+" fed by the pods' KV events; on "+scenario.EngineLLMD+" one router, no replicas)")
+		" ("+scenario.PrefixEvents+"* and "+scenario.LLMDPrecise+" fed by the pods' KV events; on "+scenario.EngineLLMD+" passed on to each replica by a fan-out, as the simulator publishes to one address)")
 	sc.BoolVar(&o.full, "full", false, "published sizes (SGLang/llm-d/vLLM presets) instead of the few-minute defaults")
 	sc.IntVar(&o.pods, "pods", 0, "simulated pods per fleet (0: 8)")
 	sc.Float64Var(&o.timeScale, "time-scale", 0, "simulated time runs this many times faster than real time (0: each scenario's; direct mode: the target kvsim's --time-scale, so latencies are reported in modelled time)")

@@ -233,7 +233,7 @@ func (r *Router) newMesh(logger *zap.Logger) (*peers.Mesh, error) {
 		return metrics.PeersSample{Members: s.Members, SentMessages: s.SentMessages, SentBytes: s.SentBytes,
 			ReceivedMessages: s.ReceivedMessages, ReceivedBytes: s.ReceivedBytes,
 			Merged: s.Merged, Unknown: s.Unknown, Mismatched: s.Mismatched, Dropped: s.Dropped, BadFormat: s.DecodeErrors,
-			States: s.States, Imported: s.Imported, ImportedHomes: s.ImportedHomes}
+			States: s.States, Imported: s.Imported, ImportedHomes: s.ImportedHomes, Links: s.Links}
 	})
 	return m, nil
 }

@@ -10,6 +10,7 @@ type PeersSample struct {
 	Merged, Unknown, Mismatched, Dropped, BadFormat int64 // placements (or messages) by outcome
 	States, Imported                                int64 // peers' states merged (push/pull) and the claims they added
 	ImportedHomes                                   int64 // the prompt homes they added
+	Links                                           int64 // engine truth's links they sent, merged
 }
 
 // RegisterPeers reports the replicas' gossip through read at each scrape.
@@ -24,6 +25,7 @@ var (
 	descPeerStates   = prometheus.NewDesc(Namespace+"_peer_states_total", "Peers' whole states (their prefix index, at a join and every 30 s) merged into this replica's.", nil, nil)
 	descPeerImported = prometheus.NewDesc(Namespace+"_peer_state_claims_total", "Claims (a block on an endpoint) that peers' states added to this replica's prefix index.", nil, nil)
 	descPeerHomes    = prometheus.NewDesc(Namespace+"_peer_state_homes_total", "Prompt homes (a prompt key on the endpoint it is homed on) that peers' states added to this replica's, for keys it did not know.", nil, nil)
+	descPeerLinks    = prometheus.NewDesc(Namespace+"_peer_links_total", "Links of engine truth (a block of the prefix index and its last token block in the engines' KV events) that peers learned by tokenizing the prompts they forwarded and sent to this replica.", nil, nil)
 	descPeerOutcomes = prometheus.NewDesc(Namespace+"_peer_placements_total", "Peers' placements (or whole messages, for mismatched, dropped and malformed) by what became of them: merged into the index, unknown_endpoint (not an endpoint of this replica), mismatched (another hashing configuration), dropped (no room), malformed.", []string{"outcome"}, nil)
 )
 
@@ -37,6 +39,7 @@ func (c *peersCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descPeerStates
 	ch <- descPeerImported
 	ch <- descPeerHomes
+	ch <- descPeerLinks
 }
 
 func (c *peersCollector) Collect(ch chan<- prometheus.Metric) {
@@ -58,4 +61,5 @@ func (c *peersCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descPeerStates, prometheus.CounterValue, float64(s.States))
 	ch <- prometheus.MustNewConstMetric(descPeerImported, prometheus.CounterValue, float64(s.Imported))
 	ch <- prometheus.MustNewConstMetric(descPeerHomes, prometheus.CounterValue, float64(s.ImportedHomes))
+	ch <- prometheus.MustNewConstMetric(descPeerLinks, prometheus.CounterValue, float64(s.Links))
 }

@@ -102,7 +102,7 @@ func until(t *testing.T, what string, cond func() bool) {
 // other whole (a chain longer than a message, in pieces, first blocks
 // first); a placement on an endpoint the peer does not route to is
 // dropped and counted; a replica with another hashing configuration is
-// ignored. Links go the same way, in order.
+// ignored. Links go the same way.
 func TestPlacementsReachPeers(t *testing.T) {
 	ra, rb, rc := newRecorder(), newRecorder(), newRecorder()
 	var linksMu sync.Mutex

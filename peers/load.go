@@ -67,7 +67,24 @@ func (m *Mesh) sendLoad(ml *memberlist.Memberlist, now time.Time) {
 // mergeLoad takes a peer's report of its requests in flight and tells
 // SetLoad the new sums of the endpoints it names.
 func (m *Mesh) mergeLoad(sender uint64, es []loadEntry, now time.Time) {
-	if m.cfg.SetLoad == nil {
+	m.setLoad(sender, es, now, false)
+}
+
+// placedLoad counts a peer's placements (es: one message's endpoints, each
+// once, with 1) as requests of that peer's in flight there, on top of its
+// last report, until its next report says how many run: its load goes out
+// every loadEvery, its placements within flushEvery, and a pick that read
+// only the reports missed the requests the peers placed in between (eight
+// replicas starting 24 conversations at once sent three or four to each of
+// some pods and none to another, where one router sent three to each).
+func (m *Mesh) placedLoad(sender uint64, es []loadEntry, now time.Time) {
+	m.setLoad(sender, es, now, true)
+}
+
+// setLoad sets (add: adds to) sender's requests in flight at the
+// endpoints of es this replica knows, and tells SetLoad the new sums.
+func (m *Mesh) setLoad(sender uint64, es []loadEntry, now time.Time, add bool) {
+	if m.cfg.SetLoad == nil || len(es) == 0 {
 		return
 	}
 	l := &m.loads
@@ -82,35 +99,12 @@ func (m *Mesh) mergeLoad(sender uint64, es []loadEntry, now time.Time) {
 		if !m.cfg.Known(e.endpoint) {
 			continue
 		}
-		peer[e.endpoint] = loadSeen{e.inFlight, now}
+		n := e.inFlight
+		if add {
+			n = min(peer[e.endpoint].n+n, maxInFlight)
+		}
+		peer[e.endpoint] = loadSeen{n, now}
 		l.touched = append(l.touched, e.endpoint)
-	}
-	m.publishLoad()
-}
-
-// placedLoad counts a peer's placements on endpoints eps (one message's,
-// each endpoint once) as a request of that peer's in flight there, on top
-// of its last report, until its next report says how many run: its load
-// goes out every loadEvery, its placements within flushEvery, and a pick
-// that read only the reports missed the requests the peers placed in
-// between (eight replicas starting 24 conversations at once sent three or
-// four to each of some pods and none to another, where one router sent
-// three to each).
-func (m *Mesh) placedLoad(sender uint64, eps []uint64, now time.Time) {
-	if m.cfg.SetLoad == nil || len(eps) == 0 {
-		return
-	}
-	l := &m.loads
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	peer := l.peer(m, sender)
-	if peer == nil {
-		return
-	}
-	l.touched = l.touched[:0]
-	for _, id := range eps {
-		peer[id] = loadSeen{min(peer[id].n+1, maxInFlight), now}
-		l.touched = append(l.touched, id)
 	}
 	m.publishLoad()
 }

@@ -576,7 +576,7 @@ type scratch struct {
 	flat           []uint64
 	load           []loadEntry
 	blocks, tokens []uint64
-	eps            []uint64
+	placed         []loadEntry // a placements message's endpoints, each once
 }
 
 // apply merges one message.
@@ -597,7 +597,7 @@ func (m *Mesh) apply(b []byte, sc *scratch) {
 		if sc.ps, sc.flat, err = decodePlacements(body, sc.ps, sc.flat); err != nil {
 			break
 		}
-		sc.eps = sc.eps[:0]
+		sc.placed = sc.placed[:0]
 		for _, p := range sc.ps {
 			if !m.cfg.Known(p.endpoint) {
 				m.stats.unknown.Add(1)
@@ -605,11 +605,11 @@ func (m *Mesh) apply(b []byte, sc *scratch) {
 			}
 			m.cfg.Record(p.endpoint, p.hashes)
 			m.stats.merged.Add(1)
-			if !slices.Contains(sc.eps, p.endpoint) {
-				sc.eps = append(sc.eps, p.endpoint)
+			if !slices.Contains(sc.placed, loadEntry{p.endpoint, 1}) {
+				sc.placed = append(sc.placed, loadEntry{p.endpoint, 1})
 			}
 		}
-		m.placedLoad(h.sender, sc.eps, time.Now())
+		m.placedLoad(h.sender, sc.placed, time.Now())
 	case kindLoad:
 		if sc.load, err = decodeLoad(body, sc.load); err == nil {
 			m.mergeLoad(h.sender, sc.load, time.Now())

@@ -407,8 +407,10 @@ func (t *Truth) link(lora string, hashes []uint64, promptBytes int, tokens []uin
 		if end < from {
 			break // the byte block ends before a token block does
 		}
-		if l, ok := t.links.Get(keys[end]); t.onLinked != nil && (!ok || l != (link{bytes: bh, end: true})) {
-			blocks, endKeys = append(blocks, bh), append(endKeys, keys[end])
+		if t.onLinked != nil {
+			if l, ok := t.links.Get(keys[end]); !ok || l != (link{bytes: bh, end: true}) {
+				blocks, endKeys = append(blocks, bh), append(endKeys, keys[end])
+			}
 		}
 		for j := from; j <= end; j++ {
 			t.links.Put(keys[j], link{bytes: bh, end: j == end})

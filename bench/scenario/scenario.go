@@ -597,13 +597,7 @@ func eventsLayout(sc Scenario, p Policy, cfgs []sim.Config) (zmq string, err err
 func eventBackends(fleet engineFleet, zmq string, p *Policy) ([]string, error) {
 	urls := fleet.URLs()
 	if zmq != "" {
-		prev := p.Configure
-		p.Configure = func(c *app.Config) {
-			if prev != nil {
-				prev(c)
-			}
-			c.KVEventsListen = zmq
-		}
+		*p = p.also(func(c *app.Config) { c.KVEventsListen = zmq })
 		return urls, nil
 	}
 	f, ok := fleet.(*sim.Fleet)
@@ -646,12 +640,20 @@ func gossipReplica(p Policy, addrs []string, i, gen int) Policy {
 	if len(addrs) == 0 {
 		return p
 	}
+	return p.also(func(c *app.Config) {
+		c.Peers, c.GossipListen, c.GossipName = addrs, addrs[i], fmt.Sprintf("%s-%d.%d", p.Name, i, gen)
+	})
+}
+
+// also is p with f applied to its router's configuration after
+// p.Configure.
+func (p Policy) also(f func(*app.Config)) Policy {
 	configure := p.Configure
 	p.Configure = func(c *app.Config) {
 		if configure != nil {
 			configure(c)
 		}
-		c.Peers, c.GossipListen, c.GossipName = addrs, addrs[i], fmt.Sprintf("%s-%d.%d", p.Name, i, gen)
+		f(c)
 	}
 	return p
 }
@@ -664,14 +666,7 @@ func (sc *Scenario) fannedOut(p Policy) (Policy, error) {
 		return p, err
 	}
 	sc.fanout.Add(addr)
-	configure := p.Configure
-	p.Configure = func(c *app.Config) {
-		if configure != nil {
-			configure(c)
-		}
-		c.KVEventsListen = addr
-	}
-	return p, nil
+	return p.also(func(c *app.Config) { c.KVEventsListen = addr }), nil
 }
 
 // policyNamed returns the entry of Policies() called name.

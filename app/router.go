@@ -152,7 +152,7 @@ func New(cfg Config, logger *zap.Logger) (*Router, error) {
 		if r.Mesh, err = r.newMesh(logger); err != nil {
 			return nil, err
 		}
-		opt.Ready = r.Mesh.Ready
+		opt.Ready, opt.Peers = r.Mesh.Ready, r.Mesh.Members
 	}
 	if cfg.OTLPEndpoint != "" {
 		if r.tracing, err = newTracerProvider(cfg.OTLPEndpoint, cfg.OTLPSampleRatio, cfg.Version); err != nil {
@@ -211,7 +211,11 @@ func (r *Router) newMesh(logger *zap.Logger) (*peers.Mesh, error) {
 		pc.SetLoad = func(id uint64, n int64) {
 			eps := r.Pool.Load().Endpoints
 			if i := slices.IndexFunc(eps, func(e *discovery.Endpoint) bool { return e.ID == id }); i >= 0 {
+				fell := n < eps[i].PeerInFlight()
 				eps[i].SetPeerInFlight(n)
+				if fell && r.Server != nil {
+					r.Server.Freed()
+				}
 			}
 		}
 	}

@@ -83,8 +83,10 @@ type waiter struct {
 	// atMax: the last pass found its tenant at its max_concurrency.
 	atMax bool
 	// passed counts the grants a later waiter of its flow took in its
-	// turn (warmer).
+	// turn (warmer); coldAt is when a grant first found it cold with no
+	// warmer waiter here (coldDefer).
 	passed int
+	coldAt time.Time
 }
 
 type waitState uint8
@@ -126,6 +128,7 @@ type fairQueue struct {
 	// warm, when set, reports whether r's prompt is cached on the fleet
 	// and whether one endpoint holding it has room (warmer).
 	warm  func(r *routing.Request) (placed, room bool)
+	peers func() int
 	gauge func(tenant string, d float64)
 	// reserve is the fleet's free places a flow at its share leaves to
 	// flows below theirs and of higher classes (reserve.go; 0: none);
@@ -223,7 +226,7 @@ func (q *fairQueue) enter(w *waiter, id uint64, label string, weight float64, ag
 		w.notBefore = time.Now().Add(queuePoll)
 	}
 	if !again {
-		w.passed = 0
+		w.passed, w.coldAt = 0, time.Time{}
 		w.start = max(q.vtime, t.finish)
 		t.finish = w.start + w.cost/t.weight
 		w.seq = q.seq
@@ -335,7 +338,11 @@ func (q *fairQueue) grant() bool {
 		alone := w.tenant.byClass[w.class] == 1 && q.quiet(&p, w)
 		turn := w // the place is its turn: the virtual time is its start
 		if !alone {
-			if o := q.warmer(&p, i, w); o != nil {
+			o, wait := q.warmer(&p, i, w)
+			if wait {
+				continue
+			}
+			if o != nil {
 				w.passed++
 				w = o
 			}
@@ -441,11 +448,22 @@ const (
 	maxPassed     = 8
 )
 
+// coldDefer is how long, with router replicas, a cold head with no warmer
+// waiter of its flow here waits before it takes a place. Each replica
+// queues a fraction of a backlog: the replica whose request ended is woken
+// first, and its own few waiters are often cold there, while a peer's
+// queue holds a request whose prompt that endpoint caches. Peers learn of
+// the freed place within their load exchange (a few ms) and take it; when
+// none does, the head takes it after coldDefer (llm-d simulator,
+// shared-prefix past capacity, eight replicas: issue #37).
+const coldDefer = 2 * queuePoll
+
 // warmer returns the waiter of head's flow after it (head is
-// q.waiting[i]) that should take head's place, or nil; q.mu is held.
-func (q *fairQueue) warmer(p *grantPass, i int, head *waiter) *waiter {
+// q.waiting[i]) that should take head's place, or nil; wait when none
+// should and head, cold, defers (coldDefer). q.mu is held.
+func (q *fairQueue) warmer(p *grantPass, i int, head *waiter) (o *waiter, wait bool) {
 	if q.warm == nil || head.passed >= maxPassed || q.warmRoom(head) {
-		return nil
+		return nil, false
 	}
 	looked := 0
 	for _, o := range q.waiting[i+1:] {
@@ -457,10 +475,16 @@ func (q *fairQueue) warmer(p *grantPass, i int, head *waiter) *waiter {
 		}
 		looked++
 		if q.eligible(p, o) && q.warmRoom(o) {
-			return o
+			return o, false
 		}
 	}
-	return nil
+	if q.peers == nil || q.peers() == 0 {
+		return nil, false
+	}
+	if head.coldAt.IsZero() {
+		head.coldAt = p.clock()
+	}
+	return nil, p.clock().Sub(head.coldAt) < coldDefer
 }
 
 // warmRoom reports whether w, granted a place as part of a backlog, would

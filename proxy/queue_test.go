@@ -151,6 +151,40 @@ func TestFairQueueGrantsWarmFirst(t *testing.T) {
 	take(later[maxPassed], "the last waiter")
 }
 
+// With router replicas, a backlog's head whose cache has no room and no
+// warmer waiter behind it defers its grant for coldDefer: a warm waiter
+// that comes meanwhile (here; a peer's, on a peer) takes the place, and the
+// head takes the next one, however long it deferred. A router alone grants
+// it at once (TestFairQueueGrantsWarmFirst's last waiters).
+func TestFairQueueColdHeadDefersWithPeers(t *testing.T) {
+	tq := newTestQueue(t, 1024, 1024)
+	tq.warmByModel(t)
+	tq.q.mu.Lock()
+	tq.q.peers = func() int { return 1 }
+	tq.q.mu.Unlock()
+	for range 6 {
+		tq.q.runs.started(flowOf(1, classDefault), 1, classDefault) // the flood: not alone
+	}
+	head, first := tq.waitForReq(t, 1, classDefault, &routing.Request{Model: "full"})
+	tq.places.Add(1)
+	given := time.Now()
+	select {
+	case <-first:
+		t.Fatalf("the cold head was granted %v after the place was free, without deferring", time.Since(given))
+	case <-time.After(coldDefer / 2):
+	}
+	_, warm := tq.waitForReq(t, 1, classDefault, &routing.Request{Model: "warm"})
+	select {
+	case <-warm:
+	case <-time.After(time.Second):
+		t.Fatal("the warm waiter that came while the head deferred was not granted")
+	}
+	tq.take(t, first, "the head, on the next place")
+	if head.passed != 1 || head.coldAt.IsZero() {
+		t.Errorf("head passed %d times, cold since %v; want once, and a time", head.passed, head.coldAt)
+	}
+}
+
 // A flow's only waiter goes where it starts now (Alone) only while its
 // flow runs less than its share of the router's requests running: a
 // flood's, a single waiter in the queue of one of several router replicas,

@@ -79,6 +79,11 @@ type Options struct {
 	// policy's index): the queue gives a freed place to a waiter that
 	// starts warm before one of its flow that would recompute its prompt.
 	Warm func(r *routing.Request, set *discovery.Set) (placed, room bool)
+	// Peers, when set, returns how many other router replicas share the
+	// fleet (their gossip): a waiter whose cache has no room then defers
+	// its grant a moment, so that a replica with a warm waiter for the
+	// freed place takes it first (coldDefer).
+	Peers func() int
 	// AccessLog, when set, receives one line per request (accesslog.go),
 	// but for the share AccessLogSkip of successful ones (status < 400), at
 	// random: in zap's production JSON layout, or its console layout with
@@ -182,6 +187,7 @@ func New(opt Options) *Server {
 		s.budgets.atMax, opt.Metrics.TenantQueued)
 	if opt.Warm != nil {
 		s.queue.warm = func(r *routing.Request) (bool, bool) { return opt.Warm(r, s.opt.Pool.Load()) }
+		s.queue.peers = opt.Peers
 	}
 	if !opt.Tenants.FIFO {
 		s.queue.reserve, s.queue.places = opt.Tenants.Reserve, s.placesOf
@@ -292,3 +298,9 @@ func (s *Server) handleServerError(ctx *fasthttp.RequestCtx, err error) {
 	s.opt.Logger.Debug("malformed request", zap.Int("status", status), zap.Stringer("remote", ctx.RemoteAddr()))
 	s.opt.Metrics.Request(int(routing.KindOther), status, nil, 0)
 }
+
+// Freed tells the queue that places may have freed outside this router:
+// another replica's requests at an endpoint ended (its gossiped load
+// fell), so that a waiter here takes the place within the exchange rather
+// than at the queue's next poll.
+func (s *Server) Freed() { s.queue.freed() }

@@ -13,9 +13,8 @@ const (
 	// they changed, loadKeepalive when they did not. As often as
 	// placements go out (flushEvery): a request that ended is a place a
 	// peer's queue may be waiting for (its warm waiter, while this
-	// replica's cold one defers: the proxy's coldDefer), and at 100 ms
-	// eight replicas on a closed loop (kvsim multi-turn) saw pods that
-	// had finished as busy and spilled their next turns.
+	// replica's cold one defers: the proxy's coldDefer); at 100 ms the
+	// endpoint looked busy to the peers that long after.
 	loadEvery     = flushEvery
 	loadKeepalive = time.Second
 	// loadTTL is how long a peer's report stands without a new one (a

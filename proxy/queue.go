@@ -127,7 +127,8 @@ type fairQueue struct {
 	capped func(tenant uint64) bool
 	// warm, when set, reports whether r's prompt is cached on the fleet
 	// and whether one endpoint holding it has room (warmer).
-	warm  func(r *routing.Request) (placed, room bool)
+	warm func(r *routing.Request) (placed, room bool)
+	// peers, when set, counts the other router replicas (coldDefer).
 	peers func() int
 	gauge func(tenant string, d float64)
 	// reserve is the fleet's free places a flow at its share leaves to

@@ -90,13 +90,21 @@ func TestHoldForABusySlot(t *testing.T) {
 	for i := range 6 {
 		cached(stream(fmt.Sprintf(" Warm-up question %d?", i)))
 	}
-	a := stream(" First question?")
-	b := stream(" Second question?") // sent while the first decodes
-	cached(a)
-	if n := cached(b); n < 1000 {
-		t.Errorf("the second request's cached tokens: %d; want the prompt's (it waited for the first)", n)
+	// The first request's 8 tokens may end before the second picks (then
+	// its slot is free and nothing holds, rightly: 5 of 63 runs): up to
+	// three pairs, until one holds.
+	ended := func() float64 {
+		return counterValue(t, h.reg, "kvroute_prompt_holds_total", map[string]string{"outcome": "ended"})
 	}
-	if n := counterValue(t, h.reg, "kvroute_prompt_holds_total", map[string]string{"outcome": "ended"}); n != 1 {
+	for i := 0; i < 3 && ended() == 0; i++ {
+		a := stream(fmt.Sprintf(" First question %d?", i))
+		b := stream(fmt.Sprintf(" Second question %d?", i)) // sent while the first decodes
+		cached(a)
+		if n := cached(b); n < 1000 {
+			t.Errorf("the second request's cached tokens: %d; want the prompt's (it waited for the first)", n)
+		}
+	}
+	if n := ended(); n != 1 {
 		t.Errorf("holds ended: %v, want 1", n)
 	}
 }

@@ -186,13 +186,25 @@ func TestWarmGrantOnSimulatedPods(t *testing.T) {
 		}()
 	}
 	eps := h.pool.Load().Endpoints
+	// A pick is logged before its lease is taken: wait for the lease, or
+	// the next request could still see the pod free.
+	leased := func(n int64) {
+		t.Helper()
+		for deadline := time.Now().Add(guard); eps[0].InFlight()+eps[1].InFlight() < n; time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("%d leases, want %d", eps[0].InFlight()+eps[1].InFlight(), n)
+			}
+		}
+	}
 	send("A", "a0")
 	podA := policy.wait(t, 1)[0]
+	leased(1)
 	send("B", "b0") // pod A is at its cap: pod B
 	podB := policy.wait(t, 2)[1]
 	if podA[3:] == podB[3:] {
 		t.Fatalf("a0 and b0 on one pod: %q, %q", podA, podB)
 	}
+	leased(2)
 	send("A", "a1")
 	queueLen(t, h.srv, 1)
 	send("A", "a2")

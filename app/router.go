@@ -231,7 +231,7 @@ func (r *Router) newMesh(logger *zap.Logger) (*peers.Mesh, error) {
 		r.truth.OnLinked(m.Linked)
 	}
 	r.Prefix.OnPlaced(m.Placed)
-	r.Prefix.Meshed(m.Shared, m.Members, m.Rank)
+	r.Prefix.Meshed(m.Shared, m.Members, m.Rank, m.Echo)
 	metrics.RegisterPeers(r.Registry, func() metrics.PeersSample {
 		s := m.Stats()
 		return metrics.PeersSample{Members: s.Members, SentMessages: s.SentMessages, SentBytes: s.SentBytes,

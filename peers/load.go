@@ -1,6 +1,7 @@
 package peers
 
 import (
+	"math"
 	"slices"
 	"sync"
 	"time"
@@ -36,6 +37,10 @@ type loads struct {
 	touched  []uint64
 	reported map[uint64]bool // endpoints given a peer sum that is not 0
 	placed   bool            // placements went out since the last digest (Run's loop only)
+	// ownSum and peerSum are this replica's and its peers' requests in
+	// flight over the fleet, summed every loadEvery and decayed over
+	// echoDecay (Run's loop only; Echo).
+	ownSum, peerSum float64
 }
 
 type loadSeen struct {
@@ -60,6 +65,7 @@ func (m *Mesh) sendLoad(ml *memberlist.Memberlist, now time.Time) {
 	}
 	l.own = l.own[:0]
 	m.cfg.Load(func(id uint64, n int64) { l.own = append(l.own, loadEntry{id, n}) })
+	m.learnEcho()
 	if slices.Equal(l.own, l.sent) && !l.placed && now.Sub(l.sentAt) < loadKeepalive {
 		return
 	}
@@ -170,4 +176,53 @@ func (m *Mesh) publishLoad() {
 		l.reported[id] = sum != 0
 		m.cfg.SetLoad(id, sum)
 	}
+}
+
+// echoDecay is the time over which Echo weighs the replicas' loads, and
+// echoPrior how long (at one request in flight) its prior, every peer
+// sending as many as this replica, weighs against them.
+const (
+	echoDecay = 10 * time.Second
+	echoPrior = time.Second
+)
+
+// Echo is how many requests of the peers one request of this replica's
+// stands for (Prefix.Pick counts a pick as that many more at its endpoint
+// until the peers' gossip tells where theirs went): the peers' requests in
+// flight over this replica's, averaged over echoDecay, at most the number
+// of live peers. A client that spreads its requests over the replicas
+// gives each the same share, and Echo is the number of peers; one that
+// sends them all to this replica makes it 0, where counting every peer
+// would have spread this replica's own bursts as if the peers sent alike.
+// Until the loads show which, the peers are taken to send alike. One
+// or two atomic loads.
+func (m *Mesh) Echo() float64 {
+	if !m.echoLearned.Load() {
+		return float64(m.others.Load())
+	}
+	return math.Float64frombits(m.echo.Load())
+}
+
+// learnEcho folds this replica's requests in flight (l.own, just read) and
+// the peers' last reports into Echo. Run's loop only.
+func (m *Mesh) learnEcho() {
+	l := &m.loads
+	var own, peers int64
+	for _, e := range l.own {
+		own += e.inFlight
+	}
+	l.mu.Lock()
+	for _, peer := range l.byPeer {
+		for _, v := range peer {
+			peers += v.n
+		}
+	}
+	l.mu.Unlock()
+	decay := math.Exp(-float64(loadEvery) / float64(echoDecay))
+	l.ownSum = l.ownSum*decay + float64(own)
+	l.peerSum = l.peerSum*decay + float64(peers)
+	others := float64(m.others.Load())
+	prior := float64(echoPrior / loadEvery)
+	m.echo.Store(math.Float64bits(min(others, (l.peerSum+others*prior)/(l.ownSum+prior))))
+	m.echoLearned.Store(true)
 }

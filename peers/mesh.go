@@ -132,9 +132,11 @@ type Mesh struct {
 	cfg    Config
 	sender uint64 // xxh3 of the name
 
-	seeds  []string     // the seeds but this replica's own address (set by Run before start)
-	others atomic.Int64 // live members besides this one
-	rank   atomic.Int64 // Rank
+	seeds       []string      // the seeds but this replica's own address (set by Run before start)
+	others      atomic.Int64  // live members besides this one
+	echo        atomic.Uint64 // Echo (math.Float64bits), once echoLearned
+	echoLearned atomic.Bool
+	rank        atomic.Int64 // Rank
 	// ranked is when the rank was last computed, and of how many others
 	// (Run's loop only).
 	ranked       time.Time
@@ -179,6 +181,9 @@ type counters struct {
 type Stats struct {
 	// Members is the live replicas besides this one.
 	Members int `json:"members"`
+	// Echo is how many of the peers' requests one of this replica's is
+	// taken to stand for until their gossip tells (Mesh.Echo).
+	Echo float64 `json:"echo"`
 	// Joined is whether a peer's state was ever merged.
 	Joined bool `json:"joined"`
 	// SentMessages and SentBytes count gossip messages sent (one per
@@ -349,7 +354,7 @@ func (m *Mesh) Ready() error {
 // Stats returns the mesh's figures.
 func (m *Mesh) Stats() Stats {
 	c := &m.stats
-	return Stats{Members: m.Members(), Joined: m.joined.Load(),
+	return Stats{Members: m.Members(), Echo: m.Echo(), Joined: m.joined.Load(),
 		SentMessages: c.sentMessages.Load(), SentBytes: c.sentBytes.Load(),
 		ReceivedMessages: c.receivedMessages.Load(), ReceivedBytes: c.receivedBytes.Load(),
 		Merged: c.merged.Load(), Unknown: c.unknown.Load(), Mismatched: c.mismatched.Load(),

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"sync"
 	"testing"
@@ -402,5 +403,49 @@ func TestPlacementCountsAsInFlightUntilReported(t *testing.T) {
 	m.mergeLoad(peer, []loadEntry{{4, 2}, {5, 0}}, now)
 	if a, b := board.peer(4), board.peer(5); a != 2 || b != 0 {
 		t.Fatalf("after the report: %d and %d in flight, want 2 and 0", a, b)
+	}
+}
+
+// Echo, how many of the peers' requests one of this replica's stands for,
+// is learned from the loads: every peer sending as many as this replica
+// until they show otherwise; the peers' requests in flight over this
+// replica's once they do, at most the number of peers.
+func TestEchoLearnsThePeersShare(t *testing.T) {
+	board := &loadBoard{own: map[uint64]int64{}, peers: map[uint64]int64{}}
+	m, err := New(Config{Name: "r", Listen: "127.0.0.1:0", Fingerprint: 1, Known: func(id uint64) bool { return id < 100 },
+		Record: func(uint64, []uint64) {}, Load: board.Load, SetLoad: board.SetLoad})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.others.Store(3)
+	if e := m.Echo(); e != 3 {
+		t.Fatalf("Echo before any load %v, want the peers' number 3", e)
+	}
+	// learn runs the load loop's step ticks times with this replica's
+	// own requests in flight at endpoint 1 and the peers' reports.
+	learn := func(own int64, peers map[uint64]int64, ticks int) float64 {
+		board.set(1, own)
+		for sender, n := range peers {
+			m.mergeLoad(sender, []loadEntry{{1, n}}, time.Now())
+		}
+		for range ticks {
+			m.loads.own = m.loads.own[:0]
+			m.cfg.Load(func(id uint64, n int64) { m.loads.own = append(m.loads.own, loadEntry{id, n}) })
+			m.learnEcho()
+		}
+		return m.Echo()
+	}
+	long := int(3 * echoDecay / loadEvery) // three decay times
+	if e := learn(0, nil, 50); e != 3 {
+		t.Errorf("Echo with no load anywhere %v, want the prior 3", e)
+	}
+	if e := learn(4, map[uint64]int64{7: 2, 8: 2}, long); math.Abs(e-1) > 0.1 {
+		t.Errorf("Echo with 4 of this replica's in flight and 4 of two peers' %v, want about 1", e)
+	}
+	if e := learn(6, map[uint64]int64{7: 0, 8: 0}, long); e > 0.3 {
+		t.Errorf("Echo with every request this replica's %v, want about 0", e)
+	}
+	if e := learn(1, map[uint64]int64{7: 20, 8: 20}, long); e != 3 {
+		t.Errorf("Echo with the peers' 40 against 1 %v, want at most the peers' number 3", e)
 	}
 }

@@ -134,7 +134,7 @@ func TestMeshedReplicasFollowTheIndex(t *testing.T) {
 	set := testSet(t, 8)
 	replicas := []*Prefix{newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams())}
 	for _, p := range replicas {
-		p.Meshed(func() bool { return true }, nil, nil)
+		p.Meshed(func() bool { return true }, nil, nil, nil)
 		p.OnPlaced(func(id uint64, hashes []uint64) {
 			for _, q := range replicas {
 				if q != p {
@@ -159,7 +159,7 @@ func TestMeshedReplicasFollowTheIndex(t *testing.T) {
 func TestPeersLoadCountsAsOwn(t *testing.T) {
 	set := testSet(t, 4)
 	p := newTestPrefix(DefaultPrefixParams())
-	p.Meshed(func() bool { return true }, nil, nil)
+	p.Meshed(func() bool { return true }, nil, nil, nil)
 	sys := system(11, 16*testBlock)
 	r := request(sys + "first")
 	e := set.Endpoints[0]
@@ -197,7 +197,7 @@ func TestLostConversationGoesHome(t *testing.T) {
 	set := testSet(t, 8)
 	replicas := []*Prefix{newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams())}
 	for _, p := range replicas {
-		p.Meshed(func() bool { return true }, nil, nil)
+		p.Meshed(func() bool { return true }, nil, nil, nil)
 	}
 	conversations(t, set, replicas, 16) // the family is seen chained
 	p := replicas[0]
@@ -227,13 +227,55 @@ func TestLostConversationGoesHome(t *testing.T) {
 	}
 }
 
+// A gossiping replica places a new conversation under a shared system
+// prompt (nothing of its own held anywhere) by the load, as a router
+// alone does, not at its key's home: the homes are where the keys'
+// rendezvous puts them, up to seven of 24 on one of eight pods.
+func TestNewConversationGoesByLoad(t *testing.T) {
+	set := testSet(t, 8)
+	replicas := []*Prefix{newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams())}
+	for _, p := range replicas {
+		p.Meshed(func() bool { return true }, nil, nil, nil)
+	}
+	conversations(t, set, replicas, 16) // the family is seen chained
+	p := replicas[0]
+	first := request(system(9, 2500) + "user 98: " + strings.Repeat("a first question of its own. ", 40))
+	_, terms := p.Explain(first, set)
+	var home *discovery.Endpoint
+	for i, term := range terms {
+		if term.Home {
+			home = set.Endpoints[i]
+		}
+	}
+	if home == nil {
+		t.Fatal("the conversation has no home")
+	}
+	// Every endpoint holds the system prompt (its first two blocks; spills
+	// copied it everywhere). The home runs two requests, well within the
+	// spill rule; the others are idle.
+	for _, e := range set.Endpoints {
+		p.Index().Record(e.ID, first.Hashes[:2])
+	}
+	for range 2 {
+		l := home.Acquire(0)
+		defer l.Release()
+	}
+	d := p.Pick(first, set)
+	if !d.branch {
+		t.Fatalf("the conversation is not keyed by its own branch: %+v", d)
+	}
+	if d.Endpoint == home {
+		t.Fatalf("a new conversation went to its busy home %s, while seven endpoints holding the shared prompt as deep were idle", home.URL)
+	}
+}
+
 // A gossiping replica that learns of a key from a peer's placement homes
 // it where the peer sent it, as its own first request would: the home
 // stays there when the index forgets the prompt.
 func TestPeerPlacementHomesTheKey(t *testing.T) {
 	set := testSet(t, 4)
 	p := newTestPrefix(DefaultPrefixParams())
-	p.Meshed(func() bool { return true }, func() int { return 1 }, func() int { return 0 })
+	p.Meshed(func() bool { return true }, func() int { return 1 }, func() int { return 0 }, nil)
 	sys := system(21, 16*testBlock)
 	first := request(sys + "the first question")
 	d, _ := p.Explain(first, set) // where this replica would have put it
@@ -273,7 +315,7 @@ func TestUnheardPicksSpreadABurst(t *testing.T) {
 			if turns {
 				rank = func() int { return i }
 			}
-			replicas[i].Meshed(func() bool { return true }, func() int { return others }, rank)
+			replicas[i].Meshed(func() bool { return true }, func() int { return others }, rank, nil)
 		}
 		sys := system(23, 4*testBlock)
 		served := map[string]int{}
@@ -301,6 +343,36 @@ func TestUnheardPicksSpreadABurst(t *testing.T) {
 		}
 		if most := burst(n, 0, false); most < 6 {
 			t.Errorf("%d replicas counting no others: one endpoint took %d, want the herd (6 or more)", n, most)
+		}
+	}
+}
+
+// A gossiping replica's pick counts, at its endpoint, as many requests of
+// the others as its echo says they send alike (the peers' Mesh.Echo,
+// learned from their loads), and their prefill; every live other without
+// an echo; none when the echo says the others send nothing.
+func TestPickCountsTheOthersUnheard(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		echo func() float64
+		want int64
+	}{
+		{"none", nil, 7},
+		{"2.6", func() float64 { return 2.6 }, 3},
+		{"0", func() float64 { return 0 }, 0},
+	} {
+		set := testSet(t, 4)
+		p := newTestPrefix(DefaultPrefixParams())
+		p.Meshed(func() bool { return true }, func() int { return 7 }, func() int { return 0 }, tc.echo)
+		d := p.Pick(request(system(29, 4*testBlock)+"a new question"), set)
+		if got := d.Endpoint.UnheardInFlight(); got != tc.want {
+			t.Errorf("echo %s: %d of the others' requests counted unheard at the pick's endpoint, want %d", tc.name, got, tc.want)
+		}
+		if got, want := d.Endpoint.UnheardPrefill(), int64(float64(tc.want)*float64(d.Prefill)); tc.echo == nil && got != want {
+			t.Errorf("their prefill counted %d, want %d", got, want)
+		}
+		if tc.want == 0 && d.Endpoint.UnheardPrefill() != 0 {
+			t.Errorf("echo 0: %d tokens of prefill counted unheard", d.Endpoint.UnheardPrefill())
 		}
 	}
 }

@@ -309,7 +309,7 @@ func firstPlacementsKeepHomesBalanced(t *testing.T, meshed bool) {
 	}
 	p := newTestPrefix(DefaultPrefixParams())
 	if meshed {
-		p.Meshed(func() bool { return true }, func() int { return 2 }, func() int { return 0 })
+		p.Meshed(func() bool { return true }, func() int { return 2 }, func() int { return 0 }, nil)
 	}
 	for _, e := range eps[1:] {
 		defer occupy(e, 3, 4000)()

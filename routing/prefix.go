@@ -113,6 +113,9 @@ type Prefix struct {
 	// rank, while meshed, is this replica's place among the live ones
 	// (0..others): its turn in the rendezvous order (turnOf).
 	rank func() int
+	// echo is how many requests of the others one pick of this replica's
+	// stands for (Pick; peers' Mesh.Echo, learned from their loads).
+	echo func() float64
 }
 
 // Bytes per token: the rule of thumb for English (OpenAI: a token is about
@@ -270,10 +273,8 @@ func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 		if d.PrefixKey != 0 {
 			d.distance = p.warm.see(d.Endpoint.ID, d.PrefixKey)
 		}
-		if p.others != nil && d.Prefill > 0 {
-			if n := p.others(); n > 0 {
-				d.Endpoint.AddUnheardPrefill(int64(n*d.Prefill), time.Now().Add(unheardFor))
-			}
+		if n := p.echoes(); n > 0 {
+			d.Endpoint.AddUnheard(int64(math.Round(n)), int64(n*float64(d.Prefill)), time.Now().Add(unheardFor))
 		}
 	}
 	if strayed := (d.Reason == ReasonCold || d.branch) && !d.Home; d.PrefixKey != 0 && d.Endpoint != nil && (d.unplaced || strayed) {
@@ -330,8 +331,20 @@ func slotsOf(e *discovery.Endpoint, rt rates) int64 {
 	return rt.limit
 }
 
+// echoes is how many requests of the other replicas one pick of this
+// router's stands for (Meshed's echo, else every live other).
+func (p *Prefix) echoes() float64 {
+	switch {
+	case p.echo != nil:
+		return p.echo()
+	case p.others != nil:
+		return float64(p.others())
+	}
+	return 0
+}
+
 // unheardFor is how long a pick stands for the gossiping replicas' picks
-// of the same moment at its endpoint (Endpoint.AddUnheardPrefill): their
+// of the same moment at its endpoint (Endpoint.AddUnheard): their
 // placements go out every 10 ms (peers' flushEvery) and arrive within
 // about as long. A client spreading requests over n replicas sends each
 // the same mix, and replicas deciding on the same view decide alike: a
@@ -479,13 +492,14 @@ func deepestMatch(matches []prefix.Match) int {
 // none), but presumes no home holds a key: the replicas' placements are in
 // its index. Knowing where each of them placed a key's first request
 // (PeerPlaced), it homes keys as a router alone does, where that request
-// went. Each of its picks counts, at the endpoint, the prefill the others
-// most likely sent there meanwhile and have yet to tell (Pick), and rank,
-// this replica's place among them, gives it its own turn for a new key's
-// home and its spill targets (turnOf), where replicas would decide alike.
-// Set it before the policy serves.
-func (p *Prefix) Meshed(shared func() bool, others, rank func() int) {
-	p.meshed, p.others, p.rank = shared, others, rank
+// went. Each of its picks counts, at the endpoint, the requests and
+// prefill the others most likely sent there meanwhile and have yet to tell
+// (Pick: echo of them, nil: others), and rank, this replica's place among
+// them, gives it its own turn for a new key's home and its spill targets
+// (turnOf), where replicas would decide alike. Set it before the policy
+// serves.
+func (p *Prefix) Meshed(shared func() bool, others, rank func() int, echo func() float64) {
+	p.meshed, p.others, p.rank, p.echo = shared, others, rank, echo
 }
 
 // Explain returns the decision Pick would make and its terms, without
@@ -1007,11 +1021,17 @@ func (ch *picks) preferHome(presume bool, prm *PrefixParams) candidate {
 }
 
 // lost reports whether the key is a conversation's own (a branch of a
-// chained family) whose deepest copy, away from its home, holds less than
-// half of what the conversation added to the family's shared part: that
-// endpoint evicted most of its history, so a request there recomputes most
-// of it anyway, and the conversation goes home, where its next turns find
-// it, unless the home is saturated. (Staying where the deepest copy was,
+// chained family) whose deepest copy, away from its home, holds some but
+// less than half of what the conversation added to the family's shared
+// part: that endpoint evicted most of its history, so a request there
+// recomputes most of it anyway, and the conversation goes home, where its
+// next turns find it, unless the home is saturated. A conversation that
+// nothing holds beyond the shared part is new (or evicted everywhere) and
+// is placed by the load, as a router alone places it: sent home, new
+// conversations went wherever their keys' rendezvous put them, and eight
+// replicas gave one of eight kvsim pods seven of 24 live conversations
+// while others had one, where one router keeps three on each; that pod
+// then recomputed most of every turn. (Staying where the deepest copy was,
 // the conversations that a first wave had crowded onto one endpoint —
 // replicas that had each kept their own under the spill rule there —
 // recomputed most of their histories every turn until they ended: three
@@ -1019,7 +1039,7 @@ func (ch *picks) preferHome(presume bool, prm *PrefixParams) candidate {
 // multi-turn.)
 func (ch *picks) lost() bool {
 	return ch.shared > 0 && ch.home.e != nil && ch.blocks > ch.shared &&
-		2*(ch.warm.blocks-ch.shared) < ch.blocks-ch.shared
+		ch.warm.blocks > ch.shared && 2*(ch.warm.blocks-ch.shared) < ch.blocks-ch.shared
 }
 
 // target applies the spill rule to the warm candidate, or for a prefix

@@ -657,7 +657,7 @@ func TestCachedTokens(t *testing.T) {
 func TestPeersRequestsCountAsSeen(t *testing.T) {
 	set := testSet(t, 4)
 	p := newTestPrefix(DefaultPrefixParams())
-	p.Meshed(func() bool { return true }, nil, nil)
+	p.Meshed(func() bool { return true }, nil, nil, nil)
 	e := set.Endpoints[0]
 	sys := system(60, 8192)
 	p.PeerPlaced(e, request(sys+"a").Hashes)

@@ -79,10 +79,9 @@ type Endpoint struct {
 	// peerPrefill is the prompt tokens the replicas' placements here left
 	// to compute, as this router estimates them (AddPeerPrefill).
 	peerPrefill peerPrefill
-	// unheard and unheardReqs are the prompt tokens and requests this
-	// router expects the replicas to have sent here that their gossip has
-	// not told yet (AddUnheard).
-	unheard, unheardReqs peerPrefill
+	// unheard is the prompt tokens this router expects the replicas to
+	// have sent here that their gossip has not told yet (AddUnheardPrefill).
+	unheard peerPrefill
 	// adapters counts the in-flight requests per LoRA adapter (Lease.
 	// ForAdapter); nil until the first.
 	adapterMu sync.Mutex

@@ -7,8 +7,7 @@ import (
 )
 
 // peerPrefill is the prefill the gossiping router replicas started on an
-// endpoint (or, for AddUnheard's, their requests): each of their
-// placements' new prompt tokens, counted until the
+// endpoint: each of their placements' new prompt tokens, counted until the
 // time this router expects the engine to have computed them. A router's
 // own requests are counted from the pick to their first byte (Lease); a
 // peer's pick is known only from its gossip, and its first byte not at
@@ -40,22 +39,17 @@ func (e *Endpoint) AddPeerPrefill(tokens int64, until time.Time) {
 // none is counted.
 func (e *Endpoint) PeerPrefill() int64 { return e.peerPrefill.load() }
 
-// AddUnheard counts a pick of this router's at e as standing for requests
-// more of the router replicas', sent at the same moment and not yet told
-// by their gossip, leaving tokens of prompt to compute, until until: what
-// a router's own dispatch stands for at the others (Prefix.Pick). Apart
-// from PeerInFlight and PeerPrefill, which the endpoint's cost learning
-// reads as load met (Acquire): these are a guess, and the request's own.
-func (e *Endpoint) AddUnheard(requests, tokens int64, until time.Time) {
+// AddUnheardPrefill counts tokens of prompt that the router replicas are
+// expected to have sent e and not yet told of, until until: the prefill a
+// router's own dispatch stands for at the others (Prefix.Pick). It is
+// apart from PeerPrefill, which the endpoint's cost learning reads as
+// load met (Acquire): these are a guess, and the request's own.
+func (e *Endpoint) AddUnheardPrefill(tokens int64, until time.Time) {
 	e.unheard.add(tokens, until)
-	e.unheardReqs.add(requests, until)
 }
 
-// UnheardPrefill returns the prompt tokens AddUnheard counts now.
+// UnheardPrefill returns the tokens AddUnheardPrefill counts now.
 func (e *Endpoint) UnheardPrefill() int64 { return e.unheard.load() }
-
-// UnheardInFlight returns the requests AddUnheard counts now.
-func (e *Endpoint) UnheardInFlight() int64 { return e.unheardReqs.load() }
 
 // add counts tokens until until.
 func (p *peerPrefill) add(tokens int64, until time.Time) {

@@ -26,11 +26,9 @@ type EndpointStatus struct {
 	// PeerPrefill is the prompt tokens the replicas' placements here are
 	// taken to be still computing (their gossip; until a predicted time).
 	PeerPrefill int64 `json:"peer_prefill_tokens,omitempty"`
-	// UnheardInFlight and UnheardPrefill are the requests and prompt
-	// tokens the replicas most likely sent here in the last 20 ms and have
-	// not told yet (AddUnheard).
-	UnheardInFlight int64 `json:"unheard_in_flight,omitempty"`
-	UnheardPrefill  int64 `json:"unheard_prefill_tokens,omitempty"`
+	// UnheardPrefill is the prompt tokens the replicas most likely sent
+	// here in the last 20 ms and have not told yet (AddUnheardPrefill).
+	UnheardPrefill int64 `json:"unheard_prefill_tokens,omitempty"`
 	// RoomLimit is the known load at which the engine has no room (its
 	// batch limit, or the slow start's; 0: none), HasRoom whether it has
 	// room now, and Full whether it answered 429 at the load it still
@@ -102,7 +100,7 @@ func (f *Fleet) Endpoints() []EndpointStatus {
 func (f *Fleet) status(e *Endpoint, now time.Time) EndpointStatus {
 	s := EndpointStatus{
 		URL: e.URL, Role: e.Role.String(), State: e.State(), Routable: e.Routable(),
-		InFlight: e.InFlight(), InFlightPrefill: e.PendingPrefill(), PeerInFlight: e.PeerInFlight(), PeerPrefill: e.PeerPrefill(), UnheardInFlight: e.UnheardInFlight(), UnheardPrefill: e.UnheardPrefill(),
+		InFlight: e.InFlight(), InFlightPrefill: e.PendingPrefill(), PeerInFlight: e.PeerInFlight(), PeerPrefill: e.PeerPrefill(), UnheardPrefill: e.UnheardPrefill(),
 		RoomLimit: e.roomLimit(), HasRoom: e.HasRoom(), Full: e.Full(),
 		Requests: e.Requests(), Failures: e.Failures.Load(),
 		ProbeFailures: e.probeFails.Load(), ProbeSuccesses: e.probeOKs.Load(),

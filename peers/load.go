@@ -187,8 +187,8 @@ const (
 )
 
 // Echo is how many requests of the peers one request of this replica's
-// stands for (Prefix.Pick counts a pick as that many more at its endpoint
-// until the peers' gossip tells where theirs went): the peers' requests in
+// stands for (Prefix.Pick counts the prefill of that many more at its
+// endpoint until the peers' gossip tells where theirs went): the peers' requests in
 // flight over this replica's, averaged over echoDecay, at most the number
 // of live peers. A client that spreads its requests over the replicas
 // gives each the same share, and Echo is the number of peers; one that

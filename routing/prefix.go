@@ -273,8 +273,8 @@ func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 		if d.PrefixKey != 0 {
 			d.distance = p.warm.see(d.Endpoint.ID, d.PrefixKey)
 		}
-		if n := p.echoes(); n > 0 {
-			d.Endpoint.AddUnheard(int64(math.Round(n)), int64(n*float64(d.Prefill)), time.Now().Add(unheardFor))
+		if n := p.echoes(); n > 0 && d.Prefill > 0 {
+			d.Endpoint.AddUnheardPrefill(int64(n*float64(d.Prefill)), time.Now().Add(unheardFor))
 		}
 	}
 	if strayed := (d.Reason == ReasonCold || d.branch) && !d.Home; d.PrefixKey != 0 && d.Endpoint != nil && (d.unplaced || strayed) {
@@ -344,7 +344,7 @@ func (p *Prefix) echoes() float64 {
 }
 
 // unheardFor is how long a pick stands for the gossiping replicas' picks
-// of the same moment at its endpoint (Endpoint.AddUnheard): their
+// of the same moment at its endpoint (Endpoint.AddUnheardPrefill): their
 // placements go out every 10 ms (peers' flushEvery) and arrive within
 // about as long. A client spreading requests over n replicas sends each
 // the same mix, and replicas deciding on the same view decide alike: a
@@ -492,9 +492,9 @@ func deepestMatch(matches []prefix.Match) int {
 // none), but presumes no home holds a key: the replicas' placements are in
 // its index. Knowing where each of them placed a key's first request
 // (PeerPlaced), it homes keys as a router alone does, where that request
-// went. Each of its picks counts, at the endpoint, the requests and
-// prefill the others most likely sent there meanwhile and have yet to tell
-// (Pick: echo of them, nil: others), and rank, this replica's place among
+// went. Each of its picks counts, at the endpoint, the prefill the others
+// most likely sent there meanwhile and have yet to tell (Pick: echo times
+// its own, or with echo nil others times), and rank, this replica's place among
 // them, gives it its own turn for a new key's home and its spill targets
 // (turnOf), where replicas would decide alike. Set it before the policy
 // serves.

@@ -12,7 +12,7 @@ type load struct {
 }
 
 func loadOf(e *discovery.Endpoint) load {
-	return load{inFlight: e.InFlight(), peer: e.PeerInFlight() + e.UnheardInFlight(), pending: e.PendingPrefill() + e.PeerPrefill() + e.UnheardPrefill(), eng: e.Engine(), costs: e.Costs()}
+	return load{inFlight: e.InFlight(), peer: e.PeerInFlight(), pending: e.PendingPrefill() + e.PeerPrefill() + e.UnheardPrefill(), eng: e.Engine(), costs: e.Costs()}
 }
 
 // rates are the wait model's constants for one endpoint: its learned costs

@@ -493,11 +493,11 @@ func deepestMatch(matches []prefix.Match) int {
 // its index. Knowing where each of them placed a key's first request
 // (PeerPlaced), it homes keys as a router alone does, where that request
 // went. Each of its picks counts, at the endpoint, the prefill the others
-// most likely sent there meanwhile and have yet to tell (Pick: echo times
-// its own, or with echo nil others times), and rank, this replica's place among
-// them, gives it its own turn for a new key's home and its spill targets
-// (turnOf), where replicas would decide alike. Set it before the policy
-// serves.
+// most likely sent there meanwhile and have yet to tell (Pick: its own
+// times echo, or times others when echo is nil), and rank, this replica's
+// place among them, gives it its own turn for a new key's home and its
+// spill targets (turnOf), where replicas would decide alike. Set it before
+// the policy serves.
 func (p *Prefix) Meshed(shared func() bool, others, rank func() int, echo func() float64) {
 	p.meshed, p.others, p.rank, p.echo = shared, others, rank, echo
 }

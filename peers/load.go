@@ -186,11 +186,14 @@ const (
 	echoPrior = time.Second
 )
 
+// echoKeep is what one loadEvery leaves of Echo's sums.
+var echoKeep = math.Exp(-float64(loadEvery) / float64(echoDecay))
+
 // Echo is how many requests of the peers one request of this replica's
 // stands for (Prefix.Pick counts the prefill of that many more at its
-// endpoint until the peers' gossip tells where theirs went): the peers' requests in
-// flight over this replica's, averaged over echoDecay, at most the number
-// of live peers. A client that spreads its requests over the replicas
+// endpoint until the peers' gossip tells where theirs went): the peers'
+// requests in flight over this replica's, averaged over echoDecay, at most
+// the number of live peers. A client that spreads its requests over the replicas
 // gives each the same share, and Echo is the number of peers; one that
 // sends them all to this replica makes it 0, where counting every peer
 // would have spread this replica's own bursts as if the peers sent alike.
@@ -218,9 +221,8 @@ func (m *Mesh) learnEcho() {
 		}
 	}
 	l.mu.Unlock()
-	decay := math.Exp(-float64(loadEvery) / float64(echoDecay))
-	l.ownSum = l.ownSum*decay + float64(own)
-	l.peerSum = l.peerSum*decay + float64(peers)
+	l.ownSum = l.ownSum*echoKeep + float64(own)
+	l.peerSum = l.peerSum*echoKeep + float64(peers)
 	others := float64(m.others.Load())
 	prior := float64(echoPrior / loadEvery)
 	m.echo.Store(math.Float64bits(min(others, (l.peerSum+others*prior)/(l.ownSum+prior))))

@@ -379,16 +379,24 @@ func TestLoadReachesPeers(t *testing.T) {
 	until(t, "r1's report to lapse", func() bool { return boards[2].peer(3) == 1 && boards[0].peer(3) == 0 })
 }
 
-// A peer's placement counts as one of its requests in flight at the
-// endpoint (once per endpoint a message names) until its next report says
-// how many run.
-func TestPlacementCountsAsInFlightUntilReported(t *testing.T) {
+// newLoadMesh returns a mesh, not running, that knows endpoints below 100
+// and exchanges load through board.
+func newLoadMesh(t *testing.T) (*Mesh, *loadBoard) {
+	t.Helper()
 	board := &loadBoard{own: map[uint64]int64{}, peers: map[uint64]int64{}}
 	m, err := New(Config{Name: "r", Listen: "127.0.0.1:0", Fingerprint: 1, Known: func(id uint64) bool { return id < 100 },
 		Record: func(uint64, []uint64) {}, Load: board.Load, SetLoad: board.SetLoad})
 	if err != nil {
 		t.Fatal(err)
 	}
+	return m, board
+}
+
+// A peer's placement counts as one of its requests in flight at the
+// endpoint (once per endpoint a message names) until its next report says
+// how many run.
+func TestPlacementCountsAsInFlightUntilReported(t *testing.T) {
+	m, board := newLoadMesh(t)
 	const peer = 77
 	now := time.Now()
 	m.mergeLoad(peer, []loadEntry{{4, 2}}, now)
@@ -411,12 +419,7 @@ func TestPlacementCountsAsInFlightUntilReported(t *testing.T) {
 // until they show otherwise; the peers' requests in flight over this
 // replica's once they do, at most the number of peers.
 func TestEchoLearnsThePeersShare(t *testing.T) {
-	board := &loadBoard{own: map[uint64]int64{}, peers: map[uint64]int64{}}
-	m, err := New(Config{Name: "r", Listen: "127.0.0.1:0", Fingerprint: 1, Known: func(id uint64) bool { return id < 100 },
-		Record: func(uint64, []uint64) {}, Load: board.Load, SetLoad: board.SetLoad})
-	if err != nil {
-		t.Fatal(err)
-	}
+	m, board := newLoadMesh(t)
 	m.others.Store(3)
 	if e := m.Echo(); e != 3 {
 		t.Fatalf("Echo before any load %v, want the peers' number 3", e)

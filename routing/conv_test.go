@@ -190,17 +190,25 @@ func TestPeersLoadCountsAsOwn(t *testing.T) {
 	}
 }
 
+// chainedReplica returns one of two gossiping replicas over set that have
+// routed 16 conversations under one system prompt: its family is seen
+// chained, and a conversation is keyed by its own branch.
+func chainedReplica(t *testing.T, set *discovery.Set) *Prefix {
+	t.Helper()
+	replicas := []*Prefix{newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams())}
+	for _, p := range replicas {
+		p.Meshed(func() bool { return true }, nil, nil, nil)
+	}
+	conversations(t, set, replicas, 16)
+	return replicas[0]
+}
+
 // A conversation of gossiping replicas whose deepest copy, away from its
 // home, lost most of its history (the endpoint evicted it) goes home;
 // while that copy holds most of it, the conversation stays with it.
 func TestLostConversationGoesHome(t *testing.T) {
 	set := testSet(t, 8)
-	replicas := []*Prefix{newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams())}
-	for _, p := range replicas {
-		p.Meshed(func() bool { return true }, nil, nil, nil)
-	}
-	conversations(t, set, replicas, 16) // the family is seen chained
-	p := replicas[0]
+	p := chainedReplica(t, set)
 	conv := system(9, 2500) + "user 99: " + strings.Repeat("a long first question of its own. ", 400)
 	first := request(conv)
 	d := p.Pick(first, set)
@@ -233,12 +241,7 @@ func TestLostConversationGoesHome(t *testing.T) {
 // rendezvous puts them, up to seven of 24 on one of eight pods.
 func TestNewConversationGoesByLoad(t *testing.T) {
 	set := testSet(t, 8)
-	replicas := []*Prefix{newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams())}
-	for _, p := range replicas {
-		p.Meshed(func() bool { return true }, nil, nil, nil)
-	}
-	conversations(t, set, replicas, 16) // the family is seen chained
-	p := replicas[0]
+	p := chainedReplica(t, set)
 	first := request(system(9, 2500) + "user 98: " + strings.Repeat("a first question of its own. ", 40))
 	_, terms := p.Explain(first, set)
 	var home *discovery.Endpoint

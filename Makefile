@@ -40,7 +40,8 @@ bench: ## micro-benchmarks beside the code (hop latency, parsing, policies)
 FUZZTIME ?= 30s
 FUZZ_TARGETS := ./proxy:FuzzParse ./proxy:FuzzRender ./proxy:FuzzUsageScanner ./proxy:FuzzStreamTrack \
 	./discovery:FuzzParseEngine ./discovery:FuzzDNSAnswer ./kvevents:FuzzDecodeBatch \
-	./kvevents:FuzzZMTP ./prefix:FuzzHasher ./peers:FuzzDecode ./peers:FuzzDecodeState ./peers:FuzzDecodeLoad
+	./kvevents:FuzzZMTP ./prefix:FuzzHasher ./peers:FuzzDecode ./peers:FuzzDecodeState ./peers:FuzzDecodeLoad \
+	./peers:FuzzDecodeLinks ./peers:FuzzDecodeSequences
 fuzz: ## every native fuzz target in turn, FUZZTIME (30s) each
 	@set -e; for t in $(FUZZ_TARGETS); do \
 	  pkg=$${t%%:*}; name=$${t#*:}; echo "== $$name ($$pkg, $(FUZZTIME))"; \

@@ -222,6 +222,7 @@ func (r *Router) newMesh(logger *zap.Logger) (*peers.Mesh, error) {
 	if r.truth != nil {
 		pc.Links = r.truth.PeerLinked
 	}
+	pc.Sequences = r.Prefix.PeerSequenced
 	pc.Logger = logger.Named("peers")
 	m, err := peers.New(pc)
 	if err != nil {
@@ -231,6 +232,7 @@ func (r *Router) newMesh(logger *zap.Logger) (*peers.Mesh, error) {
 		r.truth.OnLinked(m.Linked)
 	}
 	r.Prefix.OnPlaced(m.Placed)
+	r.Prefix.OnSequenced(m.Sequenced)
 	r.Prefix.Meshed(m.Shared, m.Members, m.Rank, m.Echo)
 	metrics.RegisterPeers(r.Registry, func() metrics.PeersSample {
 		s := m.Stats()

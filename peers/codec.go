@@ -52,12 +52,21 @@ var ErrBadMessage = errors.New("bad peer message")
 //	count × { block hash u64 | token key u64 }
 //
 // (a replica older than links refuses the kind and counts it malformed).
+// A sequences message (kind 5) carries the conversations' turns the sender
+// placed (routing's sequences): each the endpoint, the mark of the earlier
+// prompt the turn continued there (0: none) and the turn's own,
+//
+//	count uvarint (1..maxSeqTriples)
+//	count × { endpoint u64 | from u64 | to u64 }
+//
+// (a replica older than sequences refuses the kind likewise).
 const (
 	version       = 1
 	kindPlacement = 1
 	kindLoad      = 2
 	kindState     = 3
 	kindLinks     = 4
+	kindSequences = 5
 	// maxLoadEntries bounds a load message's endpoints (it fits
 	// maxDatagram); maxInFlight a count in it.
 	maxLoadEntries = 100
@@ -82,8 +91,10 @@ const (
 	maxHashes  = (maxDatagram - headerLen) / 8
 	// entryOverhead is an entry's bytes besides its hashes, at most.
 	entryOverhead = 8 + 2
-	// maxLinkPairs bounds a links message's pairs (it fits maxDatagram).
-	maxLinkPairs = (maxDatagram - headerLen - 1) / 16
+	// maxLinkPairs bounds a links message's pairs, maxSeqTriples a
+	// sequences message's triples (each fits maxDatagram).
+	maxLinkPairs  = (maxDatagram - headerLen - 1) / 16
+	maxSeqTriples = (maxDatagram - headerLen - 1) / 24
 )
 
 // header is a message's header.
@@ -375,39 +386,74 @@ func decodeLoad(b []byte, es []loadEntry) ([]loadEntry, error) {
 	return es, nil
 }
 
-// encodeLinks appends to out the links messages carrying pairs (block
-// hash, token key, block hash, token key, …), maxLinkPairs each, and
-// returns them.
+// encodeLinks appends to out the messages carrying pairs (block, token,
+// block, token, …) and returns them.
 func encodeLinks(out [][]byte, h header, pairs []uint64) [][]byte {
 	h.kind = kindLinks
-	for len(pairs) >= 2 {
-		k := min(len(pairs)/2, maxLinkPairs)
-		b := appendHeader(make([]byte, 0, maxDatagram), h)
-		b = binary.AppendUvarint(b, uint64(k))
-		for _, x := range pairs[:2*k] {
-			b = binary.LittleEndian.AppendUint64(b, x)
-		}
-		out, pairs = append(out, b), pairs[2*k:]
-	}
-	return out
+	return encodeWords(out, h, 2, maxLinkPairs, pairs)
 }
 
 // decodeLinks reads a links message's body (after the header) whole into
 // blocks and tokens (reused; returned), and refuses it whole if any part
 // is bad.
 func decodeLinks(b []byte, blocks, tokens []uint64) ([]uint64, []uint64, error) {
-	blocks, tokens = blocks[:0], tokens[:0]
+	words, err := decodeWords(b, 2, maxLinkPairs, blocks[:0])
+	tokens = tokens[:0]
+	if err != nil {
+		return words[:0], tokens, fmt.Errorf("%w: links", err)
+	}
+	n := len(words) / 2
+	for i := range n { // de-interleave in place: block i moves down to i
+		tokens = append(tokens, words[2*i+1])
+		words[i] = words[2*i]
+	}
+	return words[:n], tokens, nil
+}
+
+// encodeSequences appends to out the messages carrying triples (endpoint,
+// from, to, …) and returns them.
+func encodeSequences(out [][]byte, h header, triples []uint64) [][]byte {
+	h.kind = kindSequences
+	return encodeWords(out, h, 3, maxSeqTriples, triples)
+}
+
+// decodeSequences reads a sequences message's body whole into triples
+// (reused; returned), and refuses it whole if any part is bad.
+func decodeSequences(b []byte, triples []uint64) ([]uint64, error) {
+	triples, err := decodeWords(b, 3, maxSeqTriples, triples[:0])
+	if err != nil {
+		return triples[:0], fmt.Errorf("%w: sequences", err)
+	}
+	return triples, nil
+}
+
+// encodeWords appends to out messages of header h carrying words in tuples
+// of width, at most max tuples a message: count uvarint, then the words.
+func encodeWords(out [][]byte, h header, width, max int, words []uint64) [][]byte {
+	for len(words) >= width {
+		k := min(len(words)/width, max)
+		b := appendHeader(make([]byte, 0, maxDatagram), h)
+		b = binary.AppendUvarint(b, uint64(k))
+		for _, x := range words[:width*k] {
+			b = binary.LittleEndian.AppendUint64(b, x)
+		}
+		out, words = append(out, b), words[width*k:]
+	}
+	return out
+}
+
+// decodeWords reads encodeWords' body whole, appending its words to words.
+func decodeWords(b []byte, width, max int, words []uint64) ([]uint64, error) {
 	count, n := binary.Uvarint(b)
-	if n <= 0 || count == 0 || count > maxLinkPairs {
-		return blocks, tokens, fmt.Errorf("%w: link count", ErrBadMessage)
+	if n <= 0 || count == 0 || count > uint64(max) {
+		return words, fmt.Errorf("%w: count", ErrBadMessage)
 	}
 	b = b[n:]
-	if uint64(len(b)) != 16*count {
-		return blocks, tokens, fmt.Errorf("%w: %d bytes for %d links", ErrBadMessage, len(b), count)
+	if uint64(len(b)) != 8*uint64(width)*count {
+		return words, fmt.Errorf("%w: %d bytes for %d tuples", ErrBadMessage, len(b), count)
 	}
-	for i := range int(count) {
-		blocks = append(blocks, binary.LittleEndian.Uint64(b[16*i:]))
-		tokens = append(tokens, binary.LittleEndian.Uint64(b[16*i+8:]))
+	for i := range width * int(count) {
+		words = append(words, binary.LittleEndian.Uint64(b[8*i:]))
 	}
-	return blocks, tokens, nil
+	return words, nil
 }

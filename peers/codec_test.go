@@ -3,6 +3,7 @@ package peers
 import (
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"slices"
 	"testing"
 )
@@ -304,80 +305,106 @@ func FuzzDecodeLoad(f *testing.F) {
 	})
 }
 
-// Links: any number of pairs split over messages of maxLinkPairs, each
-// within maxDatagram, back in order; a malformed body is refused whole.
-func TestLinksRoundTrip(t *testing.T) {
-	in := chain(5, 2*(2*maxLinkPairs+3)) // 2 full messages and 3 pairs
-	msgs := encodeLinks(nil, header{sender: 1, fingerprint: 2}, in)
-	if len(msgs) != 3 {
-		t.Fatalf("%d messages for %d pairs", len(msgs), len(in)/2)
-	}
-	var got []uint64
-	for _, b := range msgs {
-		if len(b) > maxDatagram {
-			t.Fatalf("message of %d bytes", len(b))
+// tupleCodec is a message kind of fixed-width tuples of words (links,
+// sequences), decoded back to its words in order.
+type tupleCodec struct {
+	kind       byte
+	width, max int
+	encode     func(out [][]byte, h header, words []uint64) [][]byte
+	decode     func(b []byte) ([]uint64, error)
+}
+
+var tupleCodecs = map[string]tupleCodec{
+	"links": {kindLinks, 2, maxLinkPairs, encodeLinks, func(b []byte) ([]uint64, error) {
+		blocks, tokens, err := decodeLinks(b, nil, nil)
+		if len(blocks) != len(tokens) {
+			return nil, fmt.Errorf("%d blocks, %d tokens", len(blocks), len(tokens))
 		}
-		h, body, err := readHeader(b)
-		if err != nil || h.kind != kindLinks {
-			t.Fatalf("header %+v, %v", h, err)
-		}
-		blocks, tokens, err := decodeLinks(body, nil, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
+		var words []uint64
 		for i := range blocks {
-			got = append(got, blocks[i], tokens[i])
+			words = append(words, blocks[i], tokens[i])
 		}
-	}
-	if !slices.Equal(got, in) {
-		t.Fatal("links back differ")
-	}
-	if msgs := encodeLinks(nil, header{}, in[:1]); len(msgs) != 0 {
-		t.Fatalf("half a pair encoded as %d messages", len(msgs))
-	}
-	_, body, _ := readHeader(msgs[2])
-	for name, b := range map[string][]byte{
-		"empty":          {},
-		"no pairs":       {0},
-		"too many":       binaryUvarint(maxLinkPairs + 1),
-		"truncated":      body[:len(body)-1],
-		"trailing bytes": append(append([]byte{}, body...), 0),
-	} {
-		if blocks, tokens, err := decodeLinks(b, nil, nil); !errors.Is(err, ErrBadMessage) || len(blocks)+len(tokens) != 0 {
-			t.Errorf("%s: %v, %d pairs", name, err, len(blocks))
+		return words, err
+	}},
+	"sequences": {kindSequences, 3, maxSeqTriples, encodeSequences, func(b []byte) ([]uint64, error) {
+		return decodeSequences(b, nil)
+	}},
+}
+
+// Links and sequences: any number of tuples split over messages of their
+// bound, each within maxDatagram, back in order; a malformed body is
+// refused whole.
+func TestTuplesRoundTrip(t *testing.T) {
+	for name, c := range tupleCodecs {
+		in := chain(5, c.width*(2*c.max+3)) // 2 full messages and 3 tuples
+		msgs := c.encode(nil, header{sender: 1, fingerprint: 2}, in)
+		if len(msgs) != 3 {
+			t.Fatalf("%s: %d messages for %d tuples", name, len(msgs), len(in)/c.width)
+		}
+		var got []uint64
+		for _, b := range msgs {
+			if len(b) > maxDatagram {
+				t.Fatalf("%s: message of %d bytes", name, len(b))
+			}
+			h, body, err := readHeader(b)
+			if err != nil || h.kind != c.kind {
+				t.Fatalf("%s: header %+v, %v", name, h, err)
+			}
+			words, err := c.decode(body)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got = append(got, words...)
+		}
+		if !slices.Equal(got, in) {
+			t.Fatalf("%s: back differ", name)
+		}
+		if msgs := c.encode(nil, header{}, in[:c.width-1]); len(msgs) != 0 {
+			t.Fatalf("%s: part of a tuple encoded as %d messages", name, len(msgs))
+		}
+		_, body, _ := readHeader(msgs[2])
+		for bad, b := range map[string][]byte{
+			"empty":          {},
+			"no tuples":      {0},
+			"too many":       binaryUvarint(uint64(c.max + 1)),
+			"truncated":      body[:len(body)-1],
+			"trailing bytes": append(append([]byte{}, body...), 0),
+		} {
+			if words, err := c.decode(b); !errors.Is(err, ErrBadMessage) || len(words) != 0 {
+				t.Errorf("%s, %s: %v, %d words", name, bad, err, len(words))
+			}
 		}
 	}
 }
 
-// FuzzDecodeLinks: any bytes decode as a links message or are refused with
+// fuzzTuples: any bytes decode as c's message or are refused with
 // ErrBadMessage, never a panic; what decodes is within the bounds and
 // encodes back to itself.
-func FuzzDecodeLinks(f *testing.F) {
-	_, body, _ := readHeader(encodeLinks(nil, header{}, chain(1, 6))[0])
+func fuzzTuples(f *testing.F, c tupleCodec) {
+	_, body, _ := readHeader(c.encode(nil, header{}, chain(1, 3*c.width))[0])
 	f.Add(body)
 	f.Fuzz(func(t *testing.T, b []byte) {
-		blocks, tokens, err := decodeLinks(b, nil, nil)
+		words, err := c.decode(b)
 		if err != nil {
 			if !errors.Is(err, ErrBadMessage) {
 				t.Fatal(err)
 			}
 			return
 		}
-		if len(blocks) == 0 || len(blocks) > maxLinkPairs || len(tokens) != len(blocks) {
-			t.Fatalf("%d blocks, %d tokens", len(blocks), len(tokens))
+		if len(words) == 0 || len(words) > c.width*c.max || len(words)%c.width != 0 {
+			t.Fatalf("%d words", len(words))
 		}
-		var pairs []uint64
-		for i := range blocks {
-			pairs = append(pairs, blocks[i], tokens[i])
-		}
-		msgs := encodeLinks(nil, header{}, pairs)
+		msgs := c.encode(nil, header{}, words)
 		_, again, _ := readHeader(msgs[0])
-		b2, t2, err := decodeLinks(again, nil, nil)
-		if err != nil || len(msgs) != 1 || !slices.Equal(b2, blocks) || !slices.Equal(t2, tokens) {
+		back, err := c.decode(again)
+		if err != nil || len(msgs) != 1 || !slices.Equal(back, words) {
 			t.Fatalf("re-encoded: %v, %d messages", err, len(msgs))
 		}
 	})
 }
+
+func FuzzDecodeLinks(f *testing.F)     { fuzzTuples(f, tupleCodecs["links"]) }
+func FuzzDecodeSequences(f *testing.F) { fuzzTuples(f, tupleCodecs["sequences"]) }
 
 // Key files: base64 keys of 16, 24 or 32 bytes, one a line, comments and
 // blank lines skipped; anything else refused with the line.

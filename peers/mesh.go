@@ -88,6 +88,10 @@ type Config struct {
 	// the token block keyed tokens[i]; both are only valid during the
 	// call. Without it (no engine events) no links are merged.
 	Links func(blocks, tokens []uint64)
+	// Sequences takes a conversation's turn a peer placed (Sequenced's;
+	// routing's PeerSequenced) on an endpoint this replica routes to.
+	// Without it none are merged.
+	Sequences func(id, from, to uint64)
 	// Logger receives memberlist's events and the mesh's (nil: none).
 	Logger *zap.Logger
 }
@@ -107,6 +111,9 @@ const (
 	// they are dropped and counted (the peers then tokenize the prompt
 	// themselves when they forward it).
 	maxPendingLinks = 64 << 10
+	// maxPendingSeqs bounds the turns waiting for a flush (1.5 MB);
+	// beyond, they are dropped and counted.
+	maxPendingSeqs = 64 << 10
 	// maxRecent bounds the chains remembered as sent this second.
 	maxRecent = 1 << 16
 	// inbox is the received messages waiting to be merged; beyond it
@@ -156,6 +163,8 @@ type Mesh struct {
 	spareP  []pendingEntry
 	links   []uint64 // links since the last flush: block, token, block, token, …
 	spareL  []uint64
+	seqs    []uint64 // turns since the last flush: endpoint, from, to, …
+	spareS  []uint64
 
 	in chan []byte
 
@@ -173,7 +182,7 @@ type pendingEntry struct {
 type counters struct {
 	sentMessages, sentBytes, receivedMessages, receivedBytes atomic.Int64
 	merged, unknown, mismatched, dropped, decodeErrors       atomic.Int64
-	links                                                    atomic.Int64
+	links, sequences                                         atomic.Int64
 	states, imported, importedHomes                          atomic.Int64
 }
 
@@ -204,6 +213,8 @@ type Stats struct {
 	DecodeErrors int64 `json:"decode_errors"`
 	// Links counts peers' links merged (Config.Links).
 	Links int64 `json:"links"`
+	// Sequences counts peers' conversation turns merged (Config.Sequences).
+	Sequences int64 `json:"sequences"`
 	// States counts peers' states merged (push/pull), Imported the
 	// claims they added to the index, ImportedHomes the homes.
 	States        int64 `json:"states"`
@@ -358,7 +369,7 @@ func (m *Mesh) Stats() Stats {
 		SentMessages: c.sentMessages.Load(), SentBytes: c.sentBytes.Load(),
 		ReceivedMessages: c.receivedMessages.Load(), ReceivedBytes: c.receivedBytes.Load(),
 		Merged: c.merged.Load(), Unknown: c.unknown.Load(), Mismatched: c.mismatched.Load(),
-		Dropped: c.dropped.Load(), DecodeErrors: c.decodeErrors.Load(), Links: c.links.Load(),
+		Dropped: c.dropped.Load(), DecodeErrors: c.decodeErrors.Load(), Links: c.links.Load(), Sequences: c.sequences.Load(),
 		States: c.states.Load(), Imported: c.imported.Load(), ImportedHomes: c.importedHomes.Load()}
 }
 
@@ -410,6 +421,23 @@ func (m *Mesh) Linked(blocks, tokens []uint64) {
 	for i := range n {
 		m.links = append(m.links, blocks[i], tokens[i])
 	}
+}
+
+// Sequenced notes that this replica sent endpoint id a turn whose prompt
+// is marked to (routing's sequences), continuing the earlier prompt marked
+// from (0: none), for the next flush. On the request path: one atomic load
+// without peers.
+func (m *Mesh) Sequenced(id, from, to uint64) {
+	if m.others.Load() == 0 {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.seqs) >= 3*maxPendingSeqs {
+		m.stats.dropped.Add(1)
+		return
+	}
+	m.seqs = append(m.seqs, id, from, to)
 }
 
 // Run joins the seeds and gossips until ctx ends, then leaves the mesh
@@ -518,12 +546,12 @@ func (m *Mesh) join(ctx context.Context, ml *memberlist.Memberlist) {
 // every other live member.
 func (m *Mesh) flush(ml *memberlist.Memberlist) {
 	m.mu.Lock()
-	if len(m.pending) == 0 && len(m.links) == 0 {
+	if len(m.pending) == 0 && len(m.links) == 0 && len(m.seqs) == 0 {
 		m.mu.Unlock()
 		return
 	}
-	pending, flat, links := m.pending, m.flat, m.links
-	m.pending, m.flat, m.links = m.spareP[:0], m.spare[:0], m.spareL[:0]
+	pending, flat, links, seqs := m.pending, m.flat, m.links, m.seqs
+	m.pending, m.flat, m.links, m.seqs = m.spareP[:0], m.spare[:0], m.spareL[:0], m.spareS[:0]
 	m.mu.Unlock()
 	h := header{sender: m.sender, fingerprint: m.cfg.Fingerprint}
 	var msgs [][]byte
@@ -535,10 +563,11 @@ func (m *Mesh) flush(ml *memberlist.Memberlist) {
 		msgs = encodePlacements(msgs, h, ps)
 	}
 	msgs = encodeLinks(msgs, h, links)
+	msgs = encodeSequences(msgs, h, seqs)
 	m.sendAll(ml, msgs)
 	m.loads.placed = m.loads.placed || len(pending) > 0
 	m.mu.Lock()
-	m.spareP, m.spare, m.spareL = pending[:0], flat[:0], links[:0]
+	m.spareP, m.spare, m.spareL, m.spareS = pending[:0], flat[:0], links[:0], seqs[:0]
 	m.mu.Unlock()
 }
 
@@ -581,6 +610,7 @@ type scratch struct {
 	flat           []uint64
 	load           []loadEntry
 	blocks, tokens []uint64
+	seqs           []uint64
 	placed         []loadEntry // a placements message's endpoints, each once
 }
 
@@ -623,6 +653,17 @@ func (m *Mesh) apply(b []byte, sc *scratch) {
 		if sc.blocks, sc.tokens, err = decodeLinks(body, sc.blocks, sc.tokens); err == nil && m.cfg.Links != nil {
 			m.cfg.Links(sc.blocks, sc.tokens)
 			m.stats.links.Add(int64(len(sc.blocks)))
+		}
+	case kindSequences:
+		if sc.seqs, err = decodeSequences(body, sc.seqs); err == nil && m.cfg.Sequences != nil {
+			for i := 0; i < len(sc.seqs); i += 3 {
+				if !m.cfg.Known(sc.seqs[i]) {
+					m.stats.unknown.Add(1)
+					continue
+				}
+				m.cfg.Sequences(sc.seqs[i], sc.seqs[i+1], sc.seqs[i+2])
+				m.stats.sequences.Add(1)
+			}
 		}
 	default:
 		err = fmt.Errorf("%w: kind %d", ErrBadMessage, h.kind)

@@ -103,11 +103,12 @@ func until(t *testing.T, what string, cond func() bool) {
 // other whole (a chain longer than a message, in pieces, first blocks
 // first); a placement on an endpoint the peer does not route to is
 // dropped and counted; a replica with another hashing configuration is
-// ignored. Links go the same way.
+// ignored. Links and sequences go the same way.
 func TestPlacementsReachPeers(t *testing.T) {
 	ra, rb, rc := newRecorder(), newRecorder(), newRecorder()
 	var linksMu sync.Mutex
 	var links []uint64 // b's: block, token, …
+	var seqs []uint64  // b's: endpoint, from, to, …
 	a := start(t, Config{Name: "a"}, ra)
 	if err := a.Ready(); err != nil {
 		t.Fatalf("a replica without seeds is not ready: %v", err)
@@ -118,6 +119,10 @@ func TestPlacementsReachPeers(t *testing.T) {
 		for i := range blocks {
 			links = append(links, blocks[i], tokens[i])
 		}
+	}, Sequences: func(id, from, to uint64) {
+		linksMu.Lock()
+		defer linksMu.Unlock()
+		seqs = append(seqs, id, from, to)
 	}}, rb)
 	until(t, "the replicas to meet", func() bool { return a.Members() == 1 && b.Members() == 1 })
 	until(t, "b ready (a's state merged at the join)", func() bool { return b.Ready() == nil })
@@ -166,6 +171,17 @@ func TestPlacementsReachPeers(t *testing.T) {
 	}
 	if got := b.Stats().Links; got != int64(len(pairs)/2) {
 		t.Fatalf("b counted %d links merged, want %d", got, len(pairs)/2)
+	}
+	a.Sequenced(3, 0, 0xabc)
+	a.Sequenced(200, 1, 2) // not an endpoint of b
+	a.Sequenced(3, 0xabc, 0xdef)
+	until(t, "b to merge a's sequences", func() bool {
+		linksMu.Lock()
+		defer linksMu.Unlock()
+		return slices.Equal(seqs, []uint64{3, 0, 0xabc, 3, 0xabc, 0xdef}) && b.Stats().Unknown == 2
+	})
+	if got := b.Stats().Sequences; got != 2 {
+		t.Fatalf("b counted %d sequences merged, want 2", got)
 	}
 	a.Placed(3, long) // the same chain again within the second: not resent
 	s := a.Stats()

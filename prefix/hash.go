@@ -27,7 +27,27 @@ type Hasher struct {
 	total     int    // bytes written since Reset
 	// Hashes holds the chained hashes of the full blocks written so far.
 	Hashes []uint64
+	// Marks holds the last maxMarks marks (Mark), earliest first.
+	Marks []Mark
 }
+
+// A Mark is a point of the rendering where a later prompt may continue
+// this one: the end of a chat message, or of the prompt. Hash covers every
+// byte written before it (the full blocks' chain and the partial block's
+// bytes), so a later prompt that extends this one through that point has a
+// mark of the same Hash, whatever the block boundaries; Bytes is its
+// offset.
+type Mark struct {
+	Hash  uint64
+	Bytes int
+}
+
+// maxMarks bounds the marks kept per stream: the last ones, where a
+// conversation's previous turn ended.
+const maxMarks = 16
+
+// markSalt keeps a mark's hash apart from the block hashes.
+const markSalt = 0x4d61_726b_5461_696c // "MarkTail"
 
 // Reset prepares h for a new stream with the given block size (bytes, > 0),
 // block cap (> 0) and chain seed.
@@ -41,6 +61,22 @@ func (h *Hasher) Reset(blockSize, maxBlocks int, seed uint64) {
 	h.partial = h.partial[:0]
 	h.total = 0
 	h.Hashes = h.Hashes[:0]
+	h.Marks = h.Marks[:0]
+}
+
+// Mark records the end of everything written so far (Mark), unless
+// nothing was, the last mark is at the same offset, or the stream went past
+// MaxBlocks (its bytes there are not kept). Only the last maxMarks marks
+// are kept.
+func (h *Hasher) Mark() {
+	if h.total == 0 || len(h.Hashes) >= h.maxBlocks || len(h.Marks) > 0 && h.Marks[len(h.Marks)-1].Bytes == h.total {
+		return
+	}
+	if len(h.Marks) == maxMarks {
+		copy(h.Marks, h.Marks[1:])
+		h.Marks = h.Marks[:maxMarks-1]
+	}
+	h.Marks = append(h.Marks, Mark{Hash: Mix64(h.prev ^ xxh3.Hash(h.partial) ^ markSalt), Bytes: h.total})
 }
 
 // Len returns the number of bytes written since Reset.

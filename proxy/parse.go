@@ -208,9 +208,10 @@ func (s *reqState) parse(kind routing.Kind, body []byte, blockSize, maxBlocks in
 	if err := s.render(w, kind, v); err != nil {
 		return err
 	}
+	s.hasher.Mark() // the prompt's end, which a later prompt may extend
 	r.PromptBytes = s.hasher.Len()
 	r.PromptTokens = r.PromptBytes / 4
-	r.Hashes = s.hasher.Hashes
+	r.Hashes, r.Marks = s.hasher.Hashes, s.hasher.Marks
 	return nil
 }
 
@@ -272,6 +273,7 @@ func (s *reqState) render(w renderer, kind routing.Kind, v *fastjson.Value) erro
 			if err := s.renderMessage(w, m, "messages"); err != nil {
 				return err
 			}
+			s.hasher.Mark() // a later turn continues from any message's end
 		}
 		return nil
 	case routing.KindResponses:
@@ -287,6 +289,7 @@ func (s *reqState) render(w renderer, kind routing.Kind, v *fastjson.Value) erro
 		}
 		if instr != "" {
 			writeMessage(w, "system", instr)
+			s.hasher.Mark()
 		}
 		in := v.Get("input")
 		switch {
@@ -300,6 +303,7 @@ func (s *reqState) render(w renderer, kind routing.Kind, v *fastjson.Value) erro
 				if err := s.renderMessage(w, item, "input"); err != nil {
 					return err
 				}
+				s.hasher.Mark()
 			}
 			return nil
 		default:

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -108,6 +109,13 @@ func TestRenderingExtendsAcrossTurns(t *testing.T) {
 		if q2.Hashes[i] != h {
 			t.Fatalf("block %d differs across turns", i)
 		}
+	}
+	// Turn 2 carries turn 1's end among its messages' marks (routing's
+	// sequences find the earlier prompt by it), and ends with a mark of
+	// its own.
+	end := q1.Marks[len(q1.Marks)-1]
+	if end.Bytes != len(r1) || !slices.Contains(q2.Marks, end) || q2.Marks[len(q2.Marks)-1].Bytes != len(r2) {
+		t.Fatalf("marks: turn 1 %v (rendering %d bytes), turn 2 %v (%d bytes)", q1.Marks, len(r1), q2.Marks, len(r2))
 	}
 }
 

@@ -82,9 +82,13 @@ const (
 // presumed to hold the conversation (and the shared part) until this
 // router places it elsewhere. Safe for concurrent use.
 type Prefix struct {
-	index      *prefix.Index
-	homes      *homes
-	warm       *warmth
+	index *prefix.Index
+	homes *homes
+	warm  *warmth
+	// seqs learns, per endpoint, how many whole prompts (sequences) its
+	// engine keeps, keyed by their end marks (prefix.Mark): a
+	// conversation's turn continues its previous turn's sequence.
+	seqs       *warmth
 	blockBytes int
 	params     atomic.Pointer[PrefixParams]
 	scratch    sync.Pool // *[]prefix.Match
@@ -105,6 +109,10 @@ type Prefix struct {
 	// onPlaced, when set, is told every pick's endpoint and chain after
 	// the index recorded it (the replicas' gossip, OnPlaced).
 	onPlaced func(id uint64, hashes []uint64)
+	// onSequenced, when set, is told every pick's endpoint and the marks
+	// of the earlier prompt it continued there (0: none) and of its own
+	// (the replicas' gossip, OnSequenced).
+	onSequenced func(id, from, to uint64)
 	// meshed, when set, reports whether other router replicas share the
 	// engines (the replicas' gossip, Meshed), and others how many are
 	// live.
@@ -133,7 +141,7 @@ const (
 // the canonical rendering (≈ blockBytes/4 tokens).
 func NewPrefix(index *prefix.Index, blockBytes int, p PrefixParams) *Prefix {
 	w := newWarmth()
-	pp := &Prefix{index: index, homes: newHomes(index.TTL(), time.Now), warm: w, blockBytes: blockBytes,
+	pp := &Prefix{index: index, homes: newHomes(index.TTL(), time.Now), warm: w, seqs: newWarmth(), blockBytes: blockBytes,
 		capTokens: make(map[uint64]int), capBPT: initialBytesPerToken}
 	pp.homes.kept, pp.homes.keptVersion = w.kept, w.version.Load
 	pp.params.Store(&p)
@@ -183,6 +191,7 @@ func (p *Prefix) Forget(id uint64) {
 	p.index.Forget(id)
 	p.homes.forget(id)
 	p.warm.forget(id)
+	p.seqs.forget(id)
 }
 
 func (p *Prefix) blocksFor(tokens int, bpt float64) int {
@@ -261,7 +270,7 @@ func (p *Prefix) learnForeign(sample float64) {
 // behind the code".)
 func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 	d := p.decide(r, set, nil)
-	d.distance = -1
+	d.distance, d.seqDistance = -1, -1
 	if p.hold(r, &d) {
 		return d
 	}
@@ -272,6 +281,12 @@ func (p *Prefix) Pick(r *Request, set *discovery.Set) Decision {
 		}
 		if d.PrefixKey != 0 {
 			d.distance = p.warm.see(d.Endpoint.ID, d.PrefixKey)
+		}
+		if n := len(r.Marks); n > 0 {
+			d.seqDistance = p.seqs.extend(d.Endpoint.ID, d.seqFrom, r.Marks[n-1].Hash, time.Now())
+			if p.onSequenced != nil {
+				p.onSequenced(d.Endpoint.ID, d.seqFrom, r.Marks[n-1].Hash)
+			}
 		}
 		if n := p.echoes(); n > 0 && d.Prefill > 0 {
 			d.Endpoint.AddUnheardPrefill(int64(n*float64(d.Prefill)), time.Now().Add(unheardFor))
@@ -402,6 +417,17 @@ func (p *Prefix) WarmRoom(r *Request, set *discovery.Set) (placed, room bool) {
 // gossip sends them to the other replicas, whose indexes record them too.
 // Set it before the policy serves.
 func (p *Prefix) OnPlaced(f func(id uint64, hashes []uint64)) { p.onPlaced = f }
+
+// OnSequenced sets f to be told each pick's sequence (Prefix.seqs): its
+// endpoint, the mark of the earlier prompt it continued there (0: none)
+// and its own. The replicas' gossip sends them to the other replicas
+// (PeerSequenced). Set it before the policy serves.
+func (p *Prefix) OnSequenced(f func(id, from, to uint64)) { p.onSequenced = f }
+
+// PeerSequenced takes a router replica's sequence on endpoint id
+// (OnSequenced's), as if this router had placed it: the engine's slots
+// hold every replica's conversations.
+func (p *Prefix) PeerSequenced(id, from, to uint64) { p.seqs.extend(id, from, to, time.Now()) }
 
 // maxPeerPrefill bounds how long a peer's placement counts as prefill
 // still running (PeerPlaced): a prediction further out is noise.
@@ -538,12 +564,13 @@ func (p *Prefix) Learn(d Decision, promptBytes, enginePrompt, engineCached int) 
 		// counting them cost 3 replicas 3 points of hit rate on bench/sim.)
 		p.warm.outcome(d.Endpoint.ID, d.distance, keyWarm)
 	}
-	estimated = min(d.MatchedBlocks*tokensPerBlock, max(enginePrompt, d.PromptTokens))
-	over := engineCached+tokensPerBlock <= estimated
+	claimed := min(d.MatchedBlocks*tokensPerBlock, max(enginePrompt, d.PromptTokens))
+	over := engineCached+tokensPerBlock <= claimed
 	if d.Endpoint != nil && (!over || !d.Contended) {
 		p.index.Correct(d.Endpoint.ID, over)
 	}
-	return estimated
+	p.learnSequence(d, promptBytes, max(enginePrompt, 0), engineCached)
+	return max(claimed, d.PromptTokens-d.Prefill)
 }
 
 // LearnTTFT is Learn for an engine that does not report its cached tokens
@@ -619,8 +646,12 @@ type Term struct {
 	// KeptPrompts is how many prefix keys the endpoint's engine is taken
 	// to keep warm (warmth: learned, or the fleet's); absent when unknown.
 	KeptPrompts int `json:"kept_prompts,omitempty"`
+	// HeldPromptTokens: the endpoint is taken to hold an earlier prompt
+	// of this request's conversation whole, of so many tokens (sequences).
+	HeldPromptTokens int `json:"held_prompt_tokens,omitempty"`
 	// HomesFull: a router alone would not place a new prompt here (the
-	// endpoint homes its share of the prompts already; decide).
+	// endpoint homes its share of the prompts already; decide), or a new
+	// conversation (its slots keep live ones; sequences).
 	HomesFull bool   `json:"homes_full,omitempty"`
 	Skipped   string `json:"skipped,omitempty"`
 }
@@ -660,7 +691,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		promptTokens = int(float64(r.PromptBytes) / bpt)
 	}
 	k := costing{prm: prm, pinned: prm.pins(), key: key, model: r.Model, promptTokens: promptTokens,
-		tokensPerBlock: float64(p.blockBytes) / bpt}
+		tokensPerBlock: float64(p.blockBytes) / bpt, bytesPerToken: bpt, marks: r.Marks, seqs: p.seqs, now: time.Now()}
 	if keyed {
 		k.warm = p.warm
 	}
@@ -753,7 +784,7 @@ func (p *Prefix) gather(r *Request, group []*discovery.Endpoint, k *costing, mat
 			engines += eng.Running + eng.Waiting
 			foreign += max(0, eng.Running+eng.Waiting-eng.Routed) // other replicas' too
 		}
-		fullHere := home.first && !isHome && e.Dialect().Slotted() && !p.homes.hasRoom(e.ID)
+		fullHere := home.first && !isHome && e.Dialect().Slotted() && !p.homes.hasRoom(e.ID) || k.seqCrowded(c)
 		if terms != nil {
 			*terms = append(*terms, p.term(c, fullHere))
 		}
@@ -814,6 +845,7 @@ type candidate struct {
 	// evicts is the recompute of the prompt that sending the request here
 	// would evict (warmth.evicts; a prompt as long as this one), seconds.
 	evicts float64
+	seq    seqHeld // the request's earlier prompt held whole here
 }
 
 // costing is what every candidate of one decision is costed with.
@@ -826,6 +858,12 @@ type costing struct {
 	promptTokens   int
 	tokensPerBlock float64
 	warm           *warmth // what engines keep (warmth.at); nil: the request has no key
+	bytesPerToken  float64
+	// marks are the request's (Request.Marks); seqs, the whole prompts
+	// each engine keeps (Prefix.seqs), read at now.
+	marks []prefix.Mark
+	seqs  *warmth
+	now   time.Time
 	// turn orders a new key's home and ties among idle spill targets while
 	// meshed (turnOf); else the rendezvous scores do.
 	turn turn
@@ -845,13 +883,15 @@ func (k *costing) candidate(e *discovery.Endpoint, matched, lower, shared int) c
 		matched, lower = 0, 0
 	}
 	matched = max(matched, shared)
+	seq := k.sequence(e, holds)
 	c := candidate{e: e, load: loadOf(e), score: rendezvous(k.key, e.ID), warm: matched >= k.prm.MinMatchBlocks}
 	c.tie = k.turn.of(c.score)
 	if c.warm {
 		c.blocks = matched // a shorter match counts neither for warmth nor for cost
 		c.loaded = min(int(float64(min(lower, matched))*k.tokensPerBlock), k.promptTokens)
 	}
-	c.uncached = max(0, k.promptTokens-int(float64(c.blocks)*k.tokensPerBlock))
+	c.seq = seq
+	c.uncached = max(0, k.promptTokens-max(int(float64(c.blocks)*k.tokensPerBlock), seq.tokens))
 	c.loaded = min(c.loaded, k.promptTokens-c.uncached)
 	c.rates = k.prm.ratesOf(c.load.costs, k.pinned)
 	if evicts {
@@ -903,7 +943,7 @@ func (c candidate) term() Term {
 		UncachedTokens: c.uncached, LoadedTokens: c.loaded, LoadTokensPerSec: c.rates.load, InFlightPrefill: c.load.pending, InFlightRequests: c.load.inFlight, PeerInFlight: c.load.peer,
 		WaitSec: c.wait, LoRASlotWaitSec: c.loraWait, EvictsSec: c.evicts, Rendezvous: c.score, Learned: c.load.costs,
 		PrefillTokensPerSec: c.rates.prefill, PendingTokensPerSec: c.rates.pending, DecodeCostSec: c.rates.decode,
-		QueueCostSec: c.rates.queue, SlotCostSec: c.rates.slot, BatchLimit: c.rates.limit}
+		QueueCostSec: c.rates.queue, SlotCostSec: c.rates.slot, BatchLimit: c.rates.limit, HeldPromptTokens: c.seq.tokens}
 	if eng := c.load.eng; eng != nil {
 		t.EngineWaiting, t.EngineRunning, t.EngineKVUsage = &eng.Waiting, &eng.Running, &eng.KVUsage
 	}
@@ -1198,7 +1238,8 @@ func (t turn) first(key uint64, eps []*discovery.Endpoint, ok func(id uint64) bo
 
 func (c candidate) decision(reason string, promptTokens int) Decision {
 	return Decision{Endpoint: c.e, Reason: reason, Prefill: c.uncached, Loaded: c.loaded, MatchedBlocks: c.blocks,
-		Contended: c.load.pending > 0, busy: c.load.inFlight+c.load.peer > 0 && c.e.Dialect().Slotted(), PromptTokens: promptTokens}
+		Contended: c.load.pending > 0, busy: c.load.inFlight+c.load.peer > 0 && c.e.Dialect().Slotted(), PromptTokens: promptTokens,
+		seqFrom: c.seq.mark, seqBytes: c.seq.bytes}
 }
 
 // Follow sets o's OnRemove, OnRestart and OnCapacity so that the policy

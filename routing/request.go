@@ -4,6 +4,7 @@ import (
 	"time"
 
 	"github.com/kvroute/kvroute/discovery"
+	"github.com/kvroute/kvroute/prefix"
 )
 
 // Kind classifies a request path.
@@ -57,6 +58,10 @@ type Request struct {
 	PromptTokens int
 	// Hashes are the chained block hashes of the canonical rendering.
 	Hashes []uint64
+	// Marks are the rendering's last message ends and its end, earliest
+	// first (prefix.Mark): where an earlier prompt of the same
+	// conversation ended, if one did.
+	Marks []prefix.Mark
 	// Body is the request body as it is forwarded, valid only during Pick
 	// (a policy that tokenizes, as the benchmark's llm-d precise peer
 	// does, reads it; kvroute's own policies never do).
@@ -159,4 +164,10 @@ type Decision struct {
 	// distance is PrefixKey's distance at Endpoint when picked (warmth.see;
 	// -1: none or unknown).
 	distance int
+	// seqFrom is the mark (its hash; 0: none) of the request's earlier
+	// prompt that Endpoint's sequences held, seqBytes that prompt's
+	// rendering, and seqDistance its distance there when picked (-1: none).
+	seqFrom     uint64
+	seqBytes    int
+	seqDistance int
 }

@@ -4,6 +4,9 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
+
+	"github.com/kvroute/kvroute/prefix"
 )
 
 // warmth learns, per endpoint, how many distinct prefix keys its engine
@@ -22,12 +25,14 @@ import (
 // its time to first token (Prefix.LearnTTFT) — is an outcome at that
 // distance (outcome): the engine served the key's blocks from cache or
 // computed them. An engine that keeps k keys serves distances below k
-// warm and computes the others, so the learned count is the least distance
-// that missed more often than it hit, over decayed counts; until a
-// distance has missed so, the engine is taken to keep everything (0:
-// unknown), and nothing changes. Once learned, the count holds while the
-// evidence fades (routing by it sends few keys that far) until a distance
-// at or beyond it is seen warm, or one below it cold. Distances are tracked up to maxWarmKeys:
+// warm and computes the others, so the learned count is the one the
+// answers at every distance, over decayed counts, contradict least
+// (keyStack.fit); until minWarmEvidence misses were seen, or when keeping
+// everything explains them as well, the engine is taken to keep
+// everything (0: unknown), and nothing changes. Once learned, the count
+// holds while the evidence fades (routing by it sends few keys that far)
+// until a distance at or beyond it is seen mostly warm, or new misses
+// move it. Distances are tracked up to maxWarmKeys:
 // an engine that keeps more is, for routing, one that keeps them all.
 //
 // An endpoint that has not learned its own count yet takes the fleet's,
@@ -48,10 +53,15 @@ type warmth struct {
 	eps     map[uint64]*keyStack
 	version atomic.Uint64 // moves whenever a count changes
 	fleet   atomic.Int64  // the least count an endpoint learned; 0: none
+	// gap is the mean time, in seconds, between a key's dispatch and its
+	// next to the same endpoint (a moving average; gaps counts them).
+	gap  float64
+	gaps int
 }
 
 type keyStack struct {
 	keys []uint64 // most recently dispatched first; at most maxWarmKeys
+	at   []int64  // when each key was last dispatched (unix nanoseconds)
 	// Decayed outcomes by distance: answers served warm, and all.
 	warm, all [maxWarmKeys]float64
 	// kept is the learned count (0: unknown); atLeast is one more than the
@@ -76,27 +86,94 @@ func newWarmth() *warmth { return &warmth{eps: make(map[uint64]*keyStack)} }
 // see records a dispatch of key to endpoint id and returns the key's
 // distance there before it: the keys dispatched there since it last was,
 // or -1 when it was not among the last maxWarmKeys.
-func (w *warmth) see(id, key uint64) int {
+func (w *warmth) see(id, key uint64) int { return w.extend(id, key, key, time.Now()) }
+
+// extend records, at now, a dispatch to endpoint id of key, which
+// continues from (0: nothing): from's place in id's stack, if it has one,
+// is key's, at the head (a conversation's turn replaces its previous one,
+// as its engine's slot does). It returns from's distance before it, -1
+// when from was not among the last maxWarmKeys.
+func (w *warmth) extend(id, from, key uint64, now time.Time) int {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	s := w.eps[id]
 	if s == nil {
-		s = &keyStack{keys: make([]uint64, 0, maxWarmKeys)}
+		s = &keyStack{keys: make([]uint64, 0, maxWarmKeys), at: make([]int64, 0, maxWarmKeys)}
 		w.eps[id] = s
 	}
-	d := slices.Index(s.keys, key)
+	d := -1
+	if from != 0 {
+		d = slices.Index(s.keys, from)
+	}
+	if d >= 0 {
+		g := float64(now.UnixNano()-s.at[d]) / 1e9
+		w.gaps++
+		w.gap += max(gapRate, 1/float64(w.gaps)) * (g - w.gap)
+	}
+	if o := slices.Index(s.keys, key); o >= 0 && o != d { // key was dispatched as its own too
+		s.keys, s.at = slices.Delete(s.keys, o, o+1), slices.Delete(s.at, o, o+1)
+		if d > o {
+			d--
+		}
+	}
 	switch {
 	case d >= 0:
 		copy(s.keys[1:d+1], s.keys[:d])
+		copy(s.at[1:d+1], s.at[:d])
 	case len(s.keys) < maxWarmKeys:
-		s.keys = append(s.keys, 0)
+		s.keys, s.at = append(s.keys, 0), append(s.at, 0)
 		copy(s.keys[1:], s.keys)
+		copy(s.at[1:], s.at)
 	default:
 		copy(s.keys[1:], s.keys[:len(s.keys)-1])
+		copy(s.at[1:], s.at[:len(s.at)-1])
 	}
-	s.keys[0] = key
+	s.keys[0], s.at[0] = key, now.UnixNano()
 	return d
 }
+
+// held returns the latest of marks (a request's, earliest first) that
+// endpoint id's stack holds, its distance there (-1: none is there), and
+// whether the engine is taken to keep it (within its count, or the count
+// unknown).
+func (w *warmth) held(id uint64, marks []prefix.Mark) (m prefix.Mark, dist int, kept bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	s := w.eps[id]
+	if s == nil {
+		return prefix.Mark{}, -1, false
+	}
+	for i := len(marks) - 1; i >= 0; i-- {
+		if d := slices.Index(s.keys, marks[i].Hash); d >= 0 {
+			k := w.keptOf(s)
+			return marks[i], d, k == 0 || d < k
+		}
+	}
+	return prefix.Mark{}, -1, false
+}
+
+// crowded reports whether a new key dispatched to endpoint id at now
+// would push out one its engine keeps that is live: its count is known,
+// that many keys went there since, and the one it pushes out was
+// dispatched within liveGaps × the mean gap between a key's dispatches
+// (most keys that come back do within it).
+func (w *warmth) crowded(id uint64, now time.Time) bool {
+	if w.fleet.Load() == 0 {
+		return false
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	s := w.eps[id]
+	k := w.keptOf(s)
+	return k > 0 && s != nil && len(s.keys) >= k && float64(now.UnixNano()-s.at[k-1])/1e9 < liveGaps*w.gap
+}
+
+// gapRate weighs one gap in warmth.gap once 20 were seen; liveGaps is how
+// many mean gaps after its last dispatch a key counts as live (crowded).
+const (
+	gapRate  = 0.05
+	liveGaps = 3
+)
 
 // outcome records that a request dispatched to id at distance dist (see)
 // found its key warm or not, and relearns id's count and the fleet's.
@@ -124,19 +201,53 @@ func (w *warmth) outcome(id uint64, dist int, warm bool) {
 			continue
 		}
 		if s.warm[i] < s.all[i]/2 {
-			kept = max(i, 1) // an engine keeps at least the prompt it just ran
 			break
 		}
 		atLeast = i + 1
-		if i >= kept {
-			kept = 0 // warm beyond the count: it keeps more
-		}
+	}
+	if k, ok := s.fit(); ok {
+		kept = k
+	} else if kept > 0 && atLeast > kept {
+		kept = 0 // warm beyond the count: it keeps more
 	}
 	if kept == s.kept && atLeast == s.atLeast {
 		return
 	}
 	s.kept, s.atLeast = kept, atLeast
 	w.relearnFleet()
+}
+
+// fit returns the count that explains s's outcomes best: the least
+// answers contradicting it (misses below it, hits at or beyond it), the
+// middle of the counts that do equally well; 0 when keeping everything
+// explains them as well. It pools every distance's answers, where a count
+// read off one distance at a time waits for two misses at one of them: a
+// conversation's turns reach an endpoint at scattered distances. ok is
+// false while fewer than minWarmEvidence misses were seen (the count
+// holds).
+func (s *keyStack) fit() (kept int, ok bool) {
+	var misses, hits float64
+	for i := range s.all {
+		misses += s.all[i] - s.warm[i]
+		hits += s.warm[i]
+	}
+	if misses < minWarmEvidence {
+		return 0, false
+	}
+	const eps = 1e-9
+	best, lo, hi := misses-eps, 0, 0 // keeping everything: every miss contradicts it
+	below := 0.0                     // misses at distances below k
+	for k := 1; k <= maxWarmKeys; k++ {
+		below += s.all[k-1] - s.warm[k-1]
+		hits -= s.warm[k-1]
+		switch e := below + hits; {
+		case e < best-eps:
+			best, lo, hi = e, k, k
+		case e <= best+eps && lo > 0:
+			hi = k
+		}
+	}
+	return (lo + hi) / 2, true
 }
 
 // keptOf is s's count: its own, else the fleet's unless s was seen warm

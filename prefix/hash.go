@@ -27,7 +27,7 @@ type Hasher struct {
 	total     int    // bytes written since Reset
 	// Hashes holds the chained hashes of the full blocks written so far.
 	Hashes []uint64
-	// Marks holds the last maxMarks marks (Mark), earliest first.
+	// Marks holds the last MaxMarks marks (Mark), earliest first.
 	Marks []Mark
 }
 
@@ -42,9 +42,11 @@ type Mark struct {
 	Bytes int
 }
 
-// maxMarks bounds the marks kept per stream: the last ones, where a
-// conversation's previous turn ended.
-const maxMarks = 16
+// MaxMarks bounds the marks kept per stream: the last ones, where a
+// conversation's previous turn ended. Each mark hashes the partial block
+// before it (at most a block), so a caller that knows where the stream's
+// last MaxMarks marks fall marks only those.
+const MaxMarks = 16
 
 // markSalt keeps a mark's hash apart from the block hashes.
 const markSalt = 0x4d61_726b_5461_696c // "MarkTail"
@@ -66,15 +68,15 @@ func (h *Hasher) Reset(blockSize, maxBlocks int, seed uint64) {
 
 // Mark records the end of everything written so far (Mark), unless
 // nothing was, the last mark is at the same offset, or the stream went past
-// MaxBlocks (its bytes there are not kept). Only the last maxMarks marks
+// MaxBlocks (its bytes there are not kept). Only the last MaxMarks marks
 // are kept.
 func (h *Hasher) Mark() {
 	if h.total == 0 || len(h.Hashes) >= h.maxBlocks || len(h.Marks) > 0 && h.Marks[len(h.Marks)-1].Bytes == h.total {
 		return
 	}
-	if len(h.Marks) == maxMarks {
+	if len(h.Marks) == MaxMarks {
 		copy(h.Marks, h.Marks[1:])
-		h.Marks = h.Marks[:maxMarks-1]
+		h.Marks = h.Marks[:MaxMarks-1]
 	}
 	h.Marks = append(h.Marks, Mark{Hash: Mix64(h.prev ^ xxh3.Hash(h.partial) ^ markSalt), Bytes: h.total})
 }

@@ -129,7 +129,7 @@ func TestMarksNameTheRenderingSoFar(t *testing.T) {
 	if other[1].Hash == first[1].Hash || other[0] != first[0] {
 		t.Fatal("a changed byte keeps the mark, or an equal prefix changes it")
 	}
-	// Only the last maxMarks are kept; none past the block cap.
+	// Only the last MaxMarks are kept; none past the block cap.
 	var h Hasher
 	h.Reset(4, 5, 0)
 	for i := range 30 {
@@ -139,7 +139,7 @@ func TestMarksNameTheRenderingSoFar(t *testing.T) {
 			t.Fatal("no first mark")
 		}
 	}
-	if len(h.Marks) != maxMarks || h.Marks[len(h.Marks)-1].Bytes != 19 {
-		t.Fatalf("%d marks, last at %d: want %d, the last at the cap (19 bytes)", len(h.Marks), h.Marks[len(h.Marks)-1].Bytes, maxMarks)
+	if len(h.Marks) != MaxMarks || h.Marks[len(h.Marks)-1].Bytes != 19 {
+		t.Fatalf("%d marks, last at %d: want %d, the last at the cap (19 bytes)", len(h.Marks), h.Marks[len(h.Marks)-1].Bytes, MaxMarks)
 	}
 }

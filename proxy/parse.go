@@ -269,11 +269,14 @@ func (s *reqState) render(w renderer, kind routing.Kind, v *fastjson.Value) erro
 		if msgs == nil || msgs.Type() != fastjson.TypeArray {
 			return &badRequestError{msg: "messages is required and must be an array", param: "messages"}
 		}
-		for _, m := range msgs.GetArray() {
+		arr := msgs.GetArray()
+		for i, m := range arr {
 			if err := s.renderMessage(w, m, "messages"); err != nil {
 				return err
 			}
-			s.hasher.Mark() // a later turn continues from any message's end
+			if i >= len(arr)-prefix.MaxMarks {
+				s.hasher.Mark() // a later turn continues from a message's end
+			}
 		}
 		return nil
 	case routing.KindResponses:
@@ -299,11 +302,14 @@ func (s *reqState) render(w renderer, kind routing.Kind, v *fastjson.Value) erro
 			writeMessage(w, "user", b2s(in.GetStringBytes()))
 			return nil
 		case in.Type() == fastjson.TypeArray:
-			for _, item := range in.GetArray() {
+			arr := in.GetArray()
+			for i, item := range arr {
 				if err := s.renderMessage(w, item, "input"); err != nil {
 					return err
 				}
-				s.hasher.Mark()
+				if i >= len(arr)-prefix.MaxMarks {
+					s.hasher.Mark()
+				}
 			}
 			return nil
 		default:

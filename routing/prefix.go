@@ -695,6 +695,9 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	if keyed {
 		k.warm = p.warm
 	}
+	if len(r.Marks) > 0 {
+		k.seqAt, k.seqMark, _, k.seqKept = p.seqs.latest(r.Marks)
+	}
 	k.turn = t
 
 	// A router alone places a key seen for the first time on a slot
@@ -860,10 +863,15 @@ type costing struct {
 	warm           *warmth // what engines keep (warmth.at); nil: the request has no key
 	bytesPerToken  float64
 	// marks are the request's (Request.Marks); seqs, the whole prompts
-	// each engine keeps (Prefix.seqs), read at now.
-	marks []prefix.Mark
-	seqs  *warmth
-	now   time.Time
+	// each engine keeps (Prefix.seqs), read at now: the latest of the
+	// request's earlier prompts held anywhere is seqMark, on endpoint
+	// seqAt, kept there (seqKept) or not.
+	marks   []prefix.Mark
+	seqs    *warmth
+	now     time.Time
+	seqAt   uint64
+	seqMark prefix.Mark
+	seqKept bool
 	// turn orders a new key's home and ties among idle spill targets while
 	// meshed (turnOf); else the rendezvous scores do.
 	turn turn

@@ -303,6 +303,9 @@ func BenchmarkPick(b *testing.B) {
 	}
 }
 
+// benchMessages is how many messages benchmarkPick's prompt is cut into.
+const benchMessages = 16
+
 func benchmarkPick(b *testing.B, n int, fresh bool, text string) {
 	set := testSet(b, n)
 	p := NewPrefix(prefix.NewIndex(prefix.IndexConfig{BlocksPerEndpoint: 1760, MaxEntries: 4_000_000}), testBlock, DefaultPrefixParams())
@@ -317,8 +320,11 @@ func benchmarkPick(b *testing.B, n int, fresh bool, text string) {
 			binary.LittleEndian.PutUint64(head[:], uint64(i))
 			_, _ = h.Write(head[:])
 		}
-		_, _ = h.WriteString(text)
-		r.Hashes, r.PromptBytes, r.PromptTokens = h.Hashes, h.Len(), h.Len()/4
+		for m := range benchMessages { // a chat: each message's end marked, as the proxy does
+			_, _ = h.WriteString(text[m*len(text)/benchMessages : (m+1)*len(text)/benchMessages])
+			h.Mark()
+		}
+		r.Hashes, r.Marks, r.PromptBytes, r.PromptTokens = h.Hashes, h.Marks, h.Len(), h.Len()/4
 		d := p.Pick(r, set)
 		if d.Endpoint == nil {
 			b.Fatal("no pick")

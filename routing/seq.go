@@ -41,18 +41,16 @@ type seqHeld struct {
 }
 
 // sequence returns what e holds of the request's earlier prompts (holds:
-// the request's prefix key is taken to be kept there).
+// the request's prefix key is taken to be kept there): the latest one
+// held anywhere, found once per decision (costing.seq), is held at the
+// endpoint it was last sent to.
 func (k *costing) sequence(e *discovery.Endpoint, holds bool) seqHeld {
-	if k.seqs == nil || len(k.marks) == 0 {
+	if k.seqAt != e.ID || k.seqMark.Bytes == 0 {
 		return seqHeld{}
 	}
-	m, dist, kept := k.seqs.held(e.ID, k.marks)
-	if dist < 0 {
-		return seqHeld{}
-	}
-	h := seqHeld{mark: m.Hash, bytes: m.Bytes}
-	if kept && holds {
-		h.tokens = min(int(float64(m.Bytes)/k.bytesPerToken), k.promptTokens)
+	h := seqHeld{mark: k.seqMark.Hash, bytes: k.seqMark.Bytes}
+	if k.seqKept && holds {
+		h.tokens = min(int(float64(k.seqMark.Bytes)/k.bytesPerToken), k.promptTokens)
 	}
 	return h
 }

@@ -49,8 +49,12 @@ import (
 // keys costs the recompute of the one it evicts (at). Safe for
 // concurrent use.
 type warmth struct {
-	mu      sync.Mutex
-	eps     map[uint64]*keyStack
+	mu  sync.Mutex
+	eps map[uint64]*keyStack
+	// where is, for each key in a stack, the endpoint it was last
+	// dispatched to (latest: one lookup per mark, not a scan per
+	// endpoint).
+	where   map[uint64]uint64
 	version atomic.Uint64 // moves whenever a count changes
 	fleet   atomic.Int64  // the least count an endpoint learned; 0: none
 	// gap is the mean time, in seconds, between a key's dispatch and its
@@ -81,7 +85,9 @@ const (
 	minWarmEvidence = 2.0
 )
 
-func newWarmth() *warmth { return &warmth{eps: make(map[uint64]*keyStack)} }
+func newWarmth() *warmth {
+	return &warmth{eps: make(map[uint64]*keyStack), where: make(map[uint64]uint64)}
+}
 
 // see records a dispatch of key to endpoint id and returns the key's
 // distance there before it: the keys dispatched there since it last was,
@@ -105,6 +111,9 @@ func (w *warmth) extend(id, from, key uint64, now time.Time) int {
 	if from != 0 {
 		d = slices.Index(s.keys, from)
 	}
+	if d >= 0 && from != key {
+		w.left(id, from)
+	}
 	if d >= 0 {
 		g := float64(now.UnixNano()-s.at[d]) / 1e9
 		w.gaps++
@@ -125,31 +134,42 @@ func (w *warmth) extend(id, from, key uint64, now time.Time) int {
 		copy(s.keys[1:], s.keys)
 		copy(s.at[1:], s.at)
 	default:
+		w.left(id, s.keys[len(s.keys)-1])
 		copy(s.keys[1:], s.keys[:len(s.keys)-1])
 		copy(s.at[1:], s.at[:len(s.at)-1])
 	}
 	s.keys[0], s.at[0] = key, now.UnixNano()
+	w.where[key] = id
 	return d
 }
 
-// held returns the latest of marks (a request's, earliest first) that
-// endpoint id's stack holds, its distance there (-1: none is there), and
-// whether the engine is taken to keep it (within its count, or the count
-// unknown).
-func (w *warmth) held(id uint64, marks []prefix.Mark) (m prefix.Mark, dist int, kept bool) {
+// left drops key's where entry if it names endpoint id, whose stack key
+// leaves. w.mu is held.
+func (w *warmth) left(id, key uint64) {
+	if w.where[key] == id {
+		delete(w.where, key)
+	}
+}
+
+// latest returns the latest of marks (a request's, earliest first) that
+// some endpoint's stack holds: the endpoint it was last dispatched to (id),
+// the mark, its distance there and whether the engine is taken to keep it
+// (within its count, or the count unknown); dist is -1 when none is held.
+func (w *warmth) latest(marks []prefix.Mark) (id uint64, m prefix.Mark, dist int, kept bool) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	s := w.eps[id]
-	if s == nil {
-		return prefix.Mark{}, -1, false
-	}
 	for i := len(marks) - 1; i >= 0; i-- {
+		at, ok := w.where[marks[i].Hash]
+		if !ok {
+			continue
+		}
+		s := w.eps[at]
 		if d := slices.Index(s.keys, marks[i].Hash); d >= 0 {
 			k := w.keptOf(s)
-			return marks[i], d, k == 0 || d < k
+			return at, marks[i], d, k == 0 || d < k
 		}
 	}
-	return prefix.Mark{}, -1, false
+	return 0, prefix.Mark{}, -1, false
 }
 
 // crowded reports whether a new key dispatched to endpoint id at now
@@ -298,8 +318,12 @@ func (w *warmth) at(id, key uint64) (holds, evicts bool) {
 func (w *warmth) forget(id uint64) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if _, ok := w.eps[id]; !ok {
+	s, ok := w.eps[id]
+	if !ok {
 		return
+	}
+	for _, k := range s.keys {
+		w.left(id, k)
 	}
 	delete(w.eps, id)
 	w.relearnFleet()

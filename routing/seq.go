@@ -9,8 +9,8 @@ import "github.com/kvroute/kvroute/discovery"
 // partial block, so a chat whose turns add a few hundred tokens each looks
 // held only as deep as its shared system prompt, wherever its history is:
 // one router sent every conversation of a chat workload to the one llama.cpp
-// server that held the system prompt first, which kept four of sixteen
-// (its slots) and recomputed every turn's history.
+// server that held the system prompt first, which then served each turn's
+// system prompt from cache and recomputed its history.
 //
 // A prompt's marks (prefix.Mark) name its rendering up to each message end.
 // Every pick records the request's last mark at its endpoint (Prefix.seqs,

@@ -32,9 +32,11 @@ func termOf(t *testing.T, terms []Term, e *discovery.Endpoint) Term {
 }
 
 // A conversation's turn is credited, where its previous turn went, with
-// that whole prompt, not only the blocks its index holds: a turn adding
+// that whole prompt, not only the blocks its index holds (a turn adding
 // less than a block shows no deeper block match than the shared system
-// prompt, wherever its history is.
+// prompt, wherever its history is) — once the engine's answers showed it
+// keeps sequences that far: an engine that reports no cached tokens is
+// read from its TTFTs, which a credit it does not honour would skew.
 func TestTurnCreditedWithItsEarlierPrompt(t *testing.T) {
 	set := testSet(t, 2)
 	p := newTestPrefix(DefaultPrefixParams())
@@ -48,6 +50,12 @@ func TestTurnCreditedWithItsEarlierPrompt(t *testing.T) {
 	p.Index().Record(other.ID, chat(sys).Hashes) // the system prompt is held there too
 
 	turn2 := chat(append(turn1, "assistant: attention state.", "user: and a prefix?")...)
+	if _, terms := p.Explain(turn2, set); termOf(t, terms, at).HeldPromptTokens != 0 {
+		t.Fatal("an earlier prompt credited before any answer showed the engine keeps one")
+	}
+	for range 3 { // answers show the engine keeping the latest sequence
+		p.seqs.outcome(at.ID, 0, true)
+	}
 	d, terms := p.Explain(turn2, set)
 	here, there := termOf(t, terms, at), termOf(t, terms, other)
 	if here.MatchedBlocks != 3 || there.MatchedBlocks != 3 {

@@ -153,8 +153,9 @@ func (w *warmth) left(id, key uint64) {
 
 // latest returns the latest of marks (a request's, earliest first) that
 // some endpoint's stack holds: the endpoint it was last dispatched to (id),
-// the mark, its distance there and whether the engine is taken to keep it
-// (within its count, or the count unknown); dist is -1 when none is held.
+// the mark, its distance there and whether the engine is shown to keep it
+// (within its count, or, the count unknown, within the distances its
+// answers showed mostly warm); dist is -1 when none is held.
 func (w *warmth) latest(marks []prefix.Mark) (id uint64, m prefix.Mark, dist int, kept bool) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -166,7 +167,7 @@ func (w *warmth) latest(marks []prefix.Mark) (id uint64, m prefix.Mark, dist int
 		s := w.eps[at]
 		if d := slices.Index(s.keys, marks[i].Hash); d >= 0 {
 			k := w.keptOf(s)
-			return at, marks[i], d, k == 0 || d < k
+			return at, marks[i], d, d < k || k == 0 && d < s.atLeast
 		}
 	}
 	return 0, prefix.Mark{}, -1, false

@@ -16,7 +16,8 @@ import "github.com/kvroute/kvroute/discovery"
 // Every pick records the request's last mark at its endpoint (Prefix.seqs,
 // a warmth keyed by marks: the turn's mark takes its previous turn's place),
 // and a later request whose marks include one an endpoint holds is credited
-// there with that whole prompt. Each answer whose cache use is known tells
+// there with that whole prompt, once that engine's answers showed it keeps
+// sequences that far (warmth.latest). Each answer whose cache use is known tells
 // whether the engine still had it (Learn), and seqs learns, as warmth does
 // for prefix keys, how many sequences each engine keeps: beyond that count a
 // mark is not credited. On an engine that caches per slot (Dialect.Slotted),

@@ -222,7 +222,7 @@ func (r *Router) newMesh(logger *zap.Logger) (*peers.Mesh, error) {
 	if r.truth != nil {
 		pc.Links = r.truth.PeerLinked
 	}
-	pc.Sequences = r.Prefix.PeerSequenced
+	pc.Sequences, pc.Outcomes = r.Prefix.PeerSequenced, r.Prefix.PeerOutcome
 	pc.Logger = logger.Named("peers")
 	m, err := peers.New(pc)
 	if err != nil {
@@ -233,6 +233,7 @@ func (r *Router) newMesh(logger *zap.Logger) (*peers.Mesh, error) {
 	}
 	r.Prefix.OnPlaced(m.Placed)
 	r.Prefix.OnSequenced(m.Sequenced)
+	r.Prefix.OnOutcome(m.Outcome)
 	r.Prefix.Meshed(m.Shared, m.Members, m.Rank, m.Echo)
 	metrics.RegisterPeers(r.Registry, func() metrics.PeersSample {
 		s := m.Stats()

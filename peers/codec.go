@@ -59,7 +59,13 @@ var ErrBadMessage = errors.New("bad peer message")
 //	count uvarint (1..maxSeqTriples)
 //	count × { endpoint u64 | from u64 | to u64 }
 //
-// (a replica older than sequences refuses the kind likewise).
+// (a replica older than sequences refuses the kind likewise). An outcomes
+// message (kind 6) carries what the sender's answers said of those
+// sequences: each the endpoint, the sequence's distance there and whether
+// the engine still held it (1) or not (0),
+//
+//	count uvarint (1..maxSeqTriples)
+//	count × { endpoint u64 | distance u64 | held u64 }
 const (
 	version       = 1
 	kindPlacement = 1
@@ -67,6 +73,7 @@ const (
 	kindState     = 3
 	kindLinks     = 4
 	kindSequences = 5
+	kindOutcomes  = 6
 	// maxLoadEntries bounds a load message's endpoints (it fits
 	// maxDatagram); maxInFlight a count in it.
 	maxLoadEntries = 100
@@ -425,6 +432,13 @@ func decodeSequences(b []byte, triples []uint64) ([]uint64, error) {
 		return triples[:0], fmt.Errorf("%w: sequences", err)
 	}
 	return triples, nil
+}
+
+// encodeOutcomes appends to out the messages carrying triples (endpoint,
+// distance, held, …) and returns them.
+func encodeOutcomes(out [][]byte, h header, triples []uint64) [][]byte {
+	h.kind = kindOutcomes
+	return encodeWords(out, h, 3, maxSeqTriples, triples)
 }
 
 // encodeWords appends to out messages of header h carrying words in tuples

@@ -329,9 +329,12 @@ var tupleCodecs = map[string]tupleCodec{
 	"sequences": {kindSequences, 3, maxSeqTriples, encodeSequences, func(b []byte) ([]uint64, error) {
 		return decodeSequences(b, nil)
 	}},
+	"outcomes": {kindOutcomes, 3, maxSeqTriples, encodeOutcomes, func(b []byte) ([]uint64, error) {
+		return decodeSequences(b, nil) // the same triples
+	}},
 }
 
-// Links and sequences: any number of tuples split over messages of their
+// Links, sequences and outcomes: any number of tuples split over messages of their
 // bound, each within maxDatagram, back in order; a malformed body is
 // refused whole.
 func TestTuplesRoundTrip(t *testing.T) {

@@ -92,6 +92,11 @@ type Config struct {
 	// routing's PeerSequenced) on an endpoint this replica routes to.
 	// Without it none are merged.
 	Sequences func(id, from, to uint64)
+	// Outcomes takes what a peer's answers said of a sequence on an
+	// endpoint this replica routes to (Outcome's; routing's PeerOutcome):
+	// at that distance the engine still held it, or not. Without it none
+	// are merged.
+	Outcomes func(id uint64, distance int, held bool)
 	// Logger receives memberlist's events and the mesh's (nil: none).
 	Logger *zap.Logger
 }
@@ -114,6 +119,9 @@ const (
 	// maxPendingSeqs bounds the turns waiting for a flush (1.5 MB);
 	// beyond, they are dropped and counted.
 	maxPendingSeqs = 64 << 10
+	// maxOutcomeDistance bounds a peer's outcome's distance (routing
+	// tracks 32; a larger one is refused).
+	maxOutcomeDistance = 1 << 10
 	// maxRecent bounds the chains remembered as sent this second.
 	maxRecent = 1 << 16
 	// inbox is the received messages waiting to be merged; beyond it
@@ -165,6 +173,8 @@ type Mesh struct {
 	spareL  []uint64
 	seqs    []uint64 // turns since the last flush: endpoint, from, to, …
 	spareS  []uint64
+	outs    []uint64 // outcomes since the last flush: endpoint, distance, held, …
+	spareO  []uint64
 
 	in chan []byte
 
@@ -182,7 +192,7 @@ type pendingEntry struct {
 type counters struct {
 	sentMessages, sentBytes, receivedMessages, receivedBytes atomic.Int64
 	merged, unknown, mismatched, dropped, decodeErrors       atomic.Int64
-	links, sequences                                         atomic.Int64
+	links, sequences, outcomes                               atomic.Int64
 	states, imported, importedHomes                          atomic.Int64
 }
 
@@ -215,6 +225,8 @@ type Stats struct {
 	Links int64 `json:"links"`
 	// Sequences counts peers' conversation turns merged (Config.Sequences).
 	Sequences int64 `json:"sequences"`
+	// Outcomes counts peers' sequence outcomes merged (Config.Outcomes).
+	Outcomes int64 `json:"outcomes"`
 	// States counts peers' states merged (push/pull), Imported the
 	// claims they added to the index, ImportedHomes the homes.
 	States        int64 `json:"states"`
@@ -369,7 +381,7 @@ func (m *Mesh) Stats() Stats {
 		SentMessages: c.sentMessages.Load(), SentBytes: c.sentBytes.Load(),
 		ReceivedMessages: c.receivedMessages.Load(), ReceivedBytes: c.receivedBytes.Load(),
 		Merged: c.merged.Load(), Unknown: c.unknown.Load(), Mismatched: c.mismatched.Load(),
-		Dropped: c.dropped.Load(), DecodeErrors: c.decodeErrors.Load(), Links: c.links.Load(), Sequences: c.sequences.Load(),
+		Dropped: c.dropped.Load(), DecodeErrors: c.decodeErrors.Load(), Links: c.links.Load(), Sequences: c.sequences.Load(), Outcomes: c.outcomes.Load(),
 		States: c.states.Load(), Imported: c.imported.Load(), ImportedHomes: c.importedHomes.Load()}
 }
 
@@ -438,6 +450,27 @@ func (m *Mesh) Sequenced(id, from, to uint64) {
 		return
 	}
 	m.seqs = append(m.seqs, id, from, to)
+}
+
+// Outcome notes what an answer said of a sequence on endpoint id
+// (routing's sequences): at distance, the engine still held it or not,
+// for the next flush, so that every replica learns from all the answers.
+// Off the request path (an answer's end).
+func (m *Mesh) Outcome(id uint64, distance int, held bool) {
+	if m.others.Load() == 0 || distance < 0 {
+		return
+	}
+	var h uint64
+	if held {
+		h = 1
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.outs) >= 3*maxPendingSeqs {
+		m.stats.dropped.Add(1)
+		return
+	}
+	m.outs = append(m.outs, id, uint64(distance), h)
 }
 
 // Run joins the seeds and gossips until ctx ends, then leaves the mesh
@@ -546,12 +579,12 @@ func (m *Mesh) join(ctx context.Context, ml *memberlist.Memberlist) {
 // every other live member.
 func (m *Mesh) flush(ml *memberlist.Memberlist) {
 	m.mu.Lock()
-	if len(m.pending) == 0 && len(m.links) == 0 && len(m.seqs) == 0 {
+	if len(m.pending) == 0 && len(m.links) == 0 && len(m.seqs) == 0 && len(m.outs) == 0 {
 		m.mu.Unlock()
 		return
 	}
-	pending, flat, links, seqs := m.pending, m.flat, m.links, m.seqs
-	m.pending, m.flat, m.links, m.seqs = m.spareP[:0], m.spare[:0], m.spareL[:0], m.spareS[:0]
+	pending, flat, links, seqs, outs := m.pending, m.flat, m.links, m.seqs, m.outs
+	m.pending, m.flat, m.links, m.seqs, m.outs = m.spareP[:0], m.spare[:0], m.spareL[:0], m.spareS[:0], m.spareO[:0]
 	m.mu.Unlock()
 	h := header{sender: m.sender, fingerprint: m.cfg.Fingerprint}
 	var msgs [][]byte
@@ -564,10 +597,11 @@ func (m *Mesh) flush(ml *memberlist.Memberlist) {
 	}
 	msgs = encodeLinks(msgs, h, links)
 	msgs = encodeSequences(msgs, h, seqs)
+	msgs = encodeOutcomes(msgs, h, outs)
 	m.sendAll(ml, msgs)
 	m.loads.placed = m.loads.placed || len(pending) > 0
 	m.mu.Lock()
-	m.spareP, m.spare, m.spareL, m.spareS = pending[:0], flat[:0], links[:0], seqs[:0]
+	m.spareP, m.spare, m.spareL, m.spareS, m.spareO = pending[:0], flat[:0], links[:0], seqs[:0], outs[:0]
 	m.mu.Unlock()
 }
 
@@ -663,6 +697,17 @@ func (m *Mesh) apply(b []byte, sc *scratch) {
 				}
 				m.cfg.Sequences(sc.seqs[i], sc.seqs[i+1], sc.seqs[i+2])
 				m.stats.sequences.Add(1)
+			}
+		}
+	case kindOutcomes:
+		if sc.seqs, err = decodeSequences(body, sc.seqs); err == nil && m.cfg.Outcomes != nil {
+			for i := 0; i < len(sc.seqs); i += 3 {
+				if !m.cfg.Known(sc.seqs[i]) || sc.seqs[i+1] >= maxOutcomeDistance || sc.seqs[i+2] > 1 {
+					m.stats.unknown.Add(1)
+					continue
+				}
+				m.cfg.Outcomes(sc.seqs[i], int(sc.seqs[i+1]), sc.seqs[i+2] == 1)
+				m.stats.outcomes.Add(1)
 			}
 		}
 	default:

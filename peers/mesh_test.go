@@ -103,12 +103,13 @@ func until(t *testing.T, what string, cond func() bool) {
 // other whole (a chain longer than a message, in pieces, first blocks
 // first); a placement on an endpoint the peer does not route to is
 // dropped and counted; a replica with another hashing configuration is
-// ignored. Links and sequences go the same way.
+// ignored. Links, sequences and outcomes go the same way.
 func TestPlacementsReachPeers(t *testing.T) {
 	ra, rb, rc := newRecorder(), newRecorder(), newRecorder()
 	var linksMu sync.Mutex
 	var links []uint64 // b's: block, token, …
 	var seqs []uint64  // b's: endpoint, from, to, …
+	var outs []uint64  // b's: endpoint, distance, held, …
 	a := start(t, Config{Name: "a"}, ra)
 	if err := a.Ready(); err != nil {
 		t.Fatalf("a replica without seeds is not ready: %v", err)
@@ -123,6 +124,14 @@ func TestPlacementsReachPeers(t *testing.T) {
 		linksMu.Lock()
 		defer linksMu.Unlock()
 		seqs = append(seqs, id, from, to)
+	}, Outcomes: func(id uint64, distance int, held bool) {
+		linksMu.Lock()
+		defer linksMu.Unlock()
+		h := uint64(0)
+		if held {
+			h = 1
+		}
+		outs = append(outs, id, uint64(distance), h)
 	}}, rb)
 	until(t, "the replicas to meet", func() bool { return a.Members() == 1 && b.Members() == 1 })
 	until(t, "b ready (a's state merged at the join)", func() bool { return b.Ready() == nil })
@@ -182,6 +191,17 @@ func TestPlacementsReachPeers(t *testing.T) {
 	})
 	if got := b.Stats().Sequences; got != 2 {
 		t.Fatalf("b counted %d sequences merged, want 2", got)
+	}
+	a.Outcome(3, 4, false)
+	a.Outcome(3, -1, true) // no distance: not sent
+	a.Outcome(3, 0, true)
+	until(t, "b to merge a's outcomes", func() bool {
+		linksMu.Lock()
+		defer linksMu.Unlock()
+		return slices.Equal(outs, []uint64{3, 4, 0, 3, 0, 1})
+	})
+	if got := b.Stats().Outcomes; got != 2 {
+		t.Fatalf("b counted %d outcomes merged, want 2", got)
 	}
 	a.Placed(3, long) // the same chain again within the second: not resent
 	s := a.Stats()

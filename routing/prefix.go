@@ -113,6 +113,9 @@ type Prefix struct {
 	// of the earlier prompt it continued there (0: none) and of its own
 	// (the replicas' gossip, OnSequenced).
 	onSequenced func(id, from, to uint64)
+	// onOutcome, when set, is told what each answer said of the sequence
+	// it continued (the replicas' gossip, OnOutcome).
+	onOutcome func(id uint64, distance int, held bool)
 	// meshed, when set, reports whether other router replicas share the
 	// engines (the replicas' gossip, Meshed), and others how many are
 	// live.
@@ -423,6 +426,22 @@ func (p *Prefix) OnPlaced(f func(id uint64, hashes []uint64)) { p.onPlaced = f }
 // and its own. The replicas' gossip sends them to the other replicas
 // (PeerSequenced). Set it before the policy serves.
 func (p *Prefix) OnSequenced(f func(id, from, to uint64)) { p.onSequenced = f }
+
+// OnOutcome sets f to be told what each answer said of the sequence its
+// request continued: its endpoint, its distance there, and whether the
+// engine still held it (Prefix.seqs). The replicas' gossip sends them to
+// the other replicas (PeerOutcome), so that every replica learns how many
+// sequences an engine keeps from all the answers. Set it before the policy
+// serves.
+func (p *Prefix) OnOutcome(f func(id uint64, distance int, held bool)) { p.onOutcome = f }
+
+// PeerOutcome takes what a router replica's answer said of a sequence on
+// endpoint id (OnOutcome's), as if this router's had said it.
+func (p *Prefix) PeerOutcome(id uint64, distance int, held bool) {
+	if distance >= 0 && distance < maxWarmKeys {
+		p.seqs.outcome(id, distance, held)
+	}
+}
 
 // PeerSequenced takes a router replica's sequence on endpoint id
 // (OnSequenced's), as if this router had placed it: the engine's slots

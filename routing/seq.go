@@ -87,5 +87,8 @@ func (p *Prefix) learnSequence(d Decision, promptBytes, enginePrompt, engineCach
 	warm := float64(2*engineCached) > blocks+seq
 	if warm || !d.busy {
 		p.seqs.outcome(d.Endpoint.ID, d.seqDistance, warm)
+		if p.onOutcome != nil {
+			p.onOutcome(d.Endpoint.ID, d.seqDistance, warm)
+		}
 	}
 }

@@ -154,3 +154,26 @@ func TestSequenceOutcomeInEngineTokens(t *testing.T) {
 		t.Fatalf("kept %d, want 1 (warm at distance 0, cold at 1)", k)
 	}
 }
+
+// Replicas learn from each other's answers: what this router's answer says
+// of a sequence goes to OnOutcome, and a peer's (PeerOutcome) teaches the
+// count as this router's own would; a distance out of range is ignored.
+func TestPeerOutcomesTeachTheCount(t *testing.T) {
+	p, q := newTestPrefix(DefaultPrefixParams()), newTestPrefix(DefaultPrefixParams())
+	e := testSet(t, 1).Endpoints[0]
+	p.seqs.see(e.ID, 9)
+	q.seqs.see(e.ID, 9)
+	p.OnOutcome(q.PeerOutcome)
+	q.PeerOutcome(e.ID, -1, false)
+	q.PeerOutcome(e.ID, maxWarmKeys, false)
+	d := Decision{Endpoint: e, MatchedBlocks: 3, PromptTokens: 1100, seqBytes: 3900}
+	for range 3 {
+		d.seqDistance = 0
+		p.learnSequence(d, 4400, 1467, 1310)
+		d.seqDistance = 1
+		p.learnSequence(d, 4400, 1467, 1030)
+	}
+	if k := q.seqs.kept(e.ID); k != 1 {
+		t.Fatalf("the peer learned a count of %d from this router's answers, want 1", k)
+	}
+}

@@ -106,33 +106,12 @@ func until(t *testing.T, what string, cond func() bool) {
 // ignored. Links, sequences and outcomes go the same way.
 func TestPlacementsReachPeers(t *testing.T) {
 	ra, rb, rc := newRecorder(), newRecorder(), newRecorder()
-	var linksMu sync.Mutex
-	var links []uint64 // b's: block, token, …
-	var seqs []uint64  // b's: endpoint, from, to, …
-	var outs []uint64  // b's: endpoint, distance, held, …
+	var sink tupleSink
 	a := start(t, Config{Name: "a"}, ra)
 	if err := a.Ready(); err != nil {
 		t.Fatalf("a replica without seeds is not ready: %v", err)
 	}
-	b := start(t, Config{Name: "b", Seeds: []string{a.Addr()}, Links: func(blocks, tokens []uint64) {
-		linksMu.Lock()
-		defer linksMu.Unlock()
-		for i := range blocks {
-			links = append(links, blocks[i], tokens[i])
-		}
-	}, Sequences: func(id, from, to uint64) {
-		linksMu.Lock()
-		defer linksMu.Unlock()
-		seqs = append(seqs, id, from, to)
-	}, Outcomes: func(id uint64, distance int, held bool) {
-		linksMu.Lock()
-		defer linksMu.Unlock()
-		h := uint64(0)
-		if held {
-			h = 1
-		}
-		outs = append(outs, id, uint64(distance), h)
-	}}, rb)
+	b := start(t, Config{Name: "b", Seeds: []string{a.Addr()}, Links: sink.link, Sequences: sink.sequence, Outcomes: sink.outcome}, rb)
 	until(t, "the replicas to meet", func() bool { return a.Members() == 1 && b.Members() == 1 })
 	until(t, "b ready (a's state merged at the join)", func() bool { return b.Ready() == nil })
 	until(t, "both to route as one of several", func() bool { return a.Shared() && b.Shared() })
@@ -162,16 +141,62 @@ func TestPlacementsReachPeers(t *testing.T) {
 	if got := rb.chains(200); len(got) != 0 {
 		t.Fatalf("placement on an unknown endpoint merged: %v", got)
 	}
+	tuplesReachPeer(t, a, b, &sink)
+	a.Placed(3, long) // the same chain again within the second: not resent
+	s := a.Stats()
+	if s.Members != 2 || !s.Joined || s.SentMessages == 0 || s.SentBytes == 0 {
+		t.Fatalf("stats %+v", s)
+	}
+	t.Logf("a: %+v", s)
+}
+
+// tupleSink records what a replica's Links, Sequences and Outcomes hooks
+// were told, in order.
+type tupleSink struct {
+	mu    sync.Mutex
+	links []uint64 // block, token, …
+	seqs  []uint64 // endpoint, from, to, …
+	outs  []uint64 // endpoint, distance, held, …
+}
+
+func (k *tupleSink) link(blocks, tokens []uint64) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	for i := range blocks {
+		k.links = append(k.links, blocks[i], tokens[i])
+	}
+}
+
+func (k *tupleSink) sequence(id, from, to uint64) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.seqs = append(k.seqs, id, from, to)
+}
+
+func (k *tupleSink) outcome(id uint64, distance int, held bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	h := uint64(0)
+	if held {
+		h = 1
+	}
+	k.outs = append(k.outs, id, uint64(distance), h)
+}
+
+// tuplesReachPeer has a send links, sequences and outcomes, and checks that
+// b, which routes to endpoint 3 but not 200, merged each whole into sink.
+func tuplesReachPeer(t *testing.T, a, b *Mesh, sink *tupleSink) {
+	t.Helper()
 	pairs := chain(11, 2*(maxLinkPairs+5))
 	a.Linked(pairs[:len(pairs)/2], pairs[len(pairs)/2:])
 	until(t, "b to merge a's links", func() bool {
-		linksMu.Lock()
-		defer linksMu.Unlock()
-		return len(links) == len(pairs)
+		sink.mu.Lock()
+		defer sink.mu.Unlock()
+		return len(sink.links) == len(pairs)
 	})
 	back := map[uint64]uint64{} // the messages may arrive in any order
-	for i := 0; i < len(links); i += 2 {
-		back[links[i]] = links[i+1]
+	for i := 0; i < len(sink.links); i += 2 {
+		back[sink.links[i]] = sink.links[i+1]
 	}
 	for i := range len(pairs) / 2 {
 		if back[pairs[i]] != pairs[len(pairs)/2+i] {
@@ -185,9 +210,9 @@ func TestPlacementsReachPeers(t *testing.T) {
 	a.Sequenced(200, 1, 2) // not an endpoint of b
 	a.Sequenced(3, 0xabc, 0xdef)
 	until(t, "b to merge a's sequences", func() bool {
-		linksMu.Lock()
-		defer linksMu.Unlock()
-		return slices.Equal(seqs, []uint64{3, 0, 0xabc, 3, 0xabc, 0xdef}) && b.Stats().Unknown == 2
+		sink.mu.Lock()
+		defer sink.mu.Unlock()
+		return slices.Equal(sink.seqs, []uint64{3, 0, 0xabc, 3, 0xabc, 0xdef}) && b.Stats().Unknown == 2
 	})
 	if got := b.Stats().Sequences; got != 2 {
 		t.Fatalf("b counted %d sequences merged, want 2", got)
@@ -196,19 +221,13 @@ func TestPlacementsReachPeers(t *testing.T) {
 	a.Outcome(3, -1, true) // no distance: not sent
 	a.Outcome(3, 0, true)
 	until(t, "b to merge a's outcomes", func() bool {
-		linksMu.Lock()
-		defer linksMu.Unlock()
-		return slices.Equal(outs, []uint64{3, 4, 0, 3, 0, 1})
+		sink.mu.Lock()
+		defer sink.mu.Unlock()
+		return slices.Equal(sink.outs, []uint64{3, 4, 0, 3, 0, 1})
 	})
 	if got := b.Stats().Outcomes; got != 2 {
 		t.Fatalf("b counted %d outcomes merged, want 2", got)
 	}
-	a.Placed(3, long) // the same chain again within the second: not resent
-	s := a.Stats()
-	if s.Members != 2 || !s.Joined || s.SentMessages == 0 || s.SentBytes == 0 {
-		t.Fatalf("stats %+v", s)
-	}
-	t.Logf("a: %+v", s)
 }
 
 // homeTable is routing's homes stand-in: key → endpoint and whether it

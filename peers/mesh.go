@@ -702,7 +702,11 @@ func (m *Mesh) apply(b []byte, sc *scratch) {
 	case kindOutcomes:
 		if sc.seqs, err = decodeSequences(body, sc.seqs); err == nil && m.cfg.Outcomes != nil {
 			for i := 0; i < len(sc.seqs); i += 3 {
-				if !m.cfg.Known(sc.seqs[i]) || sc.seqs[i+1] >= maxOutcomeDistance || sc.seqs[i+2] > 1 {
+				switch {
+				case sc.seqs[i+1] >= maxOutcomeDistance || sc.seqs[i+2] > 1:
+					m.stats.decodeErrors.Add(1)
+					continue
+				case !m.cfg.Known(sc.seqs[i]):
 					m.stats.unknown.Add(1)
 					continue
 				}

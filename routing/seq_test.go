@@ -141,17 +141,24 @@ func TestSequenceOutcomeInEngineTokens(t *testing.T) {
 	p := newTestPrefix(DefaultPrefixParams())
 	e := testSet(t, 1).Endpoints[0]
 	p.seqs.see(e.ID, 9)
-	// 4,400 bytes, 1,467 engine tokens: 3 blocks (3,072 bytes, 1,024
-	// tokens) matched, the earlier prompt 3,900 bytes (1,300 tokens).
+	keptOneSequence(p, e)
+	if k := p.seqs.kept(e.ID); k != 1 {
+		t.Fatalf("kept %d, want 1 (warm at distance 0, cold at 1)", k)
+	}
+}
+
+// keptOneSequence feeds p's sequences three answers of an engine that
+// keeps one: warm at distance 0, cold at 1. Each is a 4,400-byte prompt of
+// 1,467 engine tokens (one per 3 bytes) matching 3 blocks (3,072 bytes,
+// 1,024 tokens), its earlier prompt 3,900 bytes (1,300 tokens), reported
+// 1,310 tokens cached (warm) or 1,030 (the system prompt alone).
+func keptOneSequence(p *Prefix, e *discovery.Endpoint) {
 	d := Decision{Endpoint: e, MatchedBlocks: 3, PromptTokens: 1100, seqBytes: 3900}
 	for range 3 {
 		d.seqDistance = 0
 		p.learnSequence(d, 4400, 1467, 1310)
 		d.seqDistance = 1
 		p.learnSequence(d, 4400, 1467, 1030)
-	}
-	if k := p.seqs.kept(e.ID); k != 1 {
-		t.Fatalf("kept %d, want 1 (warm at distance 0, cold at 1)", k)
 	}
 }
 
@@ -166,13 +173,7 @@ func TestPeerOutcomesTeachTheCount(t *testing.T) {
 	p.OnOutcome(q.PeerOutcome)
 	q.PeerOutcome(e.ID, -1, false)
 	q.PeerOutcome(e.ID, maxWarmKeys, false)
-	d := Decision{Endpoint: e, MatchedBlocks: 3, PromptTokens: 1100, seqBytes: 3900}
-	for range 3 {
-		d.seqDistance = 0
-		p.learnSequence(d, 4400, 1467, 1310)
-		d.seqDistance = 1
-		p.learnSequence(d, 4400, 1467, 1030)
-	}
+	keptOneSequence(p, e)
 	if k := q.seqs.kept(e.ID); k != 1 {
 		t.Fatalf("the peer learned a count of %d from this router's answers, want 1", k)
 	}

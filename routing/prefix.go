@@ -144,7 +144,7 @@ const (
 // the canonical rendering (≈ blockBytes/4 tokens).
 func NewPrefix(index *prefix.Index, blockBytes int, p PrefixParams) *Prefix {
 	w := newWarmth()
-	pp := &Prefix{index: index, homes: newHomes(index.TTL(), time.Now), warm: w, seqs: newWarmth(), blockBytes: blockBytes,
+	pp := &Prefix{index: index, homes: newHomes(index.TTL(), time.Now), warm: w, seqs: newSequences(), blockBytes: blockBytes,
 		capTokens: make(map[uint64]int), capBPT: initialBytesPerToken}
 	pp.homes.kept, pp.homes.keptVersion = w.kept, w.version.Load
 	pp.params.Store(&p)
@@ -710,11 +710,12 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		promptTokens = int(float64(r.PromptBytes) / bpt)
 	}
 	k := costing{prm: prm, pinned: prm.pins(), key: key, model: r.Model, promptTokens: promptTokens,
-		tokensPerBlock: float64(p.blockBytes) / bpt, bytesPerToken: bpt, marks: r.Marks, seqs: p.seqs, now: time.Now()}
+		tokensPerBlock: float64(p.blockBytes) / bpt, bytesPerToken: bpt}
 	if keyed {
 		k.warm = p.warm
 	}
 	if len(r.Marks) > 0 {
+		k.seqs, k.now = p.seqs, time.Now()
 		k.seqAt, k.seqMark, _, k.seqKept = p.seqs.latest(r.Marks)
 	}
 	k.turn = t
@@ -881,11 +882,10 @@ type costing struct {
 	tokensPerBlock float64
 	warm           *warmth // what engines keep (warmth.at); nil: the request has no key
 	bytesPerToken  float64
-	// marks are the request's (Request.Marks); seqs, the whole prompts
-	// each engine keeps (Prefix.seqs), read at now: the latest of the
-	// request's earlier prompts held anywhere is seqMark, on endpoint
-	// seqAt, kept there (seqKept) or not.
-	marks   []prefix.Mark
+	// seqs is the whole prompts each engine keeps (Prefix.seqs; nil: the
+	// request has no marks), read at now: the latest of the request's
+	// earlier prompts held anywhere is seqMark, on endpoint seqAt, kept
+	// there (seqKept) or not.
 	seqs    *warmth
 	now     time.Time
 	seqAt   uint64

@@ -59,7 +59,7 @@ func (k *costing) sequence(e *discovery.Endpoint, holds bool) seqHeld {
 // seqCrowded reports whether c's engine caches per slot and the request
 // would start a sequence there that pushes out a live one (sequences).
 func (k *costing) seqCrowded(c candidate) bool {
-	return k.seqs != nil && len(k.marks) > 0 && c.seq.tokens == 0 && c.e.Dialect().Slotted() &&
+	return k.seqs != nil && c.seq.tokens == 0 && c.e.Dialect().Slotted() &&
 		k.seqs.crowded(c.e.ID, k.now)
 }
 

@@ -53,7 +53,7 @@ type warmth struct {
 	eps map[uint64]*keyStack
 	// where is, for each key in a stack, the endpoint it was last
 	// dispatched to (latest: one lookup per mark, not a scan per
-	// endpoint).
+	// endpoint); nil where latest is never asked (newWarmth).
 	where   map[uint64]uint64
 	version atomic.Uint64 // moves whenever a count changes
 	fleet   atomic.Int64  // the least count an endpoint learned; 0: none
@@ -85,8 +85,14 @@ const (
 	minWarmEvidence = 2.0
 )
 
-func newWarmth() *warmth {
-	return &warmth{eps: make(map[uint64]*keyStack), where: make(map[uint64]uint64)}
+func newWarmth() *warmth { return &warmth{eps: make(map[uint64]*keyStack)} }
+
+// newSequences returns a warmth keyed by prompt marks (Prefix.seqs) that
+// answers latest.
+func newSequences() *warmth {
+	w := newWarmth()
+	w.where = make(map[uint64]uint64)
+	return w
 }
 
 // see records a dispatch of key to endpoint id and returns the key's
@@ -139,7 +145,9 @@ func (w *warmth) extend(id, from, key uint64, now time.Time) int {
 		copy(s.at[1:], s.at[:len(s.at)-1])
 	}
 	s.keys[0], s.at[0] = key, now.UnixNano()
-	w.where[key] = id
+	if w.where != nil {
+		w.where[key] = id
+	}
 	return d
 }
 

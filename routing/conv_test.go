@@ -190,6 +190,48 @@ func TestPeersLoadCountsAsOwn(t *testing.T) {
 	}
 }
 
+// A peer's cold placement of a prompt stands, for a moment, for the
+// others' sends of the same prompt there too (every replica heard it at
+// once): a request of that prompt counts them and goes elsewhere, one of
+// another prompt does not, and neither does either once the moment passed.
+func TestPeersColdPlacementEchoesForItsPrompt(t *testing.T) {
+	set := testSet(t, 2)
+	p := newTestPrefix(DefaultPrefixParams())
+	p.Meshed(func() bool { return true }, func() int { return 7 }, func() int { return 0 }, func() float64 { return 7 })
+	sys := system(13, 16*testBlock)
+	first := request(sys + "first")
+	e := set.Endpoints[0]
+	p.PeerPlaced(e, first.Hashes)
+	own := e.PeerPrefill()
+	pendingAt := func(r *Request) int64 {
+		_, terms := p.Explain(r, set)
+		for _, term := range terms {
+			if term.Endpoint == e.URL {
+				return term.InFlightPrefill
+			}
+		}
+		t.Fatal("no term for the endpoint")
+		return 0
+	}
+	if got, want := pendingAt(request(sys+"second")), 7*own; got != want {
+		t.Errorf("a request of the prompt counts %d tokens pending there, want the placement's and six others' (%d)", got, want)
+	}
+	if d := p.Pick(request(sys+"second"), set); d.Endpoint == e {
+		t.Errorf("a request of the prompt followed the cold placement at once: %+v", d)
+	}
+	if got := pendingAt(request(system(14, 16*testBlock) + "other")); got != own {
+		t.Errorf("a request of another prompt counts %d tokens pending there, want the placement's %d", got, own)
+	}
+	p.PeerPlaced(e, request(sys+"first, then a long turn of its own: "+strings.Repeat("more. ", 400)).Hashes)
+	if got := p.colds.n.Load(); got != 1 {
+		t.Errorf("%d cold placements counted, want 1 (a turn placed where its prompt is held is not cold)", got)
+	}
+	key, _, _ := p.keyOf(first.Hashes, false, p.params.Load(), 0, true, false)
+	if got := p.colds.at(key, e.ID, time.Now().Add(unheardFor)); got != 0 {
+		t.Errorf("after %s still %d tokens counted", unheardFor, got)
+	}
+}
+
 // chainedReplica returns one of two gossiping replicas over set that have
 // routed 16 conversations under one system prompt: its family is seen
 // chained, and a conversation is keyed by its own branch.

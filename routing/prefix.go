@@ -127,6 +127,8 @@ type Prefix struct {
 	// echo is how many requests of the others one pick of this replica's
 	// stands for (Pick; peers' Mesh.Echo, learned from their loads).
 	echo func() float64
+	// colds are the peers' recent cold placements' echoes (cold.go).
+	colds peerColds
 }
 
 // Bytes per token: the rule of thumb for English (OpenAI: a token is about
@@ -473,8 +475,10 @@ func (p *Prefix) PeerPlaced(e *discovery.Endpoint, hashes []uint64) {
 	prm := p.params.Load()
 	sp := p.match(hashes)
 	held, _ := matchedBlocks(*sp, e.ID)
-	if len(hashes) >= prm.MinMatchBlocks {
-		p.peerKey(e, hashes, *sp, prm)
+	var key uint64
+	keyed := len(hashes) >= prm.MinMatchBlocks
+	if keyed {
+		key = p.peerKey(e, hashes, *sp, prm)
 	}
 	p.scratch.Put(sp)
 	p.index.Record(e.ID, hashes)
@@ -488,16 +492,22 @@ func (p *Prefix) PeerPlaced(e *discovery.Endpoint, hashes []uint64) {
 		ahead = float64(e.PendingPrefill()+e.PeerPrefill()) / r.pending
 	}
 	d := min(ahead+tokens/r.prefill, maxPeerPrefill.Seconds())
-	e.AddPeerPrefill(int64(tokens), time.Now().Add(time.Duration(d*float64(time.Second))))
+	now := time.Now()
+	e.AddPeerPrefill(int64(tokens), now.Add(time.Duration(d*float64(time.Second))))
+	if n := p.echoes() - 1; keyed && held < prm.MinMatchBlocks && n > 0 {
+		p.colds.add(key, e.ID, int64(n*tokens), now.Add(unheardFor)) // placed cold
+	}
 }
 
 // peerKey counts a peer's placement of hashes on e under the prefix key
 // this router would give the request (a chained family's branch included;
-// matches is the index's view before the placement is recorded).
-func (p *Prefix) peerKey(e *discovery.Endpoint, hashes []uint64, matches []prefix.Match, prm *PrefixParams) {
+// matches is the index's view before the placement is recorded), and
+// returns that key.
+func (p *Prefix) peerKey(e *discovery.Endpoint, hashes []uint64, matches []prefix.Match, prm *PrefixParams) uint64 {
 	key, _, branch := p.keyOf(hashes, e.Role == discovery.RolePrefill, prm, deepestMatch(matches), true, false)
 	p.homes.peerSaw(key, branch > 0, e.ID)
 	p.warm.see(e.ID, key)
+	return key
 }
 
 // ExportHomes yields up to max prompt keys, most recently used first, with
@@ -711,11 +721,12 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 	}
 	k := costing{prm: prm, pinned: prm.pins(), key: key, model: r.Model, promptTokens: promptTokens,
 		tokensPerBlock: float64(p.blockBytes) / bpt, bytesPerToken: bpt}
+	k.now = time.Now()
 	if keyed {
-		k.warm = p.warm
+		k.warm, k.colds = p.warm, &p.colds
 	}
 	if len(r.Marks) > 0 {
-		k.seqs, k.now = p.seqs, time.Now()
+		k.seqs = p.seqs
 		k.seqAt, k.seqMark, _, k.seqKept = p.seqs.latest(r.Marks)
 	}
 	k.turn = t
@@ -894,6 +905,9 @@ type costing struct {
 	// turn orders a new key's home and ties among idle spill targets while
 	// meshed (turnOf); else the rendezvous scores do.
 	turn turn
+	// colds are the peers' recent cold placements of keys (nil: the
+	// request has no key).
+	colds *peerColds
 }
 
 // candidate reads e's load and applies the wait model for the request's
@@ -912,6 +926,10 @@ func (k *costing) candidate(e *discovery.Endpoint, matched, lower, shared int) c
 	matched = max(matched, shared)
 	seq := k.sequence(e, holds)
 	c := candidate{e: e, load: loadOf(e), score: rendezvous(k.key, e.ID), warm: matched >= k.prm.MinMatchBlocks}
+	if k.colds != nil {
+		c.load.pending += k.colds.at(k.key, e.ID, k.now)
+	}
+
 	c.tie = k.turn.of(c.score)
 	if c.warm {
 		c.blocks = matched // a shorter match counts neither for warmth nor for cost

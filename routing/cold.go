@@ -46,8 +46,9 @@ func (c *peerColds) add(key, id uint64, tokens int64, until time.Time) {
 	}
 	if len(c.m) >= maxColdKeys {
 		for k, es := range c.m {
-			c.m[k] = c.live(es, now)
-			if len(c.m[k]) == 0 {
+			if es = c.live(es, now); len(es) > 0 {
+				c.m[k] = es
+			} else {
 				delete(c.m, k)
 			}
 		}

@@ -440,9 +440,7 @@ func (p *Prefix) OnOutcome(f func(id uint64, distance int, held bool)) { p.onOut
 // PeerOutcome takes what a router replica's answer said of a sequence on
 // endpoint id (OnOutcome's), as if this router's had said it.
 func (p *Prefix) PeerOutcome(id uint64, distance int, held bool) {
-	if distance >= 0 && distance < maxWarmKeys {
-		p.seqs.outcome(id, distance, held)
-	}
+	p.seqs.outcome(id, distance, held) // it ignores a distance it does not track
 }
 
 // PeerSequenced takes a router replica's sequence on endpoint id
@@ -720,8 +718,7 @@ func (p *Prefix) decide(r *Request, set *discovery.Set, terms *[]Term) Decision 
 		promptTokens = int(float64(r.PromptBytes) / bpt)
 	}
 	k := costing{prm: prm, pinned: prm.pins(), key: key, model: r.Model, promptTokens: promptTokens,
-		tokensPerBlock: float64(p.blockBytes) / bpt, bytesPerToken: bpt}
-	k.now = time.Now()
+		tokensPerBlock: float64(p.blockBytes) / bpt, bytesPerToken: bpt, now: time.Now()}
 	if keyed {
 		k.warm, k.colds = p.warm, &p.colds
 	}
@@ -929,7 +926,6 @@ func (k *costing) candidate(e *discovery.Endpoint, matched, lower, shared int) c
 	if k.colds != nil {
 		c.load.pending += k.colds.at(k.key, e.ID, k.now)
 	}
-
 	c.tie = k.turn.of(c.score)
 	if c.warm {
 		c.blocks = matched // a shorter match counts neither for warmth nor for cost

@@ -130,7 +130,7 @@ func New(cfg Config, logger *zap.Logger) (*Router, error) {
 				return int(float64(cfg.PrefixBlockBytes) / bpt)
 			}}}}
 	if r.Prefix != nil {
-		opt.Learner, opt.Cached, opt.Warm = r.Prefix, r.Prefix.CachedTokens, r.Prefix.WarmRoom
+		opt.Learner, opt.Cached, opt.Warm, opt.Holding = r.Prefix, r.Prefix.CachedTokens, r.Prefix.WarmRoom, r.Prefix.Holding
 		metrics.RegisterIndex(r.Registry, func() metrics.IndexSample {
 			s := r.Prefix.Index().Stats()
 			return metrics.IndexSample{Endpoints: s.Endpoints, Hashes: s.Hashes, Entries: s.Entries,

@@ -136,6 +136,9 @@ type Endpoint struct {
 	// rampAt is when the scrape the slow start last asked for is due
 	// (Unix ns; rampScrape).
 	rampAt atomic.Int64
+	// cuts learns whether the engine stops a request the router cut
+	// (cut.go).
+	cuts cutChecks
 	// models is the endpoint's model list (nil: not known); listing is
 	// held by the models worker reading it.
 	models  atomic.Pointer[Models]
@@ -314,6 +317,7 @@ func (e *Endpoint) SetCosts(c *Costs) { e.costs.Store(c) }
 func (e *Endpoint) SetEngine(st *EngineStats) {
 	e.last.Store(st)
 	e.fresh.Store(st)
+	e.cuts.scraped(st)
 }
 
 // NewEndpoint parses a base URL ("http://host:port[/base]", or "host:port",

@@ -132,12 +132,7 @@ func (e *Endpoint) rampScrape(n int64) {
 	if last > now || !e.rampAt.CompareAndSwap(last, at) {
 		return
 	}
-	time.AfterFunc(time.Duration(at-now), func() {
-		select {
-		case f.ramp <- e:
-		default: // the scraper is behind: its next round comes anyway
-		}
-	})
+	e.scrapeIn(time.Duration(at - now))
 }
 
 // QueueRoom reports whether a request of a saturated fleet may still go to

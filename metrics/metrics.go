@@ -431,7 +431,7 @@ func (m *Metrics) registerStreams(reg prometheus.Registerer) {
 		"Streamed answers continued on another endpoint after theirs failed mid-stream: time from the failure to the continuation's first event written to the client.")
 	m.migrations = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: Namespace, Name: "migrations_total",
-		Help: "Streamed answers whose endpoint failed mid-stream, by cause (cut: the connection failed or closed early; timeout: the stream-idle timeout; error: the engine sent an error event; drained: the endpoint left discovery or drains) and outcome (continued on another endpoint; failed: the continuation could not start; not_continued: the answer could not be continued faithfully, or the migrations or the retry budget were spent).",
+		Help: "Streamed answers whose endpoint failed mid-stream, by cause (cut: the connection failed or closed early; timeout: the stream-idle timeout; error: the engine sent an error event; drained: the endpoint left discovery or drains; preempted: the queue took its place back for a tenant below its share or a higher class) and outcome (continued on another endpoint; failed: the continuation could not start; not_continued: the answer could not be continued faithfully, or the migrations or the retry budget were spent).",
 	}, []string{"cause", "outcome"})
 	reg.MustRegister(m.migrations)
 	m.holds = prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -439,7 +439,7 @@ func (m *Metrics) registerStreams(reg prometheus.Registerer) {
 		Help: "Requests held back from a slot engine (llama.cpp, Ollama) whose slots keeping their prompt were all busy with this router's requests, rather than computing the prompt afresh in another slot, by outcome (ended: one of them ended; timeout: none ended within the prompt's cold prefill and a turn).",
 	}, []string{"outcome"})
 	reg.MustRegister(m.holds)
-	for _, c := range []string{"cut", "timeout", "error", "drained"} {
+	for _, c := range []string{"cut", "timeout", "error", "drained", "preempted"} {
 		for _, o := range []string{"continued", "failed", "not_continued"} {
 			m.migrations.WithLabelValues(c, o)
 		}

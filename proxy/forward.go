@@ -46,8 +46,8 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 	// fleet has no room; a continued stream (migrating) does not, nor a
 	// request passed on unparsed (a probe through the API port), which
 	// takes no place in a batch.
-	wait := !st.migrating && st.req.Kind != routing.KindOther &&
-		(s.queue.busy() || !routing.Room(&st.req, set) || s.queue.reserved(&st.req, flowOf(st.tenant, st.class), st.class)) &&
+	wait := (!st.migrating || st.resumed) && st.req.Kind != routing.KindOther &&
+		(s.queue.busy() || !routing.Room(&st.req, set) || s.queue.reserved(st, flowOf(st.tenant, st.class), st.class)) &&
 		saturated(set, &st.req, nil)
 	waited := false
 	for tries := 0; ; {
@@ -87,6 +87,10 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 			}
 			wait = true
 			continue
+		}
+		if st.resumed && !st.admitted {
+			st.admitted = true // the cut stream runs again
+			s.queue.runs.restarted(flowOf(st.tenant, st.class))
 		}
 		if !st.admitted && !st.migrating && st.req.Kind != routing.KindOther {
 			st.admitted = true

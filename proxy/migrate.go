@@ -424,10 +424,11 @@ func appendJSON(b []byte, v *fastjson.Value) []byte {
 
 // Causes of a migration (kvroute_migrations_total's cause label).
 const (
-	migrateCut     = "cut"     // the connection failed or closed before the end
-	migrateTimeout = "timeout" // the stream-idle timeout
-	migrateError   = "error"   // the engine sent an error event
-	migrateDrained = "drained" // the endpoint left discovery or drains
+	migrateCut     = "cut"       // the connection failed or closed before the end
+	migrateTimeout = "timeout"   // the stream-idle timeout
+	migrateError   = "error"     // the engine sent an error event
+	migrateDrained = "drained"   // the endpoint left discovery or drains
+	migrateCutFor  = "preempted" // the queue took its place back for another request (preempt.go)
 )
 
 // migrate continues the answer on another endpoint after its leg failed
@@ -441,7 +442,8 @@ func (b *upstreamBody) migrate(cause string) bool {
 		}
 		return false
 	}
-	if !s.budget.allow() {
+	cut := cause == migrateCutFor
+	if !cut && !s.budget.allow() {
 		s.opt.Metrics.RetryDenied()
 		s.opt.Metrics.Migration(cause, "not_continued")
 		return false
@@ -459,12 +461,21 @@ func (b *upstreamBody) migrate(cause string) bool {
 	}
 	b.endLeg()
 	b.readErr = legErr // until the continuation streams
+	if cut {
+		// Its place is free; its flow runs one fewer until it restarts.
+		s.queue.runs.ended(failedAtt.flow)
+		s.queue.freed()
+	}
 
 	st := s.states.Get().(*reqState)
 	st.reset()
 	defer s.release(st)
 	defer st.lease.Release()
-	st.req.Kind, st.migrating = routing.Kind(b.rec.class), true
+	st.req.Kind, st.migrating, st.legs = routing.Kind(b.rec.class), true, t.legs+1
+	if cut {
+		st.offered = failedAtt.offered // it waits for a place as its flow's next request
+		st.tenant, st.class, st.resumed, st.resumeSeq = b.rec.tenant, b.rec.tier, true, failedAtt.seq
+	}
 	st.traceID, st.flags = b.rec.traceID, b.flags
 	if b.rec.span != nil { // the continuation's pick and attempt are spans of the request
 		st.span, st.tctx = b.rec.span, trace.ContextWithSpan(context.Background(), b.rec.span)
@@ -475,7 +486,11 @@ func (b *upstreamBody) migrate(cause string) bool {
 		s.opt.Metrics.Migration(cause, "failed")
 		return false
 	}
-	st.req.Tried = append(st.req.Tried, failedEP)
+	tried := 0 // the continuation's attempts beyond the endpoints it avoids
+	if !cut {  // a cut endpoint did not fail: it may continue the answer
+		st.req.Tried = append(st.req.Tried, failedEP)
+		tried = 1
+	}
 	resp, d, err := s.forward(ctx, st)
 	if err == nil && (resp.StatusCode() != fasthttp.StatusOK || !isEventStream(resp) || resp.BodyStream() == nil) {
 		s.discard(resp, st.att)
@@ -484,6 +499,9 @@ func (b *upstreamBody) migrate(cause string) bool {
 		err = &statusError{endpoint: d.Endpoint.URL, code: resp.StatusCode()}
 	}
 	if err != nil {
+		if cut && !st.admitted {
+			s.queue.runs.restarted(failedAtt.flow) // its end counts it out
+		}
 		s.opt.Logger.Warn("stream migration failed", zap.ByteString("request_id", b.rec.reqID), zap.String("cause", cause), zap.Error(err))
 		s.opt.Metrics.Migration(cause, "failed")
 		return false
@@ -492,7 +510,7 @@ func (b *upstreamBody) migrate(cause string) bool {
 	b.legFailed(failedEP, failedAtt, legErr)
 	b.resp, b.rd, b.att = resp, resp.BodyStream(), st.att
 	b.lease = st.lease.Take()
-	b.rec.ep, b.rec.decision, b.rec.attempts = d.Endpoint, d, b.rec.attempts+len(st.req.Tried)-1
+	b.rec.ep, b.rec.decision, b.rec.attempts = d.Endpoint, d, b.rec.attempts+len(st.req.Tried)-tried
 	b.rec.migrations++
 	b.readErr, b.observe, b.legFirst = nil, false, false
 	b.usage, b.promptBytes = usageScanner{}, st.req.PromptBytes
@@ -509,9 +527,14 @@ func (b *upstreamBody) migrate(cause string) bool {
 	b.hook()
 	if t.on {
 		b.att.setMovable()
+		s.offer(st, b.att) // a cut one may be cut again, as old as it was
 	}
 	s.opt.Metrics.Migration(cause, "continued")
-	s.opt.Logger.Info("stream migrated", zap.ByteString("request_id", b.rec.reqID), zap.String("cause", cause),
+	log := s.opt.Logger.Info
+	if cut {
+		log = s.opt.Logger.Debug // the queue's doing, not a failure
+	}
+	log("stream migrated", zap.ByteString("request_id", b.rec.reqID), zap.String("cause", cause),
 		zap.String("from", failedEP.URL), zap.String("to", d.Endpoint.URL), zap.Int("tokens", t.tokens),
 		zap.Duration("took", time.Since(start)))
 	return true
@@ -532,6 +555,9 @@ func (b *upstreamBody) endLeg() {
 // endpoint (unless kvroute cut it), in kvroute_upstream_errors_total and
 // the log.
 func (b *upstreamBody) legFailed(ep *discovery.Endpoint, a *attempt, err error) {
+	if a.wasCut() {
+		return // the queue took its place back: nothing failed
+	}
 	if !a.wasAborted() {
 		ep.ReportFailure()
 	}
@@ -547,6 +573,9 @@ var errEngineError = errors.New("proxy: the engine sent an error event mid-strea
 func causeOf(a *attempt, err error) string {
 	if a.wasDrained() {
 		return migrateDrained
+	}
+	if a.wasCut() {
+		return migrateCutFor
 	}
 	var ne net.Error
 	if errors.Is(err, os.ErrDeadlineExceeded) || errors.As(err, &ne) && ne.Timeout() {

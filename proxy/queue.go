@@ -82,6 +82,12 @@ type waiter struct {
 	ready     chan struct{} // a token when granted or evicted
 	// atMax: the last pass found its tenant at its max_concurrency.
 	atMax bool
+	// movable: once it runs, its place can be taken back (preempt.go),
+	// so the reserve keeps none from it; resume: it continues a stream
+	// cut for another request, as its flow's next (enter).
+	movable, resume bool
+	// owed: when a stream was cut to free a place for it (preempt.go).
+	owed time.Time
 	// passed counts the grants a later waiter of its flow took in its
 	// turn (warmer); coldAt is when a grant first found it cold with no
 	// warmer waiter here (coldDefer).
@@ -138,6 +144,11 @@ type fairQueue struct {
 	reserve int
 	places  func(r *routing.Request) (free, total int64)
 	runs    tenantRuns
+	// cut, when set, cuts a stream of one of flows for r (preempt.go);
+	// takeBack reports whether a request's place can be taken back once
+	// it runs.
+	cut      func(r *routing.Request, flows []uint64) bool
+	takeBack func(st *reqState) bool
 	// pace is the rate of grants (pace.go).
 	pace pace
 	// kick wakes the dispatcher; handed tells it the grantee has taken
@@ -202,20 +213,17 @@ func (q *fairQueue) enter(w *waiter, id uint64, label string, weight float64, ag
 		q.tenants[id] = t
 	}
 	t.weight = weight
-	if !again && t.waiting >= q.perTenant {
+	if !again && !w.resume && t.waiting >= q.perTenant {
 		// The tenant's own lower class makes room, else it waits no more.
-		last := q.last(func(x *waiter) bool { return x.tenant == t })
+		last := q.last(func(x *waiter) bool { return x.tenant == t && !x.resume })
 		if last == nil || last.class.rank() >= w.class.rank() {
 			return shedTenant
 		}
 		q.remove(last, waitEvicted)
 	}
-	if len(q.waiting) >= q.max {
-		if q.max <= 0 {
-			return shedFull
-		}
-		last := q.waiting[len(q.waiting)-1]
-		if last.class.rank() >= w.class.rank() {
+	if len(q.waiting) >= q.max && !w.resume {
+		last := q.last(func(x *waiter) bool { return !x.resume })
+		if q.max <= 0 || last == nil || last.class.rank() >= w.class.rank() {
 			return shedFull
 		}
 		q.remove(last, waitEvicted)
@@ -226,8 +234,19 @@ func (q *fairQueue) enter(w *waiter, id uint64, label string, weight float64, ag
 	if again {
 		w.notBefore = time.Now().Add(queuePoll)
 	}
-	if !again {
-		w.passed, w.coldAt = 0, time.Time{}
+	switch {
+	case w.resume && !again:
+		// A cut stream goes first of its flow, its order kept (w.seq),
+		// charged nothing more.
+		w.passed, w.coldAt, w.owed = 0, time.Time{}, time.Time{}
+		w.start = max(q.vtime, t.finish)
+		for _, x := range q.waiting {
+			if x.tenant == t && x.class == w.class {
+				w.start = min(w.start, max(q.vtime, x.start))
+			}
+		}
+	case !again:
+		w.passed, w.coldAt, w.owed = 0, time.Time{}, time.Time{}
 		w.start = max(q.vtime, t.finish)
 		t.finish = w.start + w.cost/t.weight
 		w.seq = q.seq
@@ -327,6 +346,13 @@ func (q *fairQueue) grant() bool {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	var p grantPass
+	if w := q.owedFirst(&p); w != nil { // the place a cut freed for it
+		q.vtime = max(q.vtime, w.start)
+		w.req.Alone = w.tenant.byClass[w.class] == 1
+		q.remove(w, waitGranted)
+		q.pace.granted(time.Now())
+		return true
+	}
 	for i, w := range q.waiting {
 		if !q.eligible(&p, w) {
 			continue
@@ -354,6 +380,7 @@ func (q *fairQueue) grant() bool {
 		q.pace.granted(time.Now())
 		return true
 	}
+	q.preemptFor(&p)
 	return false
 }
 
@@ -426,7 +453,7 @@ func (q *fairQueue) eligible(p *grantPass, w *waiter) bool {
 		}
 		return false
 	}
-	if q.holdBack(&p.shares, w.req, flowOf(w.who, w.class), w.class) {
+	if q.holdBack(&p.shares, w.req, flowOf(w.who, w.class), w.class, w.movable) {
 		p.held = append(p.held, tenantModel{w.who, w.req.Model})
 		return false
 	}
@@ -576,6 +603,10 @@ func (s *Server) queueWait(ctx *fasthttp.RequestCtx, st *reqState, again bool) e
 		if s.opt.Tenants.FIFO {
 			w.class, w.cost = classDefault, 1 // arrival order
 		}
+		w.resume, w.movable = st.resumed, s.takesBack(st)
+		if st.resumed {
+			w.seq, w.cost = st.resumeSeq, 0 // charged when it first came
+		}
 	}
 	if shed := s.queue.enter(w, id, s.tenantLabel(id), s.weightOf(id), again); shed != "" {
 		return s.shed(st, shed)
@@ -593,7 +624,7 @@ func (s *Server) queueWait(ctx *fasthttp.RequestCtx, st *reqState, again bool) e
 		case <-t.C:
 		}
 		gone := peerClosed(ctx.Conn())
-		if !gone && time.Since(w.since) < s.opt.QueueTimeout {
+		if !gone && (w.resume || time.Since(w.since) < s.opt.QueueTimeout) {
 			t.Reset(queuePoll)
 			continue
 		}

@@ -58,8 +58,15 @@ type reqState struct {
 	clientKV   bool
 	pd         pdState
 	// migrating: the request continues a streamed answer (migrate.go); its
-	// retry was counted.
-	migrating bool
+	// retry was counted. resumed: the answer was cut for another request
+	// (preempt.go), and the continuation queues as its flow's next, in
+	// the place resumeSeq of the queue's order.
+	migrating, resumed bool
+	resumeSeq          uint64
+	// legs counts the legs of the answer before this one (a
+	// continuation's), offered when its first was offered for a cut.
+	legs    int
+	offered time.Time
 	// pre: the first bytes of a whole answer, read before it is passed on
 	// (peekBody).
 	pre []byte
@@ -89,7 +96,8 @@ type reqState struct {
 func (st *reqState) reset() {
 	st.req.Reset()
 	st.att, st.root, st.prompts, st.n, st.clientKV = nil, nil, 0, 0, false
-	st.span, st.tctx, st.migrating, st.pre = nil, nil, false, st.pre[:0]
+	st.span, st.tctx, st.migrating, st.resumed, st.pre = nil, nil, false, false, st.pre[:0]
+	st.legs, st.offered = 0, time.Time{}
 	st.pd.reset()
 	st.tenant, st.class, st.granted, st.admitted, st.waited, st.held = 0, classDefault, false, false, 0, 0
 	st.charge, st.label = budgetCharge{}, ""

@@ -66,6 +66,7 @@ func (s *Server) commit(ctx *fasthttp.RequestCtx, st *reqState, d routing.Decisi
 	b.track.reset(b.stream && rd != nil && s.continuable(st), st.req.Kind == routing.KindChat)
 	if b.track.on {
 		b.att.setMovable() // an endpoint that leaves hands it over (drainGone)
+		s.offer(st, b.att) // the queue may take its place back (preempt.go)
 	}
 	if rd == nil { // HEAD, 204, 304: no body
 		b.markFirstByte()

@@ -79,6 +79,9 @@ type Options struct {
 	// policy's index): the queue gives a freed place to a waiter that
 	// starts warm before one of its flow that would recompute its prompt.
 	Warm func(r *routing.Request, set *discovery.Set) (placed, room bool)
+	// Holding, when set, returns the endpoints holding r's prompt: the
+	// queue cuts a stream there first to free a place for r (preempt.go).
+	Holding func(r *routing.Request, set *discovery.Set) []*discovery.Endpoint
 	// Peers, when set, returns how many other router replicas share the
 	// fleet (their gossip): a waiter whose cache has no room then defers
 	// its grant a moment, so that a replica with a warm waiter for the
@@ -191,6 +194,10 @@ func New(opt Options) *Server {
 	}
 	if !opt.Tenants.FIFO {
 		s.queue.reserve, s.queue.places = opt.Tenants.Reserve, s.placesOf
+		s.queue.takeBack = s.takesBack
+		if opt.Tenants.Preempt && opt.MaxMigrations > 0 {
+			s.queue.cut = s.cutFor
+		}
 	}
 	s.budgets.cur.Store(opt.Budgets)
 	s.tenants.max = opt.Tenants.MetricTenants

@@ -39,11 +39,16 @@ type TenantOptions struct {
 	// running less than theirs and to any active flow of a higher class
 	// (reserve.go); 0: the queue is fully work-conserving. Not under FIFO.
 	Reserve int
+	// Preempt lets the queue take a place back for a flow below its share
+	// or of a higher class: it cuts a stream of a flow above its share
+	// (or of a lower class), which continues on the fleet as its flow's
+	// next request (preempt.go). Not under FIFO.
+	Preempt bool
 }
 
 // DefaultTenantOptions are the flags' defaults.
 func DefaultTenantOptions() TenantOptions {
-	return TenantOptions{MaxQueue: 256, MetricTenants: 32, Reserve: 2}
+	return TenantOptions{MaxQueue: 256, MetricTenants: 32, Reserve: 2, Preempt: true}
 }
 
 // tenantOf returns the tenant of a request with header h: a hash of its

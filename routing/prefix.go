@@ -396,25 +396,44 @@ func (p *Prefix) CachedTokens(r *Request) int {
 // flow whose cache has none, which would recompute its prompt elsewhere
 // (and copy it there). It records nothing.
 func (p *Prefix) WarmRoom(r *Request, set *discovery.Set) (placed, room bool) {
+	p.holders(r, set, func(e *discovery.Endpoint) bool {
+		placed = true
+		room = Usable(r, e)
+		return !room
+	})
+	return placed, room
+}
+
+// Holding returns the endpoints of set that hold the deepest match of r's
+// prompt in the index, when it is a key's worth (MinMatchBlocks) or more.
+func (p *Prefix) Holding(r *Request, set *discovery.Set) []*discovery.Endpoint {
+	var out []*discovery.Endpoint
+	p.holders(r, set, func(e *discovery.Endpoint) bool {
+		out = append(out, e)
+		return true
+	})
+	return out
+}
+
+// holders calls yield with each endpoint of r's group that holds the
+// deepest match of r's prompt, a key's worth or more, until it returns
+// false.
+func (p *Prefix) holders(r *Request, set *discovery.Set, yield func(*discovery.Endpoint) bool) {
 	if len(r.Hashes) == 0 {
-		return false, false
+		return
 	}
 	sp := p.match(r.Hashes)
 	defer p.scratch.Put(sp)
 	matches := *sp
 	deepest := deepestMatch(matches)
 	if deepest < p.params.Load().MinMatchBlocks {
-		return false, false
+		return
 	}
 	for _, e := range r.group(set) {
-		if b, _ := matchedBlocks(matches, e.ID); b == deepest {
-			placed = true
-			if Usable(r, e) {
-				return true, true
-			}
+		if b, _ := matchedBlocks(matches, e.ID); b == deepest && !yield(e) {
+			return
 		}
 	}
-	return placed, false
 }
 
 // OnPlaced sets f to be told each pick's endpoint and chain after the

@@ -63,10 +63,13 @@ func IsTenantScenario(name string) bool {
 	return false
 }
 
-// The policies a tenant scenario compares: kvroute's fair queue and the
-// same router with its queue in arrival order.
+// The policies a tenant scenario compares: kvroute's fair queue (default
+// flags), the same without preemption (its places kept by the reserve
+// alone), without either (fully work-conserving), with its queue in
+// arrival order, and with the flood capped by a budget.
 const (
 	TenantFair      = "prefix"
+	TenantNoPreempt = "prefix-no-preempt"
 	TenantFIFO      = "prefix-fifo"
 	TenantBudget    = "prefix-budget"
 	TenantNoReserve = "prefix-no-reserve"
@@ -74,7 +77,8 @@ const (
 
 // queueName is a tenant policy's queue in the report.
 func queueName(policy string) string {
-	return map[string]string{TenantFair: "fair", TenantFIFO: "fifo", TenantBudget: "fair, flood capped", TenantNoReserve: "fair, no reserve"}[policy]
+	return map[string]string{TenantFair: "fair", TenantNoPreempt: "fair, no preemption", TenantFIFO: "fifo",
+		TenantBudget: "fair, flood capped", TenantNoReserve: "fair, no reserve or preemption"}[policy]
 }
 
 // tenantShape is the traffic of one tenant scenario.
@@ -238,7 +242,7 @@ func RunTenants(ctx context.Context, name, engine string, to TenantOptions, opt 
 	phases := []struct {
 		name, policy string
 		flood        bool
-	}{{"alone", TenantFair, false}, {"flood", TenantFair, true}, {"flood", TenantNoReserve, true}, {"flood", TenantFIFO, true}}
+	}{{"alone", TenantFair, false}, {"flood", TenantFair, true}, {"flood", TenantNoPreempt, true}, {"flood", TenantNoReserve, true}, {"flood", TenantFIFO, true}}
 	var budgets string
 	if shape.capFlood {
 		phases = append(phases, struct {
@@ -298,8 +302,10 @@ func runTenantPhase(ctx context.Context, sc *Scenario, ps phaseSpec, to TenantOp
 		switch policy {
 		case TenantFIFO:
 			c.Tenants.FIFO = true
+		case TenantNoPreempt:
+			c.Tenants.Preempt = false
 		case TenantNoReserve:
-			c.Tenants.Reserve = 0
+			c.Tenants.Reserve, c.Tenants.Preempt = 0, false
 		case TenantBudget:
 			c.BudgetsFile = budgets
 		}

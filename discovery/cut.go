@@ -1,0 +1,107 @@
+package discovery
+
+import (
+	"sync"
+	"time"
+)
+
+// Whether an engine stops a request the router cut. A router that cuts a
+// stream to give its place to another request (the proxy's preemption)
+// frees a place only where the engine stops generating when its client
+// leaves: vLLM, SGLang, llama.cpp, Ollama and kvsim do; llm-d's inference
+// simulator goes on to the end of the answer, and the request sent into
+// the "freed" place waits in its queue behind the cut one. The router
+// learns which: each cut asks for a scrape cutDelay later, and an engine
+// whose running and waiting requests then exceed the known ones by more
+// than before the cut (EngineStats.Foreign) kept the cut request. The
+// first cut of an engine is a probe: no other is made there before the
+// scrape settles it. An engine that kept more cut requests than it
+// stopped takes no cut for cutForget; then it is tried again (an engine
+// restarted as another version, or a verdict that a foreign client's
+// request misled). On llm-d's simulator, two probes per engine (and their
+// requests, which waited behind the kept ones) set the quiet tenants of
+// issue #38 back by a second at the start.
+
+const (
+	cutDelay  = 50 * time.Millisecond
+	cutForget = 10 * time.Minute
+)
+
+// cutChecks is an endpoint's record of its cuts.
+type cutChecks struct {
+	mu     sync.Mutex
+	due    time.Time // a check is pending: the first scrape completed after due settles it
+	base   int64     // the foreign requests before the cut
+	kept   int
+	freed  int
+	refuse time.Time // no cut before this
+}
+
+// Cut tells the endpoint that the router cut one of its requests to give
+// its place to another; the next scrape after cutDelay checks whether the
+// engine stopped it.
+func (e *Endpoint) Cut() {
+	if f := e.owner; f == nil || f.ramp == nil || e.metricsFailing.Load() || e.noMetricsUntil.Load() != 0 {
+		return // no scrape will tell: presumed to stop
+	}
+	var base int64
+	if st := e.Engine(); st != nil {
+		base = st.Foreign()
+	}
+	c := &e.cuts
+	c.mu.Lock()
+	pending := !c.due.IsZero()
+	if !pending {
+		c.due, c.base = time.Now().Add(cutDelay), base
+	}
+	c.mu.Unlock()
+	if !pending {
+		e.scrapeIn(cutDelay)
+	}
+}
+
+// TakesBack reports whether a cut of one of its requests frees the
+// engine's place: not while the engine is known to go on with what it was
+// cut from, nor while its first cut is not settled. An engine whose
+// metrics the router does not read is presumed to stop (every real engine
+// kvroute speaks to does).
+func (e *Endpoint) TakesBack() bool {
+	c := &e.cuts
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.freed == 0 && !c.due.IsZero() {
+		return false // the probe
+	}
+	return c.refuse.IsZero() || time.Now().After(c.refuse)
+}
+
+// scraped settles a pending check with the scrape st.
+func (c *cutChecks) scraped(st *EngineStats) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.due.IsZero() || st.At.Before(c.due) {
+		return
+	}
+	c.due = time.Time{}
+	if st.Foreign() > c.base {
+		c.kept++
+	} else {
+		c.freed++
+	}
+	if c.kept > c.freed {
+		c.refuse = st.At.Add(cutForget)
+		c.kept, c.freed = 0, 0
+	}
+}
+
+// scrapeIn asks the scraper for a scrape of e in d (dropped when the
+// scraper is behind: its next round comes anyway); its fleet scrapes.
+func (e *Endpoint) scrapeIn(d time.Duration) {
+	f := e.owner
+	time.AfterFunc(d, func() {
+		select {
+		case f.ramp <- e:
+		default:
+		}
+	})
+}

@@ -1,0 +1,53 @@
+package discovery
+
+import (
+	"fmt"
+	"net/http"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// An engine's first cut is a probe: no other is made there until a scrape
+// (asked for at once) tells whether the engine stopped the cut request;
+// one that went on with it — its running requests beyond the router's
+// grew — takes no more cuts.
+func TestCutsLearnWhetherTheEngineStops(t *testing.T) {
+	for _, kept := range []bool{false, true} {
+		t.Run(fmt.Sprintf("kept=%v", kept), func(t *testing.T) {
+			var e *Endpoint
+			var cut atomic.Bool
+			p := startMetricsPod(t, nil)
+			p.during = func(*http.Request) {
+				n := e.InFlight()
+				if cut.Load() && kept {
+					n++ // the cut request goes on
+				}
+				p.text = fmt.Appendf(nil, "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} %d\nvllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 0\n", n)
+			}
+			o := Options{Health: HealthConfig{Disabled: true},
+				Scrape: ScrapeConfig{Interval: time.Hour, StaleAfter: 2 * time.Hour, Jitter: 0.01}}
+			f, rec, eps := staticFleet(t, o, p.URL)
+			e = eps[0]
+			run(t, f)
+			rec.wait(t, 0, "scrape", e, 1)
+			if !e.TakesBack() {
+				t.Fatal("an engine not cut yet must take cuts")
+			}
+			cut.Store(true)
+			e.Cut()
+			if e.TakesBack() {
+				t.Fatal("a second cut before the probe settled")
+			}
+			rec.wait(t, 0, "scrape", e, 2)
+			rec.until(t, "the probe settled", func() bool {
+				e.cuts.mu.Lock()
+				defer e.cuts.mu.Unlock()
+				return e.cuts.due.IsZero()
+			})
+			if e.TakesBack() == kept {
+				t.Errorf("takes cuts %v after the probe", e.TakesBack())
+			}
+		})
+	}
+}

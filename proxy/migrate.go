@@ -471,16 +471,7 @@ func (b *upstreamBody) migrate(cause string) bool {
 	st.reset()
 	defer s.release(st)
 	defer st.lease.Release()
-	st.req.Kind, st.migrating, st.legs = routing.Kind(b.rec.class), true, t.legs+1
-	if cut {
-		st.offered = failedAtt.offered // it waits for a place as its flow's next request
-		st.tenant, st.class, st.resumed, st.resumeSeq = b.rec.tenant, b.rec.tier, true, failedAtt.seq
-	}
-	st.traceID, st.flags = b.rec.traceID, b.flags
-	if b.rec.span != nil { // the continuation's pick and attempt are spans of the request
-		st.span, st.tctx = b.rec.span, trace.ContextWithSpan(context.Background(), b.rec.span)
-	}
-	st.uri = append(st.uri[:0], b.uri...) // the request's now carries the failed endpoint's base path
+	b.continuing(st, cut, failedAtt)
 	ctx.Request.SetBody(body)
 	if err := st.parse(st.req.Kind, ctx.PostBody(), s.opt.BlockSize, s.opt.MaxBlocks); err != nil {
 		s.opt.Metrics.Migration(cause, "failed")
@@ -515,14 +506,7 @@ func (b *upstreamBody) migrate(cause string) bool {
 	b.readErr, b.observe, b.legFirst = nil, false, false
 	b.usage, b.promptBytes = usageScanner{}, st.req.PromptBytes
 	t.legs++
-	if !t.rewrite {
-		t.rewrite = true
-		raw := append(append(append(append(append(append(t.out[:0], '['), t.id...), ','), t.created...), ','), t.model...)
-		t.leg1 = nil
-		if v, err := t.legParser.ParseBytes(append(raw, ']')); err == nil && len(t.created) > 0 && len(t.model) > 0 {
-			t.leg1 = v.GetArray()
-		}
-	}
+	t.keepFirstLeg()
 	t.migratedAt, t.given = start, t.tokens
 	b.hook()
 	if t.on {
@@ -538,6 +522,36 @@ func (b *upstreamBody) migrate(cause string) bool {
 		zap.String("from", failedEP.URL), zap.String("to", d.Endpoint.URL), zap.Int("tokens", t.tokens),
 		zap.Duration("took", time.Since(start)))
 	return true
+}
+
+// continuing readies st, a fresh state, for the continuation of b's
+// answer after the leg of attempt att failed, or was cut for another
+// request (cut: it then waits for a place as its flow's next request).
+func (b *upstreamBody) continuing(st *reqState, cut bool, att *attempt) {
+	st.req.Kind, st.migrating, st.legs = routing.Kind(b.rec.class), true, b.track.legs+1
+	if cut {
+		st.offered = att.offered
+		st.tenant, st.class, st.resumed, st.resumeSeq = b.rec.tenant, b.rec.tier, true, att.seq
+	}
+	st.traceID, st.flags = b.rec.traceID, b.flags
+	if b.rec.span != nil { // the continuation's pick and attempt are spans of the request
+		st.span, st.tctx = b.rec.span, trace.ContextWithSpan(context.Background(), b.rec.span)
+	}
+	st.uri = append(st.uri[:0], b.uri...) // the request's now carries the failed endpoint's base path
+}
+
+// keepFirstLeg makes the continuations' events carry the first leg's id,
+// created and model, from the first continuation on.
+func (t *streamTrack) keepFirstLeg() {
+	if t.rewrite {
+		return
+	}
+	t.rewrite = true
+	raw := append(append(append(append(append(append(t.out[:0], '['), t.id...), ','), t.created...), ','), t.model...)
+	t.leg1 = nil
+	if v, err := t.legParser.ParseBytes(append(raw, ']')); err == nil && len(t.created) > 0 && len(t.model) > 0 {
+		t.leg1 = v.GetArray()
+	}
 }
 
 // endLeg ends the failed leg: its connection (closed, unless drained),

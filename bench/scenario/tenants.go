@@ -64,12 +64,12 @@ func IsTenantScenario(name string) bool {
 }
 
 // The policies a tenant scenario compares: kvroute's fair queue (default
-// flags), the same without preemption (its places kept by the reserve
-// alone), without either (fully work-conserving), with its queue in
-// arrival order, and with the flood capped by a budget.
+// flags: the reserve keeps places), the same with preemption, without
+// either (fully work-conserving), with its queue in arrival order, and
+// with the flood capped by a budget.
 const (
 	TenantFair      = "prefix"
-	TenantNoPreempt = "prefix-no-preempt"
+	TenantPreempt   = "prefix-preempt"
 	TenantFIFO      = "prefix-fifo"
 	TenantBudget    = "prefix-budget"
 	TenantNoReserve = "prefix-no-reserve"
@@ -77,7 +77,7 @@ const (
 
 // queueName is a tenant policy's queue in the report.
 func queueName(policy string) string {
-	return map[string]string{TenantFair: "fair", TenantNoPreempt: "fair, no preemption", TenantFIFO: "fifo",
+	return map[string]string{TenantFair: "fair", TenantPreempt: "fair, preemption", TenantFIFO: "fifo",
 		TenantBudget: "fair, flood capped", TenantNoReserve: "fair, no reserve or preemption"}[policy]
 }
 
@@ -242,7 +242,7 @@ func RunTenants(ctx context.Context, name, engine string, to TenantOptions, opt 
 	phases := []struct {
 		name, policy string
 		flood        bool
-	}{{"alone", TenantFair, false}, {"flood", TenantFair, true}, {"flood", TenantNoPreempt, true}, {"flood", TenantNoReserve, true}, {"flood", TenantFIFO, true}}
+	}{{"alone", TenantFair, false}, {"flood", TenantFair, true}, {"flood", TenantPreempt, true}, {"flood", TenantNoReserve, true}, {"flood", TenantFIFO, true}}
 	var budgets string
 	if shape.capFlood {
 		phases = append(phases, struct {
@@ -302,8 +302,8 @@ func runTenantPhase(ctx context.Context, sc *Scenario, ps phaseSpec, to TenantOp
 		switch policy {
 		case TenantFIFO:
 			c.Tenants.FIFO = true
-		case TenantNoPreempt:
-			c.Tenants.Preempt = false
+		case TenantPreempt:
+			c.Tenants.Preempt = true
 		case TenantNoReserve:
 			c.Tenants.Reserve, c.Tenants.Preempt = 0, false
 		case TenantBudget:

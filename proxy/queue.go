@@ -348,7 +348,7 @@ func (q *fairQueue) grant() bool {
 	var p grantPass
 	if w := q.owedFirst(&p); w != nil { // the place a cut freed for it
 		q.vtime = max(q.vtime, w.start)
-		w.req.Alone = w.tenant.byClass[w.class] == 1
+		w.req.Alone = true // it starts where the place freed, not in a warm engine's queue
 		q.remove(w, waitGranted)
 		q.pace.granted(time.Now())
 		return true

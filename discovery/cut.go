@@ -12,8 +12,12 @@ import (
 // simulator goes on to the end of the answer, and the request sent into
 // the "freed" place waits in its queue behind the cut one. The router
 // learns which: each cut asks for a scrape cutDelay later, and an engine
-// whose running and waiting requests then exceed the known ones by more
-// than before the cut (EngineStats.Foreign) kept the cut request. The
+// whose running and waiting requests then exceed the ones the router knows
+// of (EngineStats.Foreign) kept the cut request. (Against the excess
+// before the cut, an engine still running an earlier cut request read as
+// one that stopped this one: llm-d's simulator took cuts again.) An
+// engine that other clients share reads as one that keeps them, and is
+// not cut: the safe side. The
 // first cut of an engine is a probe: no other is made there before the
 // scrape settles it. An engine that kept more cut requests than it
 // stopped takes no cut for cutForget; then it is tried again (an engine
@@ -31,7 +35,6 @@ const (
 type cutChecks struct {
 	mu     sync.Mutex
 	due    time.Time // a check is pending: the first scrape completed after due settles it
-	base   int64     // the foreign requests before the cut
 	kept   int
 	freed  int
 	refuse time.Time // no cut before this
@@ -44,15 +47,11 @@ func (e *Endpoint) Cut() {
 	if f := e.owner; f == nil || f.ramp == nil || e.metricsFailing.Load() || e.noMetricsUntil.Load() != 0 {
 		return // no scrape will tell: presumed to stop
 	}
-	var base int64
-	if st := e.Engine(); st != nil {
-		base = st.Foreign()
-	}
 	c := &e.cuts
 	c.mu.Lock()
 	pending := !c.due.IsZero()
 	if !pending {
-		c.due, c.base = time.Now().Add(cutDelay), base
+		c.due = time.Now().Add(cutDelay)
 	}
 	c.mu.Unlock()
 	if !pending {
@@ -83,7 +82,7 @@ func (c *cutChecks) scraped(st *EngineStats) {
 		return
 	}
 	c.due = time.Time{}
-	if st.Foreign() > c.base {
+	if st.Foreign() > 0 {
 		c.kept++
 	} else {
 		c.freed++

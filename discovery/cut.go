@@ -11,20 +11,17 @@ import (
 // leaves: vLLM, SGLang, llama.cpp, Ollama and kvsim do; llm-d's inference
 // simulator goes on to the end of the answer, and the request sent into
 // the "freed" place waits in its queue behind the cut one. The router
-// learns which: each cut asks for a scrape cutDelay later, and an engine
-// whose running and waiting requests then exceed the ones the router knows
-// of (EngineStats.Foreign) kept the cut request. (Against the excess
-// before the cut, an engine still running an earlier cut request read as
-// one that stopped this one: llm-d's simulator took cuts again.) An
-// engine that other clients share reads as one that keeps them, and is
-// not cut: the safe side. The
-// first cut of an engine is a probe: no other is made there before the
-// scrape settles it. An engine that kept more cut requests than it
-// stopped takes no cut for cutForget; then it is tried again (an engine
-// restarted as another version, or a verdict that a foreign client's
-// request misled). On llm-d's simulator, two probes per engine (and their
-// requests, which waited behind the kept ones) set the quiet tenants of
-// issue #38 back by a second at the start.
+// learns which. Each cut asks for a scrape cutDelay later; an engine that
+// then runs or queues more than the requests the router knows of
+// (EngineStats.Foreign) kept the cut request. (Measured against the
+// excess before the cut, an engine still running an earlier cut request
+// read as one that stopped the next, and llm-d's simulator took cuts
+// again.) An engine shared with other clients so reads as one that keeps
+// cut requests and is not cut: the safe side. An engine's first cut is a
+// probe: no other is made there before a scrape settles it. An engine
+// that kept more cut requests than it stopped takes no cut for cutForget;
+// then it is tried again (an engine restarted as another version, or a
+// verdict that a foreign client's request misled).
 
 const (
 	cutDelay  = 50 * time.Millisecond

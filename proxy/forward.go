@@ -47,7 +47,7 @@ func (s *Server) forward(ctx *fasthttp.RequestCtx, st *reqState) (*fasthttp.Resp
 	// request passed on unparsed (a probe through the API port), which
 	// takes no place in a batch.
 	wait := (!st.migrating || st.resumed) && st.req.Kind != routing.KindOther &&
-		(s.queue.busy() || !routing.Room(&st.req, set) || s.queue.reserved(st, flowOf(st.tenant, st.class), st.class)) &&
+		(s.queue.busy() || !routing.Room(&st.req, set) || s.queue.reserved(&st.req, flowOf(st.tenant, st.class), st.class)) &&
 		saturated(set, &st.req, nil)
 	waited := false
 	for tries := 0; ; {

@@ -82,12 +82,11 @@ type waiter struct {
 	ready     chan struct{} // a token when granted or evicted
 	// atMax: the last pass found its tenant at its max_concurrency.
 	atMax bool
-	// movable: once it runs, its place can be taken back (preempt.go),
-	// so the reserve keeps none from it; resume: it continues a stream
-	// cut for another request, as its flow's next (enter).
-	movable, resume bool
-	// owed: when a stream was cut to free a place for it (preempt.go).
-	owed time.Time
+	// resume: it continues a stream cut for another request, as its
+	// flow's next (enter); owed: when a stream was cut to free a place for
+	// it (preempt.go).
+	resume bool
+	owed   time.Time
 	// passed counts the grants a later waiter of its flow took in its
 	// turn (warmer); coldAt is when a grant first found it cold with no
 	// warmer waiter here (coldDefer).
@@ -144,11 +143,8 @@ type fairQueue struct {
 	reserve int
 	places  func(r *routing.Request) (free, total int64)
 	runs    tenantRuns
-	// cut, when set, cuts a stream of one of flows for r (preempt.go);
-	// takeBack reports whether a request's place can be taken back once
-	// it runs.
-	cut      func(r *routing.Request, flows []uint64) bool
-	takeBack func(st *reqState) bool
+	// cut, when set, cuts a stream of one of flows for r (preempt.go).
+	cut func(r *routing.Request, flows []uint64) bool
 	// pace is the rate of grants (pace.go).
 	pace pace
 	// kick wakes the dispatcher; handed tells it the grantee has taken
@@ -453,7 +449,7 @@ func (q *fairQueue) eligible(p *grantPass, w *waiter) bool {
 		}
 		return false
 	}
-	if q.holdBack(&p.shares, w.req, flowOf(w.who, w.class), w.class, w.movable) {
+	if q.holdBack(&p.shares, w.req, flowOf(w.who, w.class), w.class) {
 		p.held = append(p.held, tenantModel{w.who, w.req.Model})
 		return false
 	}
@@ -603,7 +599,7 @@ func (s *Server) queueWait(ctx *fasthttp.RequestCtx, st *reqState, again bool) e
 		if s.opt.Tenants.FIFO {
 			w.class, w.cost = classDefault, 1 // arrival order
 		}
-		w.resume, w.movable = st.resumed, s.takesBack(st)
+		w.resume = st.resumed
 		if st.resumed {
 			w.seq, w.cost = st.resumeSeq, 0 // charged when it first came
 		}

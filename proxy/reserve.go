@@ -169,8 +169,8 @@ func (v *shareView) build(q *fairQueue) {
 // holdBack reports whether r, a request of flow me and class c, must leave
 // the fleet's last free places to a flow of a higher class or below its
 // share; q.mu is held.
-func (q *fairQueue) holdBack(v *shareView, r *routing.Request, me uint64, c class, movable bool) bool {
-	if q.reserve <= 0 || q.places == nil || r.Prefill || len(r.Tried) > 0 || movable {
+func (q *fairQueue) holdBack(v *shareView, r *routing.Request, me uint64, c class) bool {
+	if q.reserve <= 0 || q.places == nil || r.Prefill || len(r.Tried) > 0 {
 		return false
 	}
 	if !v.placed || r.Model != v.model {
@@ -208,8 +208,7 @@ func (q *fairQueue) holdBack(v *shareView, r *routing.Request, me uint64, c clas
 // room for and nobody waits before, must queue to leave the fleet's last
 // free places to a flow below its share. Below them it costs one count of
 // the fleet's places.
-func (q *fairQueue) reserved(st *reqState, me uint64, c class) bool {
-	r := &st.req
+func (q *fairQueue) reserved(r *routing.Request, me uint64, c class) bool {
 	if q.reserve <= 0 || q.places == nil {
 		return false
 	}
@@ -218,10 +217,9 @@ func (q *fairQueue) reserved(st *reqState, me uint64, c class) bool {
 	if v.free, v.total = q.places(r); v.total == 0 || v.free > int64(q.reserve) {
 		return false
 	}
-	movable := q.takeBack != nil && q.takeBack(st)
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	return q.holdBack(&v, r, me, c, movable)
+	return q.holdBack(&v, r, me, c)
 }
 
 // placesOf is the queue's view of the fleet's places for r.

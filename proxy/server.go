@@ -194,7 +194,6 @@ func New(opt Options) *Server {
 	}
 	if !opt.Tenants.FIFO {
 		s.queue.reserve, s.queue.places = opt.Tenants.Reserve, s.placesOf
-		s.queue.takeBack = s.takesBack
 		if opt.Tenants.Preempt && opt.MaxMigrations > 0 {
 			s.queue.cut = s.cutFor
 		}

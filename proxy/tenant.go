@@ -42,10 +42,10 @@ type TenantOptions struct {
 	// Preempt lets the queue take a place back for a flow below its share
 	// or of a higher class: it cuts a stream of a flow above its share
 	// (or of a lower class), which continues on the fleet as its flow's
-	// next request (preempt.go). Not under FIFO. Off by default: on kvsim
-	// it raised the fleet's output under a flood from 0.89–0.90× to
-	// 0.93–0.94× of its capacity, but not the quiet tenants' TTFT p90
-	// (issue #38, bench/results/tenants-38e).
+	// next request (preempt.go). Not under FIFO. Off by default: with one
+	// reserved place it gave kvsim's quiet tenants their best p90 at 0.93×
+	// output, but on llama.cpp the cuts cost more than they freed (issue
+	// #38, bench/results/tenants-38e).
 	Preempt bool
 }
 

@@ -160,7 +160,7 @@ func (s *Server) cutFor(r *routing.Request, flows []uint64) bool {
 	for e, cs := range byEP {
 		free, limit := e.Free()
 		need := 1 - free // the engine's queue, and one
-		if limit == 0 || int64(len(cs)) < need || !e.Serves(r.Model) || !e.TakesBack() {
+		if limit == 0 || e.BatchLimit() == 0 || int64(len(cs)) < need || !e.Serves(r.Model) || !e.TakesBack() {
 			continue
 		}
 		warm, bestWarm := slices.Contains(holding, e), slices.Contains(holding, best)

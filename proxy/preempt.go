@@ -30,7 +30,7 @@ import (
 // needs one. The reserve applies as it does without preemption: with one
 // place (--tenant-reserve 1), a quiet request usually starts in a free
 // place, on an engine running one sequence fewer, and a cut serves the
-// bursts beyond it (kvsim, issue #38: settled p90 1.14–1.42× at 0.93×
+// bursts beyond it (kvsim, issue #38: settled p90 1.14–1.44× at 0.93×
 // output, against 1.4–2.5× at 0.90× with two places and no cuts).
 
 // owedFor is how long a waiter a stream was cut for is owed the next

@@ -5,7 +5,6 @@ import (
 	"net/http"
 	"sync/atomic"
 	"testing"
-	"time"
 )
 
 // An engine's first cut is a probe: no other is made there until a scrape
@@ -25,12 +24,7 @@ func TestCutsLearnWhetherTheEngineStops(t *testing.T) {
 				}
 				p.text = fmt.Appendf(nil, "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} %d\nvllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 0\n", n)
 			}
-			o := Options{Health: HealthConfig{Disabled: true},
-				Scrape: ScrapeConfig{Interval: time.Hour, StaleAfter: 2 * time.Hour, Jitter: 0.01}}
-			f, rec, eps := staticFleet(t, o, p.URL)
-			e = eps[0]
-			run(t, f)
-			rec.wait(t, 0, "scrape", e, 1)
+			rec := scrapedOnDemand(t, p.URL, &e)
 			if !e.TakesBack() {
 				t.Fatal("an engine not cut yet must take cuts")
 			}

@@ -123,6 +123,21 @@ func TestReportShed(t *testing.T) {
 // asks for as its load reaches the limit, not at the scrape rounds (an
 // hour apart here): four run, then five are sent and four run while one
 // waits, and the limit is four.
+// scrapedOnDemand runs a fleet of the one endpoint at url, without
+// probes, whose rounds of scrapes are an hour apart (only scrapes asked
+// for come), and waits for its first scrape. *ep is set to the endpoint
+// before the fleet runs (the pod's handler may read it).
+func scrapedOnDemand(t *testing.T, url string, ep **Endpoint) *recorder {
+	t.Helper()
+	o := Options{Health: HealthConfig{Disabled: true},
+		Scrape: ScrapeConfig{Interval: time.Hour, StaleAfter: 2 * time.Hour, Jitter: 0.01}}
+	f, rec, eps := staticFleet(t, o, url)
+	*ep = eps[0]
+	run(t, f)
+	rec.wait(t, 0, "scrape", *ep, 1)
+	return rec
+}
+
 func TestSlowStartScrapesAsItClimbs(t *testing.T) {
 	const batch = 4
 	var e *Endpoint
@@ -132,12 +147,7 @@ func TestSlowStartScrapesAsItClimbs(t *testing.T) {
 		p.text = fmt.Appendf(nil, "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} %d\nvllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} %d\n",
 			min(n, batch), max(0, n-batch))
 	}
-	o := Options{Health: HealthConfig{Disabled: true},
-		Scrape: ScrapeConfig{Interval: time.Hour, StaleAfter: 2 * time.Hour, Jitter: 0.01}}
-	f, rec, eps := staticFleet(t, o, p.URL)
-	e = eps[0]
-	run(t, f)
-	rec.wait(t, 0, "scrape", e, 1)
+	rec := scrapedOnDemand(t, p.URL, &e)
 	var leases []Lease
 	defer func() {
 		for _, l := range leases {

@@ -296,6 +296,20 @@ func (s *Server) peekBody(st *reqState, resp *fasthttp.Response) error {
 	return nil
 }
 
+// unanswered reports whether err, returned by the client for a request
+// it wrote, is the endpoint closing or resetting the connection before the
+// answer's first byte: nothing of an answer can come from there (an engine
+// stops what a closed connection asked for: vLLM aborts the request), and
+// the client has seen nothing, so the request may go elsewhere whole, as a
+// stream that fails after its first byte is continued elsewhere
+// (migrate.go). A keep-alive connection the endpoint closes as the request
+// is written (the idle-timeout race) and an engine restarting both end so.
+// A timeout is not: the engine may still be generating.
+func unanswered(err error) bool {
+	return errors.Is(err, fasthttp.ErrConnectionClosed) || errors.Is(err, syscall.ECONNRESET) ||
+		errors.Is(err, io.EOF) // ended within the header
+}
+
 // retryAfter is a 429 answer's Retry-After in seconds (RFC 9110 §10.2.3;
 // an HTTP date, or none, is 0).
 func retryAfter(resp *fasthttp.Response) time.Duration {
@@ -319,7 +333,7 @@ func (s *Server) failed(ep *discovery.Endpoint, a *attempt, err error, tries int
 	// was computed elsewhere, so it had not started.
 	// A refused connection, like a busy endpoint, cost no engine anything:
 	// its retry is outside the retry budget (not outside --retries).
-	f.retry = s.mayRetry(tries, gone, f.busy || tries < s.opt.Retries && errors.Is(err, syscall.ECONNREFUSED), neverSent(err, a) || resend)
+	f.retry = s.mayRetry(tries, gone, f.busy || tries < s.opt.Retries && errors.Is(err, syscall.ECONNREFUSED), neverSent(err, a) || resend || unanswered(err))
 	switch {
 	case gone:
 		f.err, kind = fmt.Errorf("%w: %v", ErrClientGone, err), failCancelled

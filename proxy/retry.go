@@ -93,17 +93,18 @@ func backoff(n int) time.Duration {
 // failed is sent to another endpoint. Never when the client has gone; always
 // when the endpoint had no free connection or refused the connection
 // (free: nothing was sent, no engine did any work, and that is no retry);
-// otherwise only when the request provably never
-// started there (unstarted: a connection refused or closed before the
-// request was written, a 429 or 503 answer, a decode leg's failure),
-// within --retries and the retry budget.
-func (s *Server) mayRetry(tries int, gone, free, unstarted bool) bool {
+// otherwise only when nothing of an answer can come from there (resend: a
+// connection refused, or closed before the request was written; a 429 or
+// 503 answer; a decode leg's failure; a connection closed or reset before
+// the answer's first byte, unanswered), within --retries and the retry
+// budget.
+func (s *Server) mayRetry(tries int, gone, free, resend bool) bool {
 	switch {
 	case gone:
 		return false
 	case free:
 		return true
-	case tries >= s.opt.Retries || !unstarted:
+	case tries >= s.opt.Retries || !resend:
 		return false
 	}
 	return s.allowRetry()

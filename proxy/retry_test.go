@@ -1,8 +1,10 @@
 package proxy
 
 import (
+	"bufio"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -17,8 +19,8 @@ import (
 
 // TestRealPoliciesRetry: under the real least-request and prefix policies
 // (not a test picker), a request whose first endpoint refuses the
-// connection or answers 503 is re-sent to the other endpoint and
-// succeeds there; a request whose endpoint answered 200 is never re-sent,
+// connection, answers 503, or reads it and closes or resets the connection
+// without an answer is re-sent to the other endpoint and succeeds there; a request whose endpoint answered 200 is never re-sent,
 // even when its body then breaks. The endpoints are on a bare Pool (no
 // ejection), so the failing one keeps being picked.
 func TestRealPoliciesRetry(t *testing.T) {
@@ -42,6 +44,18 @@ func TestRealPoliciesRetry(t *testing.T) {
 					t.Errorf("good backend answered %d of %d requests; busy one %d", goodHits.Load(), n, badHits.Load())
 				}
 			})
+			for name, drop := range map[string]func(net.Conn){"closed unanswered": func(c net.Conn) { _ = c.Close() }, "reset unanswered": reset,
+				"closed in its header": func(c net.Conn) { _, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-"); _ = c.Close() }} {
+				t.Run(name, func(t *testing.T) {
+					good, goodHits := namedBackend(t, "good", 200)
+					bad, badHits := droppingBackend(t, drop)
+					h := startProxy(t, policyByName(t, policy), Options{Limits: Limits{Retries: 2}}, bad, good.URL)
+					n := retryUntilTried(t, h, h.pool.Load().Endpoints[0])
+					if goodHits.Load() != int64(n) || badHits.Load() != int64(h.pool.Load().Endpoints[0].Requests()) {
+						t.Errorf("good backend answered %d of %d requests; the dropping one read %d", goodHits.Load(), n, badHits.Load())
+					}
+				})
+			}
 			t.Run("200 is final", func(t *testing.T) {
 				a, aHits := namedBackend(t, "a", 200)
 				b, bHits := namedBackend(t, "b", 200)
@@ -95,6 +109,36 @@ func TestRealPoliciesRetry(t *testing.T) {
 			})
 		})
 	}
+}
+
+// droppingBackend reads each request whole, then ends its connection with
+// drop, unanswered; it counts the requests it read.
+func droppingBackend(t *testing.T, drop func(net.Conn)) (url string, requests *atomic.Int64) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	requests = new(atomic.Int64)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				r, err := http.ReadRequest(bufio.NewReader(c))
+				if err == nil {
+					_, err = io.Copy(io.Discard, r.Body)
+				}
+				if err == nil {
+					requests.Add(1)
+				}
+				drop(c)
+			}()
+		}
+	}()
+	t.Cleanup(func() { ln.Close() })
+	return "http://" + ln.Addr().String(), requests
 }
 
 // retryUntilTried sends distinct requests through h until the policy has

@@ -38,8 +38,8 @@ func (s *Server) client(ep *discovery.Endpoint) *fasthttp.HostClient {
 		// UpstreamIdleTimeout closes them all) and at last on a new one:
 		// each dead connection is dropped when found, so MaxConns + 1
 		// attempts always reach a live or new one. A connection closed
-		// after the request went out is not resent: the engine may have
-		// started.
+		// after the request went out is not resent here: the request goes
+		// to another endpoint instead, within --retries (unanswered).
 		MaxIdemponentCallAttempts: s.opt.MaxConnsPerEndpoint + 1,
 		RetryIfErr: func(_ *fasthttp.Request, _ int, err error) (bool, bool) {
 			return false, errors.Is(err, errStaleConn)

@@ -21,11 +21,14 @@ import (
 // probe: no other is made there before a scrape settles it. An engine
 // that kept more cut requests than it stopped takes no cut for cutForget;
 // then it is tried again (an engine restarted as another version, or a
-// verdict that a foreign client's request misled).
+// verdict that a foreign client's request misled). A check no scrape
+// settled within cutUnsettled (the engine's metrics failed meanwhile) is
+// dropped: it no longer holds the engine's cuts back.
 
 const (
-	cutDelay  = 50 * time.Millisecond
-	cutForget = 10 * time.Minute
+	cutDelay     = 50 * time.Millisecond
+	cutForget    = 10 * time.Minute
+	cutUnsettled = 5 * time.Second
 )
 
 // cutChecks is an endpoint's record of its cuts.
@@ -46,7 +49,7 @@ func (e *Endpoint) Cut() {
 	}
 	c := &e.cuts
 	c.mu.Lock()
-	pending := !c.due.IsZero()
+	pending := c.pending(time.Now())
 	if !pending {
 		c.due = time.Now().Add(cutDelay)
 	}
@@ -65,10 +68,20 @@ func (e *Endpoint) TakesBack() bool {
 	c := &e.cuts
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.freed == 0 && !c.due.IsZero() {
+	now := time.Now()
+	if c.freed == 0 && c.pending(now) {
 		return false // the probe
 	}
-	return c.refuse.IsZero() || time.Now().After(c.refuse)
+	return c.refuse.IsZero() || now.After(c.refuse)
+}
+
+// pending reports whether a check waits for a scrape, dropping one that
+// waited cutUnsettled; c.mu is held.
+func (c *cutChecks) pending(now time.Time) bool {
+	if !c.due.IsZero() && now.Sub(c.due) > cutUnsettled {
+		c.due = time.Time{}
+	}
+	return !c.due.IsZero()
 }
 
 // scraped settles a pending check with the scrape st.

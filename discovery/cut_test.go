@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"sync/atomic"
 	"testing"
+	"time"
 )
 
 // An engine's first cut is a probe: no other is made there until a scrape
@@ -44,4 +45,27 @@ func TestCutsLearnWhetherTheEngineStops(t *testing.T) {
 			}
 		})
 	}
+	// A probe no scrape settles (the engine's metrics fail after the cut)
+	// holds the engine's cuts back only for cutUnsettled.
+	t.Run("unsettled", func(t *testing.T) {
+		var e *Endpoint
+		p := startMetricsPod(t, []byte("vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 0\nvllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 0\n"))
+		rec := scrapedOnDemand(t, p.URL, &e)
+		p.serve(http.StatusInternalServerError, nil)
+		e.Cut()
+		rec.wait(t, 0, "scrape-fail", e, 1)
+		if e.TakesBack() {
+			t.Fatal("a second cut while the probe waits for a scrape")
+		}
+		e.cuts.mu.Lock()
+		settled := e.cuts.due.IsZero()
+		e.cuts.due = time.Now().Add(-cutUnsettled - time.Millisecond) // as if it had waited that long
+		e.cuts.mu.Unlock()
+		if settled {
+			t.Fatal("a failed scrape settled the probe")
+		}
+		if !e.TakesBack() {
+			t.Error("a probe unsettled for cutUnsettled still holds cuts back")
+		}
+	})
 }

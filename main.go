@@ -81,7 +81,7 @@ func newFlags(c *config) *app.Flags {
 	backends.StringVar(&c.DNSServer, "dns-server", c.DNSServer, "DNS server host:port, overriding the resolv.conf nameservers")
 	backends.DurationVar(&c.DNSInterval, "dns-interval", c.DNSInterval, "re-resolve Services this often (sooner when record TTLs are shorter)")
 	backends.StringVar(&c.Policy, "policy", c.Policy, "routing policy: "+strings.Join(routing.PolicyNames(routing.Policies()), ", "))
-	backends.IntVar(&c.Retries, "retries", c.Retries, "times a request may be re-sent to another endpoint when it provably never started: connection refused, no free connection, a failed write, a 429/503 answer, or a connection closed before the first response byte (never after a timeout)")
+	backends.IntVar(&c.Retries, "retries", c.Retries, "times a request may be re-sent to another endpoint when no answer can come from where it went: connection refused, no free connection, a failed write, a 429/503 answer, or a connection closed or reset before the first response byte (never after a timeout)")
 	backends.Float64Var(&c.RetryBudget, "retry-budget", c.RetryBudget, "share of recent requests (10 s window) that may be retries (0: no budget)")
 	backends.IntVar(&c.MinRetries, "min-retries", c.MinRetries, "retries allowed per window whatever the budget")
 	backends.IntVar(&c.MaxMigrations, "max-migrations", c.MaxMigrations, "times a streamed completion or chat answer whose pod fails mid-stream is continued on another pod, text-exact (0: never; each counts as a retry in the budget)")

@@ -20,9 +20,10 @@ import (
 // TestRealPoliciesRetry: under the real least-request and prefix policies
 // (not a test picker), a request whose first endpoint refuses the
 // connection, answers 503, or reads it and closes or resets the connection
-// without an answer is re-sent to the other endpoint and succeeds there; a request whose endpoint answered 200 is never re-sent,
-// even when its body then breaks. The endpoints are on a bare Pool (no
-// ejection), so the failing one keeps being picked.
+// before any answer (or within its header) is re-sent to the other
+// endpoint and succeeds there; a request whose endpoint answered 200 is
+// never re-sent, even when its body then breaks. The endpoints are on a
+// bare Pool (no ejection), so the failing one keeps being picked.
 func TestRealPoliciesRetry(t *testing.T) {
 	for _, policy := range []string{"least-request", "prefix"} {
 		t.Run(policy, func(t *testing.T) {

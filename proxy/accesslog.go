@@ -178,6 +178,9 @@ func appendAccessLine(b []byte, clock *isoClock, console bool, r *record, d time
 	}
 	b = strconv.AppendInt(appendKey(b, console, ",", "status"), int64(r.status), 10)
 	b = strconv.AppendInt(appendKey(b, console, ",", "attempts"), int64(r.attempts), 10)
+	if len(r.fails) > 0 {
+		b = appendJSONString(appendKey(b, console, ",", "failed_attempts"), r.fails)
+	}
 	if r.tenant != 0 {
 		b = append(appendKey(b, console, ",", "tenant"), '"')
 		b = append(strconv.AppendUint(b, r.tenant, 16), '"')

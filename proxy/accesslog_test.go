@@ -75,6 +75,9 @@ func zapLine(t *testing.T, console bool, r *record, d time.Duration) string {
 		f = append(f, zap.ByteString("model", r.model))
 	}
 	f = append(f, zap.Int("status", r.status), zap.Int("attempts", r.attempts))
+	if len(r.fails) > 0 {
+		f = append(f, zap.ByteString("failed_attempts", r.fails))
+	}
 	if r.ep != nil {
 		f = append(f, zap.String("endpoint", r.ep.URL), zap.String("reason", r.decision.Reason),
 			zap.Int("uncached_tokens", r.decision.Prefill), zap.Int64("bytes", r.bytes))
@@ -126,11 +129,11 @@ func TestAccessLineMatchesZap(t *testing.T) {
 			model: []byte("meta-llama/Llama-3.1-8B-Instruct"), traceID: trace, ttfb: 41 * time.Millisecond, ep: ep, bytes: 12345,
 			decision: routing.Decision{Reason: "warm", Prefill: 77, Home: true, MatchedBlocks: 12, PrefixKey: 0xdeadbeef},
 			prefix:   true, usage: true, promptTokens: 2048, cachedTokens: 1984},
-		{status: 200, attempts: 2, start: start, reqID: []byte("r-3"), method: []byte("POST"), path: []byte("/v1/completions"),
+		{status: 200, attempts: 2, fails: []byte("connect"), start: start, reqID: []byte("r-3"), method: []byte("POST"), path: []byte("/v1/completions"),
 			model: []byte("m"), traceID: trace, ttfb: 3 * time.Millisecond, ep: ep, decision: routing.Decision{Reason: "cold"},
 			pdDecision: "disaggregated", prefill: pf, prefilled: start.Add(90 * time.Millisecond), sent: start.Add(91 * time.Millisecond), prefix: true,
 			migrations: 2},
-		{status: 502, attempts: 3, start: start, reqID: []byte("q\"uo\\te\n\r\t\x01\x7f é \xff\xfe 日本"), method: []byte("GET"),
+		{status: 502, attempts: 3, fails: []byte("full,status,connect"), start: start, reqID: []byte("q\"uo\\te\n\r\t\x01\x7f é \xff\xfe 日本"), method: []byte("GET"),
 			path: []byte("/v1/<script>&%00"), model: []byte("\u2028x"), traceID: trace, pdDecision: "local"},
 	}
 	for i := range records {

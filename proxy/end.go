@@ -55,6 +55,7 @@ func (s *Server) endOwnAnswer(ctx *fasthttp.RequestCtx, st *reqState, status int
 // and the access log line. Byte slices are only read during end.
 type record struct {
 	class, status, attempts int
+	fails                   []byte // the kinds of the attempts that failed, comma-separated
 	start                   time.Time
 	reqID, method, path     []byte
 	model                   []byte     // the body's "model"
@@ -125,6 +126,7 @@ func (s *Server) end(r *record, err error) {
 func (st *reqState) stamp(r *record) {
 	r.tenant, r.tier, r.queued, r.held = st.tenant, st.class, 0, st.held
 	r.admitted, r.label, r.charge, r.spent = st.admitted, st.label, st.charge, -1
+	r.fails = append(r.fails[:0], st.fails...)
 	if w := &st.wait; !w.since.IsZero() {
 		r.queued = time.Since(w.since)
 		if st.admitted {

@@ -228,6 +228,7 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 	st.lease.Release()
 	pd.decodeFailed()
 	s.opt.Metrics.UpstreamError(kind)
+	st.failed(kind)
 	return nil, routing.Decision{}, f
 }
 

@@ -89,6 +89,9 @@ type reqState struct {
 	label string
 	// charge is what its tenant's budget was charged (budgets.go).
 	charge budgetCharge
+	// fails are the kinds of its failed attempts, comma-separated (the
+	// access log's failed_attempts).
+	fails []byte
 }
 
 // reset readies a pooled st for a new request; the rest of its fields are
@@ -100,9 +103,25 @@ func (st *reqState) reset() {
 	st.legs, st.offered = 0, time.Time{}
 	st.pd.reset()
 	st.tenant, st.class, st.granted, st.admitted, st.waited, st.held = 0, classDefault, false, false, 0, 0
-	st.charge, st.label = budgetCharge{}, ""
+	st.charge, st.label, st.fails = budgetCharge{}, "", st.fails[:0]
 	st.normArena.Reset()
 	st.wait.state, st.wait.since, st.wait.req, st.wait.tenant = waitOut, time.Time{}, nil, nil
+}
+
+// maxFails bounds failed_attempts: a request that found endpoint after
+// endpoint out of connections may fail many times before it is answered.
+const maxFails = 64
+
+// failed records a failed attempt of kind (kvroute_upstream_errors_total's
+// kind label).
+func (st *reqState) failed(kind string) {
+	if len(st.fails)+1+len(kind) > maxFails {
+		return
+	}
+	if len(st.fails) > 0 {
+		st.fails = append(st.fails, ',')
+	}
+	st.fails = append(st.fails, kind...)
 }
 
 // pooledBodyBytes is the largest body whose parse state is pooled for the

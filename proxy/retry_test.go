@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"io"
 	"net"
@@ -10,6 +11,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/valyala/fasthttp"
 
@@ -192,5 +194,27 @@ func TestShedding429Storm(t *testing.T) {
 	// Without shedding the pod got 44 of the 90 in a run.
 	if v := hits.Load(); v > 3 {
 		t.Errorf("the 429 pod got %d of %d requests", v, n)
+	}
+}
+
+// The access line of a request says why each of its failed attempts
+// failed (failed_attempts, the kinds of kvroute_upstream_errors_total):
+// here an endpoint that reset the connection unanswered, then one that
+// answered 503, before the one that answered.
+func TestAccessLogNamesFailedAttempts(t *testing.T) {
+	dropping, _ := droppingBackend(t, reset)
+	busy, _ := statusBackend(t, 503)
+	good, _ := namedBackend(t, "good", 200)
+	var out lineBuffer
+	h := startProxy(t, fixedOrder{}, Options{AccessLog: &out, Limits: Limits{Retries: 2}}, dropping, busy.URL, good.URL)
+	if code, from := completion(t, h.url, 0); code != 200 || from != "good" {
+		t.Fatalf("status %d from %q", code, from)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_ = h.srv.Shutdown(ctx) // writes the lines waiting
+	lines := out.lines(t)
+	if len(lines) != 1 || lines[0]["attempts"] != float64(3) || lines[0]["failed_attempts"] != failConnect+","+failStatus {
+		t.Fatalf("access lines %v: want one, of 3 attempts, failed_attempts %q", lines, failConnect+","+failStatus)
 	}
 }

@@ -210,7 +210,7 @@ func New(reg prometheus.Registerer, classes []string, endpoints func(yield func(
 func (m *Metrics) registerFamilies(reg prometheus.Registerer) {
 	// Every known label value starts at 0, so that rate() and alerts see
 	// the series before the first failure.
-	for _, k := range []string{"connect", "timeout", "status", "busy", "full", "cancelled", "body", "prefill"} {
+	for _, k := range []string{"connect", "dropped", "timeout", "status", "busy", "full", "cancelled", "body", "prefill"} {
 		m.upstreamErrs.WithLabelValues(k)
 	}
 	m.registerPrompts(reg)

@@ -111,6 +111,7 @@ func classifyUpstream(err error) (string, error) {
 const (
 	failTimeout   = "timeout"   // no answer, or a stall, within its timeout
 	failConnect   = "connect"   // the connection failed or broke
+	failDropped   = "dropped"   // the endpoint closed or reset the connection after the request was written, before the answer's first byte (unanswered)
 	failStatus    = "status"    // a retryable status (429, 503; a decode leg's 5xx)
 	failCancelled = "cancelled" // the client left during the attempt
 	failBusy      = "busy"      // no free connection to the endpoint

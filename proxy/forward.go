@@ -342,6 +342,9 @@ func (s *Server) failed(ep *discovery.Endpoint, a *attempt, err error, tries int
 		f.err, kind = ErrOverloaded, failBusy
 	default:
 		kind, f.err = classifyUpstream(err)
+		if kind == failConnect && unanswered(err) && !neverSent(err, a) {
+			kind = failDropped
+		}
 		ep.ReportFailure()
 	}
 	return f, kind

@@ -214,7 +214,7 @@ func TestAccessLogNamesFailedAttempts(t *testing.T) {
 	defer cancel()
 	_ = h.srv.Shutdown(ctx) // writes the lines waiting
 	lines := out.lines(t)
-	if len(lines) != 1 || lines[0]["attempts"] != float64(3) || lines[0]["failed_attempts"] != failConnect+","+failStatus {
-		t.Fatalf("access lines %v: want one, of 3 attempts, failed_attempts %q", lines, failConnect+","+failStatus)
+	if len(lines) != 1 || lines[0]["attempts"] != float64(3) || lines[0]["failed_attempts"] != failDropped+","+failStatus {
+		t.Fatalf("access lines %v: want one, of 3 attempts, failed_attempts %q", lines, failDropped+","+failStatus)
 	}
 }

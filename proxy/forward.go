@@ -215,7 +215,7 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 		}
 		// Nothing reached the client: the request goes elsewhere whole.
 		st.att = nil
-		if f, kind = s.failed(ep, a, perr, tries, true); kind == failConnect {
+		if f, kind = s.failed(ep, a, perr, tries, true); kind == failConnect || kind == failDropped {
 			kind = failBody // the connection failed after the answer's header
 		}
 	case err == nil:

@@ -199,22 +199,40 @@ func TestShedding429Storm(t *testing.T) {
 
 // The access line of a request says why each of its failed attempts
 // failed (failed_attempts, the kinds of kvroute_upstream_errors_total):
-// here an endpoint that reset the connection unanswered, then one that
-// answered 503, before the one that answered.
+// an endpoint that reset the connection unanswered, then one that answered
+// 503, before the one that answered; and one that reset it after a whole
+// answer's header, before its body (body, not dropped).
 func TestAccessLogNamesFailedAttempts(t *testing.T) {
-	dropping, _ := droppingBackend(t, reset)
-	busy, _ := statusBackend(t, 503)
-	good, _ := namedBackend(t, "good", 200)
-	var out lineBuffer
-	h := startProxy(t, fixedOrder{}, Options{AccessLog: &out, Limits: Limits{Retries: 2}}, dropping, busy.URL, good.URL)
-	if code, from := completion(t, h.url, 0); code != 200 || from != "good" {
-		t.Fatalf("status %d from %q", code, from)
+	headerOnly := func(c net.Conn) {
+		_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n")
+		reset(c)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	_ = h.srv.Shutdown(ctx) // writes the lines waiting
-	lines := out.lines(t)
-	if len(lines) != 1 || lines[0]["attempts"] != float64(3) || lines[0]["failed_attempts"] != failDropped+","+failStatus {
-		t.Fatalf("access lines %v: want one, of 3 attempts, failed_attempts %q", lines, failDropped+","+failStatus)
+	for _, tc := range []struct {
+		first []func(net.Conn)
+		want  string
+	}{{[]func(net.Conn){reset, nil}, failDropped + "," + failStatus}, {[]func(net.Conn){headerOnly}, failBody}} {
+		var urls []string
+		for _, drop := range tc.first {
+			if drop == nil {
+				busy, _ := statusBackend(t, 503)
+				urls = append(urls, busy.URL)
+				continue
+			}
+			u, _ := droppingBackend(t, drop)
+			urls = append(urls, u)
+		}
+		good, _ := namedBackend(t, "good", 200)
+		var out lineBuffer
+		h := startProxy(t, fixedOrder{}, Options{AccessLog: &out, Limits: Limits{Retries: 2}}, append(urls, good.URL)...)
+		if code, from := completion(t, h.url, 0); code != 200 || from != "good" {
+			t.Fatalf("%s: status %d from %q", tc.want, code, from)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		_ = h.srv.Shutdown(ctx) // writes the lines waiting
+		cancel()
+		lines := out.lines(t)
+		if len(lines) != 1 || lines[0]["attempts"] != float64(len(urls)+1) || lines[0]["failed_attempts"] != tc.want {
+			t.Errorf("access lines %v: want one, of %d attempts, failed_attempts %q", lines, len(urls)+1, tc.want)
+		}
 	}
 }

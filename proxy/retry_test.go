@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"io"
@@ -51,11 +50,11 @@ func TestRealPoliciesRetry(t *testing.T) {
 				"closed in its header": func(c net.Conn) { _, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-"); _ = c.Close() }} {
 				t.Run(name, func(t *testing.T) {
 					good, goodHits := namedBackend(t, "good", 200)
-					bad, badHits := droppingBackend(t, drop)
-					h := startProxy(t, policyByName(t, policy), Options{Limits: Limits{Retries: 2}}, bad, good.URL)
+					bad := droppingBackend(t, drop)
+					h := startProxy(t, policyByName(t, policy), Options{Limits: Limits{Retries: 2}}, bad.url, good.URL)
 					n := retryUntilTried(t, h, h.pool.Load().Endpoints[0])
-					if goodHits.Load() != int64(n) || badHits.Load() != int64(h.pool.Load().Endpoints[0].Requests()) {
-						t.Errorf("good backend answered %d of %d requests; the dropping one read %d", goodHits.Load(), n, badHits.Load())
+					if read := len(bad.received()); goodHits.Load() != int64(n) || read != int(h.pool.Load().Endpoints[0].Requests()) {
+						t.Errorf("good backend answered %d of %d requests; the dropping one read %d", goodHits.Load(), n, read)
 					}
 				})
 			}
@@ -115,33 +114,9 @@ func TestRealPoliciesRetry(t *testing.T) {
 }
 
 // droppingBackend reads each request whole, then ends its connection with
-// drop, unanswered; it counts the requests it read.
-func droppingBackend(t *testing.T, drop func(net.Conn)) (url string, requests *atomic.Int64) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	requests = new(atomic.Int64)
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				r, err := http.ReadRequest(bufio.NewReader(c))
-				if err == nil {
-					_, err = io.Copy(io.Discard, r.Body)
-				}
-				if err == nil {
-					requests.Add(1)
-				}
-				drop(c)
-			}()
-		}
-	}()
-	t.Cleanup(func() { ln.Close() })
-	return "http://" + ln.Addr().String(), requests
+// drop, unanswered.
+func droppingBackend(t *testing.T, drop func(net.Conn)) *rawEndpoint {
+	return startRawEndpoint(t, func(c net.Conn, _ []byte) { drop(c) })
 }
 
 // retryUntilTried sends distinct requests through h until the policy has
@@ -218,8 +193,7 @@ func TestAccessLogNamesFailedAttempts(t *testing.T) {
 				urls = append(urls, busy.URL)
 				continue
 			}
-			u, _ := droppingBackend(t, drop)
-			urls = append(urls, u)
+			urls = append(urls, droppingBackend(t, drop).url)
 		}
 		good, _ := namedBackend(t, "good", 200)
 		var out lineBuffer

@@ -73,6 +73,12 @@ type Endpoint struct {
 	inFlight       atomic.Int64
 	pendingPrefill atomic.Int64
 	requests       atomic.Uint64
+	// awaiting counts the streams in flight whose first byte has not come
+	// (Lease.Streams): the engine is not seen running them yet. peakRunning
+	// is the most requests it was seen running at once: in flight (the
+	// peers' too) less those streams, at a first byte (seenLimit).
+	awaiting    atomic.Int64
+	peakRunning atomic.Int64
 	// peerInFlight is the other router replicas' requests in flight here,
 	// as their gossip last told (SetPeerInFlight).
 	peerInFlight atomic.Int64

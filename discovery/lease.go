@@ -34,6 +34,9 @@ type Lease struct {
 	adapter string
 	// key is the prompt key the request counts under (ForPrompt; 0: none).
 	key uint64
+	// awaiting: a stream counted in the endpoint's awaiting until its
+	// first byte (Streams).
+	awaiting bool
 }
 
 // Uncomputed is Complete's argument when the engine did not report how
@@ -68,11 +71,33 @@ func (l *Lease) FirstByte(streamed bool) {
 	if l.e == nil || l.prefill < 0 {
 		return
 	}
-	l.e.pendingPrefill.Add(-l.prefill)
+	e := l.e
+	e.pendingPrefill.Add(-l.prefill)
 	l.prefill = -1 // done
-	if l.e.calib != nil && streamed {
+	if e.calib != nil && streamed {
 		l.firstByte = time.Now()
 	}
+	if l.awaiting {
+		l.awaiting = false
+		e.awaiting.Add(-1)
+	}
+	// What the engine is seen running now: every request in flight but
+	// the streams still waiting for their first byte (a whole response is
+	// counted from its dispatch, which can only count more).
+	run := e.inFlight.Load() + e.peerInFlight.Load() - e.awaiting.Load()
+	for p := e.peakRunning.Load(); run > p && !e.peakRunning.CompareAndSwap(p, run); p = e.peakRunning.Load() {
+	}
+}
+
+// Streams marks the lease's request as a stream: until its first byte the
+// engine is not seen running it (seenLimit). Called once, right after
+// Acquire.
+func (l *Lease) Streams() {
+	if l.e == nil || l.awaiting || l.prefill < 0 {
+		return
+	}
+	l.awaiting = true
+	l.e.awaiting.Add(1)
 }
 
 // Loading notes that the endpoint is expected to load tokens of the
@@ -103,6 +128,9 @@ func (l *Lease) Release() {
 	}
 	if l.prefill > 0 {
 		l.e.pendingPrefill.Add(-l.prefill)
+	}
+	if l.awaiting {
+		l.e.awaiting.Add(-1)
 	}
 	l.e.inFlight.Add(-1)
 	if l.adapter != "" {

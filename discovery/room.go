@@ -88,18 +88,20 @@ const (
 // roomLimit is the known load at which the engine has no room: its batch
 // limit; while that is unknown, the slow start's on an engine whose
 // metrics are read (or not yet tried) and on a slot engine that has not
-// said its slots yet; none (0) without calibration, when the router reads
-// no metrics (--scrape-interval 0), on an engine whose metrics scrape
-// fails (kvroute cannot see it queue: a cap would hold its load at the
-// slow start's for good), or on one that serves no metrics and says
-// nothing of its slots (Ollama), whose room is its own affair.
+// said its slots yet; on one that serves no metrics and says nothing of
+// its slots (Ollama), what the router saw it run (seenLimit); none (0)
+// without calibration, when the router reads no metrics (--scrape-interval
+// 0), or on an engine whose metrics scrape fails (kvroute cannot see it
+// queue: a cap would hold its load at the slow start's for good).
 func (e *Endpoint) roomLimit() int64 {
 	if l := e.BatchLimit(); l > 0 {
 		return l
 	}
-	if e.calib == nil || e.owner != nil && e.owner.o.Scrape.Disabled || e.metricsFailing.Load() ||
-		e.noMetricsUntil.Load() != 0 && (e.Dialect() != DialectLlamaCpp || e.Info() != nil) {
+	if e.calib == nil || e.owner != nil && e.owner.o.Scrape.Disabled || e.metricsFailing.Load() {
 		return 0
+	}
+	if e.metricsAbsent() {
+		return seenLimit(e.peakRunning.Load())
 	}
 	c := e.Costs()
 	if c == nil {
@@ -113,6 +115,36 @@ func (e *Endpoint) roomLimit() int64 {
 	return rampLimit(int64(c.PeakRunning))
 }
 
+// metricsAbsent reports whether the engine serves no metrics to learn its
+// batch limit from and says nothing of its slots: Ollama, or an engine
+// whose /metrics answered 404 (405, 501), unless it is a llama.cpp server
+// that has yet to say its slots.
+func (e *Endpoint) metricsAbsent() bool {
+	return e.Dialect() == DialectOllama || e.noMetricsUntil.Load() != 0 && (e.Dialect() != DialectLlamaCpp || e.Info() != nil)
+}
+
+// seenLimit is the room limit of an engine that publishes no batch limit,
+// from the most requests it was seen running at once (peak: this router's
+// and its peers' in flight less the streams still waiting for their first
+// byte, at a first byte): that and a third as much again, at least one
+// more; the slow start's before it was seen running anything. An engine
+// with more slots starts more once sent more, so the limit climbs to its
+// slots and a third; one with fewer keeps the rest in the router's queue,
+// in the router's order. Before it, an Ollama server's room was unknown
+// (no bound) once its /metrics had answered 404, else the slow start's
+// four for good: which one depended on a race at the router's start. With
+// no bound a flood waited in Ollama's own FIFO queue (kvtenants, stock
+// Ollama of one slot: quiet tenants' TTFT p90 240–420× their alone, the
+// flood's answers a minute late), with four it waited three deep there.
+// A whole (unstreamed) response counts from its dispatch, queued or not:
+// a fleet of whole responses only ever raises the limit.
+func seenLimit(peak int64) int64 {
+	if peak <= 0 {
+		return SlowStart
+	}
+	return peak + max(1, peak/3)
+}
+
 // rampScrape asks for a scrape of e when the router's load there, n of
 // its own requests in flight, has reached the slow start's limit: rampDelay
 // from now, or rampGap after the last one it asked for, unless that one is
@@ -121,7 +153,7 @@ func (e *Endpoint) roomLimit() int64 {
 // batch limits are known, is scraped at its interval only.
 func (e *Endpoint) rampScrape(n int64) {
 	f := e.owner
-	if f == nil || f.ramp == nil || e.BatchLimit() > 0 {
+	if f == nil || f.ramp == nil || e.BatchLimit() > 0 || e.metricsAbsent() {
 		return
 	}
 	if l := e.roomLimit(); l == 0 || n+e.PeerInFlight() < l {

@@ -18,9 +18,10 @@ func roomEndpoint(t *testing.T) *Endpoint {
 }
 
 // An engine's room: its batch limit once known, a slow start before
-// (a third as much again as the most it ran, at least SlowStart), none
-// without metrics; a short queue beyond it for requests of a saturated
-// fleet.
+// (a third as much again as the most it ran, at least SlowStart); on an
+// engine without metrics or slots, what the router saw it run and a third
+// as much again, at least one more; a short queue beyond it for requests
+// of a saturated fleet.
 func TestRoom(t *testing.T) {
 	e := roomEndpoint(t)
 	if e.roomLimit() != SlowStart {
@@ -73,11 +74,47 @@ func TestRoom(t *testing.T) {
 	if blind.roomLimit() != 0 {
 		t.Fatalf("with scraping off the room limit is %d: every engine would stay capped at the slow start", blind.roomLimit())
 	}
-	ollama := roomEndpoint(t)
-	ollama.SetDialect(DialectOllama)
-	ollama.noMetricsUntil.Store(1)
-	if ollama.roomLimit() != 0 {
-		t.Fatalf("an engine without metrics or slots has a room limit %d", ollama.roomLimit())
+	for _, absent := range []bool{false, true} {
+		// Ollama's /metrics read before its dialect was known (404) or
+		// not: the same room.
+		ollama := roomEndpoint(t)
+		ollama.SetDialect(DialectOllama)
+		if absent {
+			ollama.noMetricsUntil.Store(1)
+		}
+		if ollama.roomLimit() != SlowStart {
+			t.Fatalf("an engine without metrics or slots, seen running nothing: %d, want the slow start", ollama.roomLimit())
+		}
+		var ls []Lease
+		for range 3 {
+			l := ollama.Acquire(0)
+			l.Streams()
+			ls = append(ls, l)
+		}
+		if ollama.roomLimit() != SlowStart {
+			t.Fatalf("three streams before a first byte: %d, want the slow start", ollama.roomLimit())
+		}
+		ls[0].FirstByte(true)
+		if ollama.roomLimit() != 2 {
+			t.Fatalf("one of three streams running: %d, want 2", ollama.roomLimit())
+		}
+		for i := range ls {
+			ls[i].Release()
+		}
+		if ollama.awaiting.Load() != 0 {
+			t.Fatalf("awaiting %d after every lease ended", ollama.awaiting.Load())
+		}
+		ls = ls[:0]
+		for range 6 { // whole responses run from their dispatch
+			ls = append(ls, ollama.Acquire(0))
+		}
+		ls[0].FirstByte(false)
+		if ollama.roomLimit() != 8 {
+			t.Fatalf("six whole responses: %d, want 8", ollama.roomLimit())
+		}
+		for i := range ls {
+			ls[i].Release()
+		}
 	}
 	llama := roomEndpoint(t)
 	llama.SetDialect(DialectLlamaCpp)

@@ -238,6 +238,9 @@ func (s *Server) try(ctx *fasthttp.RequestCtx, st *reqState, set *discovery.Set,
 // against the model's adapter when it names one.
 func (s *Server) acquire(st *reqState, ep *discovery.Endpoint, own, loaded int, key uint64) {
 	st.lease = ep.Acquire(own)
+	if st.req.Stream {
+		st.lease.Streams()
+	}
 	st.lease.Loading(loaded)
 	if ep.Dialect().Slotted() {
 		st.lease.ForPrompt(key) // the policy sees the busy copies of the prompt (Decision.Hold)

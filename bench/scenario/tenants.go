@@ -29,7 +29,10 @@ import (
 //     through kvroute — requests and output tokens per second at
 //     saturation;
 //  2. the quiet traffic alone, at rates set from that capacity;
-//  3. the quiet traffic beside the flood (4× capacity), with kvroute's
+//  3. the quiet traffic on its own fleet and router while the flood (4×
+//     capacity) runs on a second, identical one (phaseApart): the floor
+//     the machine sets;
+//  4. the quiet traffic beside the flood (4× capacity), with kvroute's
 //     fair queue, with it fully work-conserving (--tenant-reserve 0) and
 //     with its queue in arrival order (--queue-fifo, the anchor), in the
 //     same run; noisy-neighbour also once with a budget (--tenant-budgets)
@@ -242,7 +245,7 @@ func RunTenants(ctx context.Context, name, engine string, to TenantOptions, opt 
 	phases := []struct {
 		name, policy string
 		flood        bool
-	}{{"alone", TenantFair, false}, {"flood", TenantFair, true}, {"flood", TenantPreempt, true}, {"flood", TenantNoReserve, true}, {"flood", TenantFIFO, true}}
+	}{{"alone", TenantFair, false}, {phaseApart, TenantFair, true}, {"flood", TenantFair, true}, {"flood", TenantPreempt, true}, {"flood", TenantNoReserve, true}, {"flood", TenantFIFO, true}}
 	var budgets string
 	if shape.capFlood {
 		phases = append(phases, struct {
@@ -261,7 +264,8 @@ func RunTenants(ctx context.Context, name, engine string, to TenantOptions, opt 
 			ts = append(append([]tenantLoad(nil), ts...), shape.flood)
 		}
 		logf("%s on %s: %s, %s", name, sc.engineName(), ph.name, ph.policy)
-		runs, tput, err := runTenantPhase(ctx, &sc, phaseSpec{policy: ph.policy, ts: ts, capacity: capacity, budgets: budgets}, to, opt)
+		runs, tput, err := runTenantPhase(ctx, &sc, phaseSpec{policy: ph.policy, ts: ts, capacity: capacity, budgets: budgets,
+			apart: ph.name == phaseApart}, to, opt)
 		if err != nil {
 			return rep, err
 		}
@@ -270,51 +274,46 @@ func RunTenants(ctx context.Context, name, engine string, to TenantOptions, opt 
 	return rep, nil
 }
 
+// phaseApart is the phase whose flood runs on a fleet and router of its
+// own, beside the quiet tenants' (an identical fleet and router, which the
+// flood never reaches) on the same machine: the floor of what the machine
+// itself lets the quiet tenants have under a flood. On the simulators it
+// is their alone, give or take the load generator; on real engines that
+// share the machine's cores it is what the flood's compute leaves the
+// quiet tenants' engines, whatever a router does.
+const phaseApart = "flood apart"
+
 // phaseSpec is one phase: the router's policy, the tenants of ts each an
 // open loop at share × capacity, or with closed > 0 one closed loop of
-// that many; budgets is the budgets file of policy TenantBudget.
+// that many; budgets is the budgets file of policy TenantBudget; apart
+// sends ts's last tenant (the flood) to a fleet and router of its own.
 type phaseSpec struct {
 	policy   string
 	ts       []tenantLoad
 	capacity float64
 	closed   int
 	budgets  string
+	apart    bool
 }
 
 // runTenantPhase starts a fleet and a router of ps.policy, runs every
 // tenant of ps at once behind it for to.Phase, and returns their runs and
 // the phase's output throughput.
 func runTenantPhase(ctx context.Context, sc *Scenario, ps phaseSpec, to TenantOptions, opt RunOptions) (_ []TenantRun, tput float64, err error) {
-	policy, ts, capacity, closed, budgets, phase := ps.policy, ps.ts, ps.capacity, ps.closed, ps.budgets, to.Phase
-	cfgs, err := sc.PodConfigs()
-	if err != nil {
-		return nil, 0, err
+	policy, ts, capacity, closed, phase := ps.policy, ps.ts, ps.capacity, ps.closed, to.Phase
+	fleets := 1
+	if ps.apart {
+		fleets = 2
 	}
-	fleet, err := startFleet(ctx, sc, cfgs, opt.LLMDBinary)
-	if err != nil {
-		return nil, 0, err
-	}
-	defer func() { err = errors.Join(err, fleet.Close()) }()
-	p := Policy{Name: policy, Router: "prefix", Configure: func(c *app.Config) {
-		if to.Reserve >= 0 {
-			c.Tenants.Reserve = to.Reserve // the fair phases' reserve
+	urls, pods := make([]string, fleets), make([][]string, fleets)
+	for i := range fleets {
+		fleet, rt, err := startBehind(ctx, sc, ps, to, opt)
+		if err != nil {
+			return nil, 0, err
 		}
-		switch policy {
-		case TenantFIFO:
-			c.Tenants.FIFO = true
-		case TenantPreempt:
-			c.Tenants.Preempt = true
-		case TenantNoReserve:
-			c.Tenants.Reserve, c.Tenants.Preempt = 0, false
-		case TenantBudget:
-			c.BudgetsFile = budgets
-		}
-	}}
-	rt, err := StartRouter(p, fleet.URLs(), sc.simEngines(cfgs))
-	if err != nil {
-		return nil, 0, err
+		defer func() { err = errors.Join(err, rt.Close(), fleet.Close()) }()
+		urls[i], pods[i] = rt.URL, fleet.URLs()
 	}
-	defer func() { err = errors.Join(err, rt.Close()) }()
 	out := make([]TenantRun, len(ts))
 	results := make([]*load.Result, len(ts))
 	errs := make([]error, len(ts))
@@ -337,7 +336,11 @@ func runTenantPhase(ctx context.Context, sc *Scenario, ps phaseSpec, to TenantOp
 			ld = load.Load{Arrival: load.ArrivalClosed, Concurrency: closed, Duration: phase}
 		}
 		out[i] = TenantRun{Tenant: t, Rate: float64(ld.Rate)}
-		lc := load.Config{BaseURL: rt.URL, PodURLs: fleet.URLs(), NoEngineMetrics: true, Model: sc.Fleet.Model,
+		f := 0
+		if ps.apart && i == len(ts)-1 {
+			f = 1
+		}
+		lc := load.Config{BaseURL: urls[f], PodURLs: pods[f], NoEngineMetrics: true, Model: sc.Fleet.Model,
 			Workload: wl, Load: ld, Seed: sc.Seed + t.Seed, Label: policy + "/" + t.Name, APIKey: t.Key, ServiceTier: t.Tier,
 			Timeout: 2 * time.Minute}
 		wg.Add(1)
@@ -377,6 +380,40 @@ func runTenantPhase(ctx context.Context, sc *Scenario, ps phaseSpec, to TenantOp
 		}
 	}
 	return out, tokens / phase.Seconds(), nil
+}
+
+// startBehind starts a fleet of sc's pods and a router of ps.policy in
+// front of it.
+func startBehind(ctx context.Context, sc *Scenario, ps phaseSpec, to TenantOptions, opt RunOptions) (engineFleet, *Router, error) {
+	policy, budgets := ps.policy, ps.budgets
+	cfgs, err := sc.PodConfigs()
+	if err != nil {
+		return nil, nil, err
+	}
+	fleet, err := startFleet(ctx, sc, cfgs, opt.LLMDBinary)
+	if err != nil {
+		return nil, nil, err
+	}
+	p := Policy{Name: policy, Router: "prefix", Configure: func(c *app.Config) {
+		if to.Reserve >= 0 {
+			c.Tenants.Reserve = to.Reserve // the fair phases' reserve
+		}
+		switch policy {
+		case TenantFIFO:
+			c.Tenants.FIFO = true
+		case TenantPreempt:
+			c.Tenants.Preempt = true
+		case TenantNoReserve:
+			c.Tenants.Reserve, c.Tenants.Preempt = 0, false
+		case TenantBudget:
+			c.BudgetsFile = budgets
+		}
+	}}
+	rt, err := StartRouter(p, fleet.URLs(), sc.simEngines(cfgs))
+	if err != nil {
+		return nil, nil, errors.Join(err, fleet.Close())
+	}
+	return fleet, rt, nil
 }
 
 // WriteTenantReport writes rep as Markdown tables: the capacity, then
@@ -430,6 +467,10 @@ func WriteTenantReport(w io.Writer, rep *TenantReport) {
 		ratio := math.NaN()
 		if rep.CapacityThroughput > 0 {
 			ratio = ph.OutputThroughput / rep.CapacityThroughput
+		}
+		if ph.Name == phaseApart {
+			fmt.Fprintf(w, "Output of the two fleets, the flood apart: %.0f tokens/s, %.2f× one fleet's capacity run.\n", ph.OutputThroughput, ratio)
+			continue
 		}
 		fmt.Fprintf(w, "Fleet output under the flood, %s queue: %.0f tokens/s, %.2f× the capacity run's.\n", queue, ph.OutputThroughput, ratio)
 	}

@@ -33,7 +33,7 @@ func run() error {
 	scenarios := pflag.StringSlice("scenario", scenario.TenantScenarioNames(), "tenant scenarios: "+strings.Join(scenario.TenantScenarioNames(), ", ")+
 		" ("+scenario.NoisyNeighbour429+" runs on "+scenario.EngineLLMD+" only)")
 	engines := pflag.StringSlice("engine", []string{scenario.EngineKVSim}, "engines: "+strings.Join(scenario.Engines(), ", "))
-	phase := pflag.Duration("phase", 30*time.Second, "sending time of each phase (capacity, alone, flood fair, flood fair with preemption, flood fair with neither reserve nor preemption, flood fifo, flood capped)")
+	phase := pflag.Duration("phase", 30*time.Second, "sending time of each phase (capacity, alone, flood apart (on its own fleet), flood fair, flood fair with preemption, flood fair with neither reserve nor preemption, flood fifo, flood capped)")
 	spread := pflag.Int("output-spread", 0, "draw each request's output length uniformly within 64 ± this many tokens (0: every request 64)")
 	reserve := pflag.Int("reserve", -1, "kvroute's --tenant-reserve in the fair-queue phases (-1: its default)")
 	seqs := pflag.Int("seqs", 0, "each simulated pod's batch, max-num-seqs (0: 4; llama.cpp keeps its four slots)")

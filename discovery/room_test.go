@@ -18,10 +18,8 @@ func roomEndpoint(t *testing.T) *Endpoint {
 }
 
 // An engine's room: its batch limit once known, a slow start before
-// (a third as much again as the most it ran, at least SlowStart); on an
-// engine without metrics or slots, what the router saw it run and a third
-// as much again, at least one more; a short queue beyond it for requests
-// of a saturated fleet.
+// (a third as much again as the most it ran, at least SlowStart); a short
+// queue beyond it for requests of a saturated fleet.
 func TestRoom(t *testing.T) {
 	e := roomEndpoint(t)
 	if e.roomLimit() != SlowStart {
@@ -74,6 +72,23 @@ func TestRoom(t *testing.T) {
 	if blind.roomLimit() != 0 {
 		t.Fatalf("with scraping off the room limit is %d: every engine would stay capped at the slow start", blind.roomLimit())
 	}
+	llama := roomEndpoint(t)
+	llama.SetDialect(DialectLlamaCpp)
+	llama.noMetricsUntil.Store(1)
+	if llama.roomLimit() != SlowStart {
+		t.Fatalf("llama.cpp before its slots: %d, want the slow start", llama.roomLimit())
+	}
+	llama.info.Store(&EngineInfo{Slots: 2})
+	if llama.roomLimit() != 2 {
+		t.Fatalf("llama.cpp with 2 slots: %d", llama.roomLimit())
+	}
+}
+
+// An engine without metrics or slots (Ollama) has room for what the router
+// saw it run at once and a third as much again, at least one more: streams
+// from their first byte, whole responses from their dispatch; the slow
+// start's before it ran anything, whether or not its /metrics was tried.
+func TestRoomSeenRunning(t *testing.T) {
 	for _, absent := range []bool{false, true} {
 		// Ollama's /metrics read before its dialect was known (404) or
 		// not: the same room.
@@ -115,16 +130,6 @@ func TestRoom(t *testing.T) {
 		for i := range ls {
 			ls[i].Release()
 		}
-	}
-	llama := roomEndpoint(t)
-	llama.SetDialect(DialectLlamaCpp)
-	llama.noMetricsUntil.Store(1)
-	if llama.roomLimit() != SlowStart {
-		t.Fatalf("llama.cpp before its slots: %d, want the slow start", llama.roomLimit())
-	}
-	llama.info.Store(&EngineInfo{Slots: 2})
-	if llama.roomLimit() != 2 {
-		t.Fatalf("llama.cpp with 2 slots: %d", llama.roomLimit())
 	}
 }
 

@@ -371,7 +371,7 @@ func (q *fairQueue) grant() bool {
 			}
 		}
 		q.vtime = max(q.vtime, turn.start)
-		w.req.Alone = alone || q.contended(&p, w)
+		w.req.Alone = alone
 		q.remove(w, waitGranted)
 		q.pace.granted(time.Now())
 		return true

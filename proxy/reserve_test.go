@@ -156,39 +156,3 @@ func TestReserveLetsABurstThrough(t *testing.T) {
 		t.Fatal("the burst was held back beside a flood that runs more")
 	}
 }
-
-// While the reserve is on and a flow runs below its share, a backlog's
-// grant starts where a place is free (Alone), not in a warm engine's
-// queue: queued there, it would count against the fleet's free places
-// and the reserve would hold other engines' free places idle (llm-d's
-// simulator, 64 places: 0.92–0.93× of capacity, 0.97× starting at once).
-// Without a flow below its share, or without the reserve, it may queue.
-func TestReserveStartsTheBacklogAtOnce(t *testing.T) {
-	for _, tc := range []struct {
-		name    string
-		reserve int
-		quiet   int // the quiet flow's requests running (its share: 4)
-		alone   bool
-	}{
-		{name: "a flow below its share", reserve: 1, quiet: 1, alone: true},
-		{name: "every flow at its share", reserve: 1, quiet: 4},
-		{name: "no reserve", quiet: 1},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			tq := newTestQueue(t, 64, 64)
-			tq.q.reserve = tc.reserve
-			tq.q.places = func(*routing.Request) (int64, int64) { return 3, 8 } // above the reserve
-			const flood, quiet = 1, 2
-			for range 6 {
-				tq.q.runs.started(flowOf(flood, classDefault), 1, classDefault)
-			}
-			for range tc.quiet {
-				tq.q.runs.started(flowOf(quiet, classDefault), 1, classDefault)
-			}
-			_, g := tq.waitFor(t, flood, classDefault)
-			if w := tq.take(t, g, "the flood's waiter"); w.req.Alone != tc.alone {
-				t.Errorf("the flood's grant alone: %v, want %v", w.req.Alone, tc.alone)
-			}
-		})
-	}
-}

@@ -191,6 +191,7 @@ func (f *Fleet) ensureDetected(ctx context.Context, e *Endpoint, health *answer)
 	e.SetDialect(d)
 	if d != old {
 		f.log.Info("engine dialect", zap.String("endpoint", e.URL), zap.Stringer("dialect", d), zap.Stringer("was", old))
+		e.peakRunning.Store(0) // another engine: what the last one ran says nothing of it (seenLimit)
 	}
 	// What the engine serves and says of itself (llama.cpp's slots: its
 	// room) now, not at the models loop's next round: its list waited for

@@ -22,25 +22,12 @@ import (
 // not share a running slot's prompt); kvroute holds it until that request
 // ends, and the server then answers it from cache.
 func TestHoldForABusySlot(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
 	cacheRAM := 64
-	srv, err := localengine.Start(ctx, localengine.Settings{Engine: localengine.LlamaCpp, CacheRAMMiB: &cacheRAM}, 1)
-	if errors.Is(err, localengine.ErrNoBinary) {
-		t.Skipf("the real llama-server is not at hand (it is in the workplace's ../shared/engines): %v", err)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := srv.Close(); err != nil {
-			t.Errorf("stopping llama-server: %v", err)
-		}
-	})
+	url := startRealEngine(t, localengine.Settings{Engine: localengine.LlamaCpp, CacheRAMMiB: &cacheRAM})
 	h := startFleetProxyWith(t, "prefix", DefaultLimits(), discovery.Options{
 		Health: discovery.HealthConfig{Interval: 50 * time.Millisecond, Timeout: 2 * time.Second},
 		Models: discovery.ModelsConfig{Interval: 50 * time.Millisecond, Timeout: 2 * time.Second},
-	}, srv.URLs()...)
+	}, url)
 	e := h.fleet.Pool().Load().Endpoints[0]
 	for deadline := time.Now().Add(30 * time.Second); e.Dialect() != discovery.DialectLlamaCpp || e.Info() == nil || e.Info().Slots == 0; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
@@ -107,4 +94,26 @@ func TestHoldForABusySlot(t *testing.T) {
 	if n := ended(); n != 1 {
 		t.Errorf("holds ended: %v, want 1", n)
 	}
+}
+
+// startRealEngine starts one real server of s until the test ends and
+// returns its base URL; the test is skipped where ../shared/engines is
+// absent.
+func startRealEngine(t *testing.T, s localengine.Settings) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	srv, err := localengine.Start(ctx, s, 1)
+	if errors.Is(err, localengine.ErrNoBinary) {
+		t.Skipf("the real %s is not at hand (it is in the workplace's ../shared/engines): %v", s.Engine, err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := srv.Close(); err != nil {
+			t.Errorf("stopping %s: %v", s.Engine, err)
+		}
+	})
+	return srv.URLs()[0]
 }

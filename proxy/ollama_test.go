@@ -1,8 +1,6 @@
 package proxy
 
 import (
-	"context"
-	"errors"
 	"fmt"
 	"net/http"
 	"sync"
@@ -20,25 +18,12 @@ import (
 // byte), so that six streams at once wait in kvroute's queue rather than
 // in Ollama's, and every one is answered.
 func TestOllamaRoomIsWhatItRuns(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	srv, err := localengine.Start(ctx, localengine.Settings{Engine: localengine.Ollama}, 1)
-	if errors.Is(err, localengine.ErrNoBinary) {
-		t.Skipf("the real Ollama is not at hand (it is in the workplace's ../shared/engines): %v", err)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := srv.Close(); err != nil {
-			t.Errorf("stopping Ollama: %v", err)
-		}
-	})
+	url := startRealEngine(t, localengine.Settings{Engine: localengine.Ollama})
 	h := startFleetProxyWith(t, "prefix", DefaultLimits(), discovery.Options{
 		Health: discovery.HealthConfig{Interval: 50 * time.Millisecond, Timeout: 2 * time.Second},
 		Models: discovery.ModelsConfig{Interval: 50 * time.Millisecond, Timeout: 2 * time.Second},
 		Scrape: discovery.ScrapeConfig{Interval: 50 * time.Millisecond, Timeout: 2 * time.Second, StaleAfter: time.Minute},
-	}, srv.URLs()...)
+	}, url)
 	e := h.fleet.Pool().Load().Endpoints[0]
 	for deadline := time.Now().Add(30 * time.Second); e.Dialect() != discovery.DialectOllama || e.Models() == nil; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
